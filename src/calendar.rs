@@ -1,0 +1,136 @@
+//! Pure calendar rules: which month a run settles.
+//!
+//! A business date is always the last day of a month; the run for it settles loans returned from
+//! the first day of that month through the business date. The scheduler derives it from the
+//! *scheduled fire time* in the configured zone: a fire on 2027-01-01 02:30 Asia/Shanghai settles
+//! 2026-12-31.
+
+use chrono::{DateTime, Datelike, NaiveDate, TimeZone};
+use std::fmt;
+
+/// The last day of a month: the only dates a settlement runs for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct BusinessDate(NaiveDate);
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum CalendarError {
+    #[error("invalid date '{0}': expected YYYY-MM-DD")]
+    Unparsable(String),
+    #[error("invalid business date {0}: it must be the last day of a month (e.g. {1})")]
+    NotMonthEnd(NaiveDate, NaiveDate),
+    #[error("invalid month '{0}': expected YYYY-MM")]
+    BadMonth(String),
+}
+
+impl BusinessDate {
+    /// Accepts only the last day of a month.
+    pub fn new(date: NaiveDate) -> Result<Self, CalendarError> {
+        let end = month_end(date.year(), date.month()).ok_or(CalendarError::Unparsable(date.to_string()))?;
+        if end == date {
+            Ok(Self(date))
+        } else {
+            Err(CalendarError::NotMonthEnd(date, end))
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Self, CalendarError> {
+        let date = NaiveDate::parse_from_str(text.trim(), "%Y-%m-%d")
+            .map_err(|_| CalendarError::Unparsable(text.to_string()))?;
+        Self::new(date)
+    }
+
+    /// The business date of a month given as `YYYY-MM`.
+    pub fn from_month(text: &str) -> Result<Self, CalendarError> {
+        let bad = || CalendarError::BadMonth(text.to_string());
+        let (y, m) = text.trim().split_once('-').ok_or_else(bad)?;
+        let (y, m): (i32, u32) = (y.parse().map_err(|_| bad())?, m.parse().map_err(|_| bad())?);
+        month_end(y, m).map(Self).ok_or_else(bad)
+    }
+
+    /// The month end strictly before the month containing `day`.
+    pub fn month_before(day: NaiveDate) -> Self {
+        // The first of day's month minus one day: always valid for chrono's date range.
+        let first = day.with_day(1).expect("day 1 exists in every month");
+        Self(first.pred_opt().expect("dates after year -262143"))
+    }
+
+    /// The business date for an instant (a cron fire time) in a zone: last month's end there.
+    pub fn for_instant<Z: TimeZone>(instant: &DateTime<Z>) -> Self {
+        Self::month_before(instant.date_naive())
+    }
+
+    /// Last day of the month (the date itself).
+    pub fn date(&self) -> NaiveDate {
+        self.0
+    }
+
+    /// First day of the settled month.
+    pub fn first_day(&self) -> NaiveDate {
+        self.0.with_day(1).expect("day 1 exists in every month")
+    }
+}
+
+impl fmt::Display for BusinessDate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+fn month_end(year: i32, month: u32) -> Option<NaiveDate> {
+    let next = if month == 12 {
+        NaiveDate::from_ymd_opt(year.checked_add(1)?, 1, 1)?
+    } else {
+        NaiveDate::from_ymd_opt(year, month.checked_add(1)?, 1)?
+    };
+    NaiveDate::from_ymd_opt(year, month, 1)?;
+    next.pred_opt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono_tz::Asia::Shanghai;
+
+    fn d(s: &str) -> NaiveDate {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn january_settles_the_previous_december() {
+        assert_eq!(BusinessDate::month_before(d("2027-01-01")).date(), d("2026-12-31"));
+        assert_eq!(BusinessDate::month_before(d("2027-01-31")).date(), d("2026-12-31"));
+    }
+
+    #[test]
+    fn march_of_a_leap_year_settles_february_29() {
+        assert_eq!(BusinessDate::month_before(d("2028-03-01")).date(), d("2028-02-29"));
+        assert_eq!(BusinessDate::month_before(d("2027-03-01")).date(), d("2027-02-28"));
+        assert!(BusinessDate::parse("2028-02-29").is_ok());
+        assert!(BusinessDate::parse("2027-02-29").is_err());
+    }
+
+    #[test]
+    fn only_month_ends_are_business_dates() {
+        assert_eq!(
+            BusinessDate::parse("2026-10-30"),
+            Err(CalendarError::NotMonthEnd(d("2026-10-30"), d("2026-10-31")))
+        );
+        assert!(matches!(BusinessDate::parse("31/10/2026"), Err(CalendarError::Unparsable(_))));
+        assert_eq!(BusinessDate::parse("2026-10-31").unwrap().first_day(), d("2026-10-01"));
+    }
+
+    #[test]
+    fn the_fire_time_is_read_in_the_configured_zone() {
+        // 2026-12-31 18:30 UTC is already 2027-01-01 02:30 in Shanghai.
+        let fire = chrono::Utc.with_ymd_and_hms(2026, 12, 31, 18, 30, 0).unwrap();
+        assert_eq!(BusinessDate::for_instant(&fire).date(), d("2026-11-30"));
+        assert_eq!(BusinessDate::for_instant(&fire.with_timezone(&Shanghai)).date(), d("2026-12-31"));
+    }
+
+    #[test]
+    fn months_parse_to_their_last_day() {
+        assert_eq!(BusinessDate::from_month("2028-02").unwrap().date(), d("2028-02-29"));
+        assert!(BusinessDate::from_month("2028-13").is_err());
+        assert!(BusinessDate::from_month("nope").is_err());
+    }
+}

@@ -1,0 +1,362 @@
+//! Typed configuration, loaded in layers and validated before anything starts.
+//!
+//! Layers, later wins: `config/default.toml` (compiled in), the file given with `--config PATH`,
+//! then environment variables `SETTLEMENTD__SECTION__KEY`. `database.url` falls back to
+//! `DATABASE_URL`. The URL is a secret: it prints as `[REDACTED]` and errors show it with the
+//! password masked ([`redact_url`]).
+
+use crate::fine::FineRule;
+use chrono_tz::Tz;
+use croner::Cron;
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
+const ENV_PREFIX: &str = "SETTLEMENTD";
+
+/// Invalid configuration: always exit code 2.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid configuration: {0}")]
+pub struct ConfigError(pub String);
+
+pub type Result<T, E = ConfigError> = std::result::Result<T, E>;
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Settings {
+    pub database: DatabaseSettings,
+    pub shard: ShardSpec,
+    pub batch: BatchSettings,
+    pub lease: LeaseSettings,
+    pub fine: FineRule,
+    pub schedule: ScheduleSettings,
+    pub retry: RetrySettings,
+    pub shutdown: ShutdownSettings,
+    pub http: HttpSettings,
+    pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DatabaseSettings {
+    /// Connection URL; secret because it may carry a password.
+    pub url: Option<SecretString>,
+    pub max_connections: u32,
+    /// Fail fast when the database is unreachable instead of sqlx's 30 s default.
+    pub acquire_timeout_secs: u64,
+    /// `serve` applies migrations at start (safe with N replicas: sqlx takes an advisory lock).
+    pub migrate_on_start: bool,
+    /// Use a private PostgreSQL in `embedded_dir` (run/serve/migrate/status/seed only when asked).
+    pub embedded: bool,
+    pub embedded_dir: PathBuf,
+}
+
+/// Which slice of the loans this replica owns: `id % count = index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardSpec {
+    pub index: u32,
+    pub count: u32,
+}
+
+impl ShardSpec {
+    pub fn new(index: u32, count: u32) -> Result<Self> {
+        let spec = Self { index, count };
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.count < 1 {
+            return Err(ConfigError(format!("shard.count must be >= 1, got {}", self.count)));
+        }
+        if self.index >= self.count {
+            return Err(ConfigError(format!(
+                "shard.index must satisfy 0 <= index < shard.count ({}), got {}",
+                self.count, self.index
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSettings {
+    pub size: u32,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseSettings {
+    /// A RUNNING claim whose heartbeat is older than this may be taken over.
+    pub ttl_secs: u64,
+    /// How often a live run renews its heartbeat.
+    pub heartbeat_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScheduleSettings {
+    #[serde(deserialize_with = "de_cron")]
+    pub cron: Cron,
+    #[serde(deserialize_with = "de_tz")]
+    pub timezone: Tz,
+    pub catch_up: bool,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetrySettings {
+    pub initial_secs: u64,
+    pub max_secs: u64,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShutdownSettings {
+    pub grace_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HttpSettings {
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Json,
+    Text,
+    Auto,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LogSettings {
+    pub format: LogFormat,
+}
+
+/// Parses a six-field cron expression (seconds first), the dialect tokio-cron-scheduler uses.
+pub fn parse_cron(text: &str) -> Result<Cron> {
+    croner::parser::CronParser::builder()
+        .seconds(croner::parser::Seconds::Required)
+        .build()
+        .parse(text)
+        .map_err(|e| ConfigError(format!("schedule.cron '{text}' is not a 6-field cron expression: {e}")))
+}
+
+pub fn parse_tz(text: &str) -> Result<Tz> {
+    text.parse::<Tz>()
+        .map_err(|_| ConfigError(format!("schedule.timezone '{text}' is not a known IANA time zone")))
+}
+
+fn de_cron<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Cron, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_cron(&text).map_err(|e| serde::de::Error::custom(e.0))
+}
+
+fn de_tz<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Tz, D::Error> {
+    let text = String::deserialize(d)?;
+    parse_tz(&text).map_err(|e| serde::de::Error::custom(e.0))
+}
+
+impl Settings {
+    /// Loads defaults, then `file`, then the process environment, and validates.
+    pub fn load(file: Option<&Path>) -> Result<Self> {
+        Self::load_from(file, std::env::vars())
+    }
+
+    /// As [`Settings::load`] with an explicit environment (tests pass their own).
+    pub fn load_from(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self> {
+        let env: std::collections::HashMap<String, String> = env.into_iter().collect();
+        let mut builder = config::Config::builder()
+            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(ConfigError(format!("config file {} does not exist", path.display())));
+            }
+            builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
+        }
+        let ours: config::Map<String, String> = env
+            .iter()
+            .filter(|(k, _)| k.starts_with(&format!("{ENV_PREFIX}__")))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(ours)),
+        );
+        let raw = builder.build().map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        let mut settings: Settings = raw.try_deserialize().map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        if settings.database.url.is_none() {
+            if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
+                settings.database.url = Some(SecretString::from(url.clone()));
+            }
+        }
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Every rule that can be checked without a database.
+    pub fn validate(&self) -> Result<()> {
+        self.shard.validate()?;
+        if self.batch.size < 1 {
+            return Err(ConfigError("batch.size must be >= 1".into()));
+        }
+        if self.database.max_connections < 2 {
+            // One for the batches and one for the heartbeat, at the least.
+            return Err(ConfigError(format!(
+                "database.max_connections must be >= 2, got {}",
+                self.database.max_connections
+            )));
+        }
+        if self.database.acquire_timeout_secs < 1 {
+            return Err(ConfigError("database.acquire_timeout_secs must be >= 1".into()));
+        }
+        let lease = self.lease;
+        if lease.heartbeat_secs < 1 {
+            return Err(ConfigError("lease.heartbeat_secs must be >= 1".into()));
+        }
+        if lease.ttl_secs < lease.heartbeat_secs.saturating_mul(3) {
+            return Err(ConfigError(format!(
+                "lease.ttl_secs ({}) must be >= 3 x lease.heartbeat_secs ({})",
+                lease.ttl_secs, lease.heartbeat_secs
+            )));
+        }
+        self.fine.validate().map_err(ConfigError)?;
+        if self.retry.initial_secs < 1 || self.retry.max_secs < self.retry.initial_secs {
+            return Err(ConfigError(format!(
+                "retry needs 1 <= retry.initial_secs ({}) <= retry.max_secs ({})",
+                self.retry.initial_secs, self.retry.max_secs
+            )));
+        }
+        if let Some(url) = &self.database.url {
+            check_url(url.expose_secret())?;
+        }
+        Ok(())
+    }
+
+    /// The database URL, or a configuration error naming how to set one.
+    pub fn database_url(&self) -> Result<&str> {
+        self.database
+            .url
+            .as_ref()
+            .map(|u| u.expose_secret())
+            .ok_or_else(|| {
+                ConfigError(
+                    "no database configured: set database.url, SETTLEMENTD__DATABASE__URL or DATABASE_URL".into(),
+                )
+            })
+    }
+}
+
+fn check_url(url: &str) -> Result<()> {
+    let parsed = url::Url::parse(url)
+        .map_err(|e| ConfigError(format!("database.url '{}' is not a URL: {e}", redact_url(url))))?;
+    if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+        return Err(ConfigError(format!(
+            "database.url '{}' must start with postgres:// or postgresql://",
+            redact_url(url)
+        )));
+    }
+    Ok(())
+}
+
+/// The URL with any password replaced by `***`; unparsable text is hidden entirely.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut parsed) => {
+            if parsed.password().is_some() {
+                let _ = parsed.set_password(Some("***"));
+            }
+            parsed.to_string()
+        }
+        Err(_) => "<unparsable url>".to_string(),
+    }
+}
+
+/// Config errors can span lines; operators get one.
+fn one_line(text: &str) -> String {
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(env: &[(&str, &str)]) -> Result<Settings> {
+        Settings::load_from(None, env.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        let s = load(&[]).unwrap();
+        assert_eq!(s.shard, ShardSpec { index: 0, count: 1 });
+        assert_eq!(s.batch.size, 5000);
+        assert_eq!(s.schedule.timezone, chrono_tz::Asia::Shanghai);
+        assert_eq!(s.fine, FineRule::default());
+        assert!(s.database.url.is_none());
+    }
+
+    #[test]
+    fn environment_overrides_with_double_underscores() {
+        let s = load(&[
+            ("SETTLEMENTD__SHARD__INDEX", "2"),
+            ("SETTLEMENTD__SHARD__COUNT", "3"),
+            ("SETTLEMENTD__SCHEDULE__TIMEZONE", "America/New_York"),
+            ("SETTLEMENTD_UNRELATED", "x"),
+        ])
+        .unwrap();
+        assert_eq!(s.shard, ShardSpec { index: 2, count: 3 });
+        assert_eq!(s.schedule.timezone, chrono_tz::America::New_York);
+    }
+
+    #[test]
+    fn database_url_falls_back_to_database_url_env() {
+        let s = load(&[("DATABASE_URL", "postgres://a:secret@h/db")]).unwrap();
+        assert_eq!(s.database_url().unwrap(), "postgres://a:secret@h/db");
+        assert!(!format!("{s:?}").contains("secret"));
+        let s = load(&[
+            ("DATABASE_URL", "postgres://a@h/one"),
+            ("SETTLEMENTD__DATABASE__URL", "postgres://a@h/two"),
+        ])
+        .unwrap();
+        assert_eq!(s.database_url().unwrap(), "postgres://a@h/two");
+    }
+
+    #[test]
+    fn invalid_values_are_rejected_with_the_key_named() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("SETTLEMENTD__SHARD__INDEX", "3"), ("SETTLEMENTD__SHARD__COUNT", "3")], "shard.index"),
+            (&[("SETTLEMENTD__SHARD__COUNT", "0")], "shard.count"),
+            (&[("SETTLEMENTD__SHARD__INDEX", "-1")], "index"),
+            (&[("SETTLEMENTD__BATCH__SIZE", "0")], "batch.size"),
+            (&[("SETTLEMENTD__LEASE__TTL_SECS", "29")], "lease.ttl_secs"),
+            (&[("SETTLEMENTD__FINE__GRACE_DAYS", "-2")], "fine.grace_days"),
+            (&[("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus")], "schedule.timezone"),
+            (&[("SETTLEMENTD__SCHEDULE__CRON", "0 30 2 1 *")], "schedule.cron"),
+            (&[("SETTLEMENTD__SHARD__WHAT", "1")], "what"),
+            (&[("SETTLEMENTD__HTTP__LISTEN", "nowhere")], "listen"),
+        ];
+        for (env, needle) in cases {
+            let err = load(env).unwrap_err().to_string();
+            assert!(err.contains(needle), "{env:?}: '{err}' should name {needle}");
+            assert!(!err.contains('\n'), "{err}");
+        }
+    }
+
+    #[test]
+    fn passwords_never_appear_in_url_errors() {
+        let err = load(&[("DATABASE_URL", "mysql://u:hunter2@h/db")]).unwrap_err().to_string();
+        assert!(err.contains("postgres://"), "{err}");
+        assert!(!err.contains("hunter2"), "{err}");
+        assert_eq!(redact_url("postgres://u:hunter2@h:5/db"), "postgres://u:***@h:5/db");
+    }
+}

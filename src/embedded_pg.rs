@@ -1,0 +1,339 @@
+//! A private PostgreSQL cluster started from the server binaries installed on this machine.
+//!
+//! One implementation serves `demo` (a temporary cluster), `run`/`serve` with `--embedded-db`
+//! (a persistent data directory) and the test harness. The server listens only on a Unix socket in
+//! a private directory. When settlementd runs as root the server runs as the `postgres` OS user
+//! (initdb refuses root). The postmaster is started from a keeper thread with `PR_SET_PDEATHSIG`,
+//! so it is shut down even when this process is killed; [`EmbeddedPg::stop`] (or drop) shuts it
+//! down cleanly and removes a temporary data directory.
+
+use std::fs;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the server's bin directory (wins over every other way of finding it).
+pub const BINDIR_ENV: &str = "SETTLEMENTD_PG_BINDIR";
+/// The database user the cluster is created with.
+pub const SUPERUSER: &str = "settlementd";
+const PORT: u16 = 5432;
+const TEMP_PREFIX: &str = "settlementd-pg-";
+
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddedError {
+    #[error(
+        "no PostgreSQL server binaries found (looked in ${BINDIR_ENV}, pg_config --bindir, PATH and \
+         /usr/lib/postgresql/*/bin): install the server package, e.g. `apt-get install postgresql`"
+    )]
+    NoBinaries,
+    #[error("embedded PostgreSQL: {0}")]
+    Io(String),
+    #[error("embedded PostgreSQL failed to start: {0}")]
+    Start(String),
+}
+
+impl EmbeddedError {
+    /// Missing binaries is a set-up problem (exit 2); the rest are failures (exit 1).
+    pub fn is_config(&self) -> bool {
+        matches!(self, EmbeddedError::NoBinaries)
+    }
+}
+
+pub type Result<T, E = EmbeddedError> = std::result::Result<T, E>;
+
+#[derive(Debug, Clone, Default)]
+pub struct EmbeddedOptions {
+    /// Persistent data directory; `None` for a temporary one removed on stop.
+    pub data_dir: Option<PathBuf>,
+    /// Server bin directory; `None` to search ([`find_bindir`]).
+    pub bindir: Option<PathBuf>,
+}
+
+/// A running private cluster.
+pub struct EmbeddedPg {
+    /// Holds the socket (and, when temporary, the data directory); removed on drop.
+    run_dir: Option<tempfile::TempDir>,
+    socket_dir: PathBuf,
+    data_dir: PathBuf,
+    pid: i32,
+    keeper: Option<std::thread::JoinHandle<()>>,
+    version: String,
+}
+
+impl EmbeddedPg {
+    /// Finds the binaries, initialises the data directory when it is new, and starts the server.
+    pub fn start(opts: EmbeddedOptions) -> Result<Self> {
+        let bindir = match opts.bindir {
+            Some(dir) => dir,
+            None => find_bindir()?,
+        };
+        clean_stale_temp_dirs();
+        let as_user = server_user()?;
+        let run_dir = tempfile::Builder::new()
+            .prefix(&format!("{TEMP_PREFIX}{}-", std::process::id()))
+            .tempdir()
+            .map_err(io("create a temporary directory"))?;
+        fs::set_permissions(run_dir.path(), fs::Permissions::from_mode(0o755)).map_err(io("chmod"))?;
+        let socket_dir = run_dir.path().join("socket");
+        let temporary = opts.data_dir.is_none();
+        let data_dir = match opts.data_dir {
+            Some(dir) => absolute(&dir)?,
+            None => run_dir.path().join("data"),
+        };
+        for dir in [&socket_dir, &data_dir] {
+            fs::create_dir_all(dir).map_err(io("create a directory"))?;
+            chown(dir, as_user)?;
+        }
+        fs::set_permissions(&data_dir, fs::Permissions::from_mode(0o700)).map_err(io("chmod"))?;
+
+        if !data_dir.join("PG_VERSION").exists() {
+            let log = run_dir.path().join("initdb.log");
+            let status = server_command(&bindir.join("initdb"), as_user, run_dir.path())
+                .args(["-D"])
+                .arg(&data_dir)
+                .args(["-U", SUPERUSER, "-A", "trust", "-E", "UTF8", "--no-locale"])
+                .args(if temporary { &["--no-sync"][..] } else { &[] })
+                .stdout(log_file(&log)?)
+                .stderr(log_file(&log)?)
+                .status()
+                .map_err(|e| EmbeddedError::Start(format!("cannot run {}: {e}", bindir.join("initdb").display())))?;
+            if !status.success() {
+                return Err(EmbeddedError::Start(format!("initdb failed: {}", tail(&log))));
+            }
+        }
+
+        let log = run_dir.path().join("postgres.log");
+        let mut command = server_command(&bindir.join("postgres"), as_user, run_dir.path());
+        command
+            .arg("-D")
+            .arg(&data_dir)
+            .arg("-k")
+            .arg(&socket_dir)
+            .args(["-c", "listen_addresses=", "-p", &PORT.to_string()]);
+        if temporary {
+            // Throwaway data: durability buys nothing.
+            command.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+        }
+        // Own process group: a terminal's Ctrl-C reaches settlementd, which then lets the batch in
+        // flight commit before it stops the server.
+        command.stdout(log_file(&log)?).stderr(log_file(&log)?).stdin(Stdio::null()).process_group(0);
+        // SAFETY: prctl is async-signal-safe; it runs in the child between fork and exec, after the
+        // credential change (which would clear it), so the server gets SIGINT (fast shutdown) when
+        // the keeper thread — alive exactly as long as the server — goes away with this process.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGINT as libc::c_ulong) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let (pid_tx, pid_rx) = std::sync::mpsc::channel();
+        let keeper = std::thread::Builder::new()
+            .name("embedded-pg".into())
+            .spawn(move || match command.spawn() {
+                Ok(mut child) => {
+                    let _ = pid_tx.send(Ok(child.id() as i32));
+                    let _ = child.wait();
+                }
+                Err(e) => {
+                    let _ = pid_tx.send(Err(e));
+                }
+            })
+            .map_err(io("spawn a thread"))?;
+        let pid = pid_rx
+            .recv()
+            .map_err(|_| EmbeddedError::Start("keeper thread died".into()))?
+            .map_err(|e| EmbeddedError::Start(format!("cannot run {}: {e}", bindir.join("postgres").display())))?;
+        let version = fs::read_to_string(data_dir.join("PG_VERSION")).unwrap_or_default().trim().to_string();
+        let mut pg = Self {
+            run_dir: Some(run_dir),
+            socket_dir,
+            data_dir,
+            pid,
+            keeper: Some(keeper),
+            version,
+        };
+        pg.wait_ready(&log)?;
+        Ok(pg)
+    }
+
+    /// A connection URL for `database` over the private socket.
+    pub fn url(&self, database: &str) -> String {
+        format!(
+            "postgres://{SUPERUSER}@localhost:{PORT}/{database}?host={}",
+            self.socket_dir.display()
+        )
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    /// The server's major version (`PG_VERSION`).
+    pub fn version(&self) -> &str {
+        &self.version
+    }
+
+    /// Fast shutdown, waiting for the server to exit; removes a temporary data directory.
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        if let Some(keeper) = self.keeper.take() {
+            if !keeper.is_finished() {
+                // SAFETY: kill(2) on the server's pid, which the keeper thread has not reaped yet.
+                unsafe {
+                    libc::kill(self.pid, libc::SIGINT);
+                }
+            }
+            let _ = keeper.join();
+        }
+        if let Some(run_dir) = self.run_dir.take() {
+            let _ = run_dir.close();
+        }
+    }
+
+    fn wait_ready(&mut self, log: &Path) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let pid_file = self.data_dir.join("postmaster.pid");
+        loop {
+            // Line 8 of postmaster.pid is the server's status; "ready" once it accepts connections.
+            if let Ok(text) = fs::read_to_string(&pid_file) {
+                if text.lines().nth(7).map(str::trim) == Some("ready") {
+                    return Ok(());
+                }
+            }
+            if self.keeper.as_ref().is_some_and(|k| k.is_finished()) {
+                self.keeper = None;
+                return Err(EmbeddedError::Start(format!("the server exited: {}", tail(log))));
+            }
+            if Instant::now() > deadline {
+                self.shutdown();
+                return Err(EmbeddedError::Start(format!("not ready after 60 s: {}", tail(log))));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for EmbeddedPg {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The server bin directory: `$SETTLEMENTD_PG_BINDIR`, `pg_config --bindir`, the directory of
+/// `postgres` on PATH, then the newest `/usr/lib/postgresql/*/bin`.
+pub fn find_bindir() -> Result<PathBuf> {
+    let has_server = |dir: &Path| dir.join("postgres").is_file() && dir.join("initdb").is_file();
+    if let Some(dir) = std::env::var_os(BINDIR_ENV).filter(|d| !d.is_empty()) {
+        let dir = PathBuf::from(dir);
+        return if has_server(&dir) {
+            Ok(dir)
+        } else {
+            Err(EmbeddedError::Start(format!("{BINDIR_ENV}={} has no postgres and initdb", dir.display())))
+        };
+    }
+    let mut candidates = Vec::new();
+    if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
+        if out.status.success() {
+            candidates.push(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()));
+        }
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if let Ok(real) = fs::canonicalize(dir.join("postgres")) {
+                candidates.extend(real.parent().map(Path::to_path_buf));
+            }
+        }
+    }
+    let mut versions: Vec<(u32, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
+        .collect();
+    versions.sort_by(|a, b| b.0.cmp(&a.0));
+    candidates.extend(versions.into_iter().map(|(_, dir)| dir));
+    candidates.into_iter().find(|d| has_server(d)).ok_or(EmbeddedError::NoBinaries)
+}
+
+#[derive(Clone, Copy)]
+struct OsUser {
+    uid: u32,
+    gid: u32,
+}
+
+/// Root cannot run initdb: use the `postgres` OS user (or `nobody`) when we are root.
+fn server_user() -> Result<Option<OsUser>> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Ok(None);
+    }
+    for name in ["postgres", "nobody"] {
+        let cname = std::ffi::CString::new(name).expect("no NUL");
+        // SAFETY: getpwnam returns a pointer to static storage or NULL; we copy the ids at once.
+        let pw = unsafe { libc::getpwnam(cname.as_ptr()) };
+        if !pw.is_null() {
+            // SAFETY: checked non-null above.
+            let (uid, gid) = unsafe { ((*pw).pw_uid, (*pw).pw_gid) };
+            return Ok(Some(OsUser { uid, gid }));
+        }
+    }
+    Err(EmbeddedError::Start("running as root and no unprivileged 'postgres' or 'nobody' user exists".into()))
+}
+
+fn server_command(program: &Path, user: Option<OsUser>, cwd: &Path) -> Command {
+    let mut command = Command::new(program);
+    command.current_dir(cwd).env_remove("PGDATA").env("LC_ALL", "C");
+    if let Some(user) = user {
+        command.uid(user.uid).gid(user.gid);
+    }
+    command
+}
+
+fn chown(path: &Path, user: Option<OsUser>) -> Result<()> {
+    match user {
+        Some(u) => std::os::unix::fs::chown(path, Some(u.uid), Some(u.gid)).map_err(io("chown")),
+        None => Ok(()),
+    }
+}
+
+fn absolute(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).map_err(io("resolve the data directory"))
+}
+
+fn log_file(path: &Path) -> Result<fs::File> {
+    fs::OpenOptions::new().create(true).append(true).open(path).map_err(io("open a log file"))
+}
+
+/// The last lines of a log, on one line, for an error message.
+fn tail(path: &Path) -> String {
+    let mut text = String::new();
+    let _ = fs::File::open(path).and_then(|mut f| f.read_to_string(&mut text));
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(3)..].join(" | ")
+}
+
+fn io(what: &'static str) -> impl Fn(std::io::Error) -> EmbeddedError {
+    move |e| EmbeddedError::Io(format!("cannot {what}: {e}"))
+}
+
+/// Removes temporary clusters left by killed processes (their keeper pid is gone).
+fn clean_stale_temp_dirs() {
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TEMP_PREFIX)) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let _ = fs::remove_dir_all(entry.path());
+    }
+}

@@ -1,0 +1,133 @@
+//! The fine rule: a pure function of a loan's dates and the configured rates.
+//!
+//! `days_late = (returned_on - due_on) - grace_days`;
+//! `fine_cents = min(max(days_late, 0) * daily_rate_cents, max_cents)`.
+//! A zero fine is a valid result, never a "not settled" marker. The settlement SQL computes the
+//! same expression (see [`FineRule::SQL_EXPR`]); a test checks both agree on real rows.
+
+use chrono::NaiveDate;
+use serde::Deserialize;
+
+/// Money in cents. Never negative for fines.
+pub type Cents = i64;
+
+/// The configured rule (`[fine]` in the configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FineRule {
+    /// Cents charged per day late after the grace period.
+    pub daily_rate_cents: i64,
+    /// Days after `due_on` that cost nothing.
+    pub grace_days: i64,
+    /// Cap on one loan's fine.
+    pub max_cents: i64,
+}
+
+impl Default for FineRule {
+    fn default() -> Self {
+        Self {
+            daily_rate_cents: 50,
+            grace_days: 0,
+            max_cents: 10_000,
+        }
+    }
+}
+
+impl FineRule {
+    /// The same rule in SQL over columns `returned_on`, `due_on` and parameters
+    /// `$grace`, `$rate`, `$max` (bound as bigint). Kept next to [`FineRule::fine_cents`] so
+    /// both change together.
+    pub const SQL_EXPR: &'static str =
+        "LEAST(GREATEST((l.returned_on - l.due_on)::bigint - $grace, 0) * $rate, $max)";
+
+    /// The fine for a loan returned on `returned_on` that was due on `due_on`.
+    /// Saturating arithmetic: absurd inputs give the cap, never an overflow panic.
+    pub fn fine_cents(&self, due_on: NaiveDate, returned_on: NaiveDate) -> Cents {
+        let days = (returned_on - due_on).num_days();
+        let days_late = days.saturating_sub(self.grace_days).max(0);
+        days_late
+            .saturating_mul(self.daily_rate_cents)
+            .min(self.max_cents)
+    }
+
+    /// Every field must be non-negative.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in [
+            ("fine.daily_rate_cents", self.daily_rate_cents),
+            ("fine.grace_days", self.grace_days),
+            ("fine.max_cents", self.max_cents),
+        ] {
+            if value < 0 {
+                return Err(format!("{name} must be >= 0, got {value}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn d(s: &str) -> NaiveDate {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn on_time_and_early_returns_cost_nothing() {
+        let rule = FineRule::default();
+        assert_eq!(rule.fine_cents(d("2026-10-10"), d("2026-10-10")), 0);
+        assert_eq!(rule.fine_cents(d("2026-10-10"), d("2026-10-01")), 0);
+    }
+
+    #[test]
+    fn each_late_day_costs_the_daily_rate_up_to_the_cap() {
+        let rule = FineRule::default();
+        assert_eq!(rule.fine_cents(d("2026-10-10"), d("2026-10-13")), 150);
+        assert_eq!(rule.fine_cents(d("2026-01-01"), d("2026-12-31")), 10_000);
+    }
+
+    #[test]
+    fn grace_days_are_free() {
+        let rule = FineRule {
+            grace_days: 2,
+            ..FineRule::default()
+        };
+        assert_eq!(rule.fine_cents(d("2026-10-10"), d("2026-10-12")), 0);
+        assert_eq!(rule.fine_cents(d("2026-10-10"), d("2026-10-13")), 50);
+    }
+
+    #[test]
+    fn negative_settings_are_rejected() {
+        let rule = FineRule {
+            max_cents: -1,
+            ..FineRule::default()
+        };
+        assert!(rule.validate().unwrap_err().contains("fine.max_cents"));
+    }
+
+    proptest! {
+        #[test]
+        fn fine_is_between_zero_and_the_cap(
+            due in 0i64..100_000, late in -1000i64..100_000,
+            rate in 0i64..1_000_000, grace in 0i64..1000, max in 0i64..i64::MAX,
+        ) {
+            let rule = FineRule { daily_rate_cents: rate, grace_days: grace, max_cents: max };
+            let base = NaiveDate::from_ymd_opt(1900, 1, 1).unwrap();
+            let due_on = base + chrono::Days::new(due as u64);
+            let returned_on = due_on + chrono::TimeDelta::days(late);
+            let fine = rule.fine_cents(due_on, returned_on);
+            prop_assert!((0..=max).contains(&fine));
+        }
+
+        #[test]
+        fn fine_never_decreases_with_lateness(late in 0i64..5000, extra in 0i64..5000) {
+            let rule = FineRule::default();
+            let due_on = NaiveDate::from_ymd_opt(2026, 1, 1).unwrap();
+            let a = rule.fine_cents(due_on, due_on + chrono::TimeDelta::days(late));
+            let b = rule.fine_cents(due_on, due_on + chrono::TimeDelta::days(late + extra));
+            prop_assert!(a <= b);
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Heartbeat: keeps a claim's lease alive while a run works, and says when it is lost.
+//!
+//! The heartbeat runs on its own pooled connection, so a long batch never starves it. When a renewal
+//! finds the claim gone (taken over after a stall), it cancels [`Heartbeat::lost`]; the runner
+//! checks that token between batches, and the fence inside each batch catches the rest.
+
+use super::claim::{self, Claim};
+use sqlx::PgPool;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub struct Heartbeat {
+    lost: CancellationToken,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Heartbeat {
+    pub fn spawn(pool: PgPool, claim: Claim, every: Duration) -> Self {
+        let lost = CancellationToken::new();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(renew(pool, claim, every, lost.clone(), stop.clone()));
+        Self { lost, stop, task }
+    }
+
+    /// Cancelled once a renewal finds the claim taken over.
+    pub fn lost(&self) -> &CancellationToken {
+        &self.lost
+    }
+
+    /// Stops renewing and waits for the task, so no renewal races the final status write.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+}
+
+async fn renew(pool: PgPool, claim: Claim, every: Duration, lost: CancellationToken, stop: CancellationToken) {
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        match claim::heartbeat(&pool, &claim).await {
+            Ok(true) => tracing::debug!("heartbeat renewed"),
+            Ok(false) => {
+                tracing::warn!("heartbeat found the claim taken over; stopping the run");
+                metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+                lost.cancel();
+                return;
+            }
+            // A passing database error: the next tick tries again. If it lasts longer than the
+            // lease, a peer takes over and the fence stops this run's next batch.
+            Err(e) => tracing::warn!(error = %e, "heartbeat failed; retrying at the next tick"),
+        }
+    }
+}

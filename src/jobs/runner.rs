@@ -1,0 +1,201 @@
+//! `run_once`: claim → heartbeat → fenced batches → SUCCESS (or FAILED).
+//!
+//! The CLI, the daemon's cron callback and the tests all call this one function.
+//! The claim is a short transaction on its own connection; each batch is a transaction on the pool
+//! that commits the work together with the fenced progress update; no transaction spans the run.
+
+use super::claim::{self, ClaimOutcome};
+use super::lease::Heartbeat;
+use super::{Job, JobError, JobKey, Owner, Result};
+use sqlx::PgPool;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub owner: Owner,
+    pub lease_ttl: Duration,
+    pub heartbeat_every: Duration,
+    /// Reopen a SUCCESS claim (never a live RUNNING one).
+    pub force: bool,
+    /// Count the remaining work first, for a progress bar.
+    pub estimate: bool,
+}
+
+/// Why a run did no work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SkipReason {
+    /// Another owner holds a live lease.
+    Held,
+    /// The key is already SUCCESS.
+    AlreadyDone,
+}
+
+#[derive(Debug, Clone)]
+pub struct RunReport {
+    pub key: JobKey,
+    pub skipped: Option<SkipReason>,
+    /// This run's attempt; `None` when skipped.
+    pub attempt: Option<i32>,
+    pub took_over: bool,
+    pub scanned: u64,
+    pub updated: u64,
+    pub elapsed: Duration,
+}
+
+/// Progress after each committed batch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Progress {
+    pub total: Option<u64>,
+    pub scanned: u64,
+    pub updated: u64,
+}
+
+/// Runs `job` for `key` once, idempotently. `shutdown` stops the run between batches (the batch in
+/// flight commits) and marks it FAILED with `interrupted: shutdown` so a peer takes over at once.
+pub async fn run_once<J: Job>(
+    pool: &PgPool,
+    job: &J,
+    key: JobKey,
+    opts: &RunOptions,
+    shutdown: &CancellationToken,
+    on_progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<RunReport> {
+    let span = tracing::info_span!(
+        "run",
+        job = %key.job_name,
+        business_date = %key.business_date,
+        shard = key.shard,
+        shards = key.shards,
+        attempt = tracing::field::Empty,
+        owner = %opts.owner,
+    );
+    run_in_span(pool, job, key, opts, shutdown, on_progress, span.clone())
+        .instrument(span)
+        .await
+}
+
+async fn run_in_span<J: Job>(
+    pool: &PgPool,
+    job: &J,
+    key: JobKey,
+    opts: &RunOptions,
+    shutdown: &CancellationToken,
+    on_progress: &(dyn Fn(Progress) + Send + Sync),
+    span: tracing::Span,
+) -> Result<RunReport> {
+    let started = Instant::now();
+    let outcome = {
+        let mut conn = pool.acquire().await?;
+        claim::claim(&mut conn, &key, &opts.owner, opts.lease_ttl, opts.force).await?
+    };
+    let claim = match outcome {
+        ClaimOutcome::Won(claim) => claim,
+        ClaimOutcome::Held { owner, attempt } => {
+            metrics::counter!("settlementd_claims_total", "result" => "lost").increment(1);
+            tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: claim held by a live run");
+            return Ok(skipped(key, SkipReason::Held, started));
+        }
+        ClaimOutcome::AlreadyDone { attempt } => {
+            metrics::counter!("settlementd_claims_total", "result" => "done").increment(1);
+            tracing::info!(holder_attempt = attempt, "skipped: already SUCCESS");
+            return Ok(skipped(key, SkipReason::AlreadyDone, started));
+        }
+    };
+    span.record("attempt", claim.attempt);
+    metrics::counter!("settlementd_claims_total", "result" => "won").increment(1);
+    if claim.took_over {
+        metrics::counter!("settlementd_takeovers_total").increment(1);
+    }
+    tracing::info!(took_over = claim.took_over, resume_after = ?claim.resume_after, "claimed");
+
+    let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
+    let worked = work(pool, job, &claim, opts.estimate, heartbeat.lost(), shutdown, on_progress).await;
+    heartbeat.stop().await;
+
+    let failure = match worked {
+        Ok((scanned, updated)) => {
+            if !claim::mark_success(pool, &claim).await? {
+                metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+                return Err(lease_lost(&claim));
+            }
+            tracing::info!(scanned, updated, "SUCCESS");
+            return Ok(RunReport {
+                key,
+                skipped: None,
+                attempt: Some(claim.attempt),
+                took_over: claim.took_over,
+                scanned,
+                updated,
+                elapsed: started.elapsed(),
+            });
+        }
+        Err(e @ JobError::LeaseLost { .. }) => return Err(e),
+        Err(e) => e,
+    };
+    // Best effort: if this write fails too, the lease expires and a peer takes over.
+    match claim::mark_failed(pool, &claim, &failure.to_string()).await {
+        Ok(true) => tracing::warn!(error = %failure, "marked FAILED"),
+        Ok(false) => tracing::warn!(error = %failure, "failed, and the claim was already taken over"),
+        Err(e) => tracing::warn!(error = %failure, mark_error = %e, "failed; could not mark FAILED"),
+    }
+    Err(failure)
+}
+
+async fn work<J: Job>(
+    pool: &PgPool,
+    job: &J,
+    claim: &claim::Claim,
+    estimate: bool,
+    lost: &CancellationToken,
+    shutdown: &CancellationToken,
+    on_progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<(u64, u64)> {
+    let (plan, total) = job.plan(pool, &claim.key, claim.resume_after, estimate).await?;
+    let mut progress = Progress { total, ..Progress::default() };
+    on_progress(progress);
+    let mut after = claim.resume_after;
+    loop {
+        if lost.is_cancelled() {
+            return Err(lease_lost(claim));
+        }
+        if shutdown.is_cancelled() {
+            return Err(JobError::Interrupted);
+        }
+        let mut tx = pool.begin().await?;
+        let batch = job.run_batch(&mut tx, &plan, after).await?;
+        if !claim::record_batch(&mut tx, claim, &batch).await? {
+            tx.rollback().await?;
+            metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+            return Err(lease_lost(claim));
+        }
+        tx.commit().await?;
+        progress.scanned += batch.scanned;
+        progress.updated += batch.updated;
+        metrics::counter!("settlementd_rows_scanned_total").increment(batch.scanned);
+        metrics::counter!("settlementd_rows_updated_total").increment(batch.updated);
+        on_progress(progress);
+        after = batch.last_id.or(after);
+        if batch.done {
+            return Ok((progress.scanned, progress.updated));
+        }
+    }
+}
+
+fn lease_lost(claim: &claim::Claim) -> JobError {
+    JobError::LeaseLost { key: claim.key.clone(), attempt: claim.attempt }
+}
+
+fn skipped(key: JobKey, reason: SkipReason, started: Instant) -> RunReport {
+    RunReport {
+        key,
+        skipped: Some(reason),
+        attempt: None,
+        took_over: false,
+        scanned: 0,
+        updated: 0,
+        elapsed: started.elapsed(),
+    }
+}

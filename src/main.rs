@@ -1,0 +1,38 @@
+//! The `settlementd` binary: parse the command line, load and validate the configuration, call the
+//! library, map the outcome to an exit code (0 done or skipped, 1 failed, 2 invalid input/config).
+
+use settlementd::cli::{self, Command};
+use settlementd::config::Settings;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let cli = match cli::parse() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
+    let settings = match Settings::load(cli.config.as_deref()) {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("settlementd: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let level = if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("settlementd: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    runtime.block_on(async {
+        cli::init_logging(settings.log.format, level);
+        match cli::execute(cli, settings).await {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("settlementd: {e}");
+                e.exit_code()
+            }
+        }
+    })
+}
