@@ -25,7 +25,8 @@ pub enum CalendarError {
 impl BusinessDate {
     /// Accepts only the last day of a month.
     pub fn new(date: NaiveDate) -> Result<Self, CalendarError> {
-        let end = month_end(date.year(), date.month()).ok_or(CalendarError::Unparsable(date.to_string()))?;
+        let end = month_end(date.year(), date.month())
+            .ok_or(CalendarError::Unparsable(date.to_string()))?;
         if end == date {
             Ok(Self(date))
         } else {
@@ -97,14 +98,26 @@ mod tests {
 
     #[test]
     fn january_settles_the_previous_december() {
-        assert_eq!(BusinessDate::month_before(d("2027-01-01")).date(), d("2026-12-31"));
-        assert_eq!(BusinessDate::month_before(d("2027-01-31")).date(), d("2026-12-31"));
+        assert_eq!(
+            BusinessDate::month_before(d("2027-01-01")).date(),
+            d("2026-12-31")
+        );
+        assert_eq!(
+            BusinessDate::month_before(d("2027-01-31")).date(),
+            d("2026-12-31")
+        );
     }
 
     #[test]
     fn march_of_a_leap_year_settles_february_29() {
-        assert_eq!(BusinessDate::month_before(d("2028-03-01")).date(), d("2028-02-29"));
-        assert_eq!(BusinessDate::month_before(d("2027-03-01")).date(), d("2027-02-28"));
+        assert_eq!(
+            BusinessDate::month_before(d("2028-03-01")).date(),
+            d("2028-02-29")
+        );
+        assert_eq!(
+            BusinessDate::month_before(d("2027-03-01")).date(),
+            d("2027-02-28")
+        );
         assert!(BusinessDate::parse("2028-02-29").is_ok());
         assert!(BusinessDate::parse("2027-02-29").is_err());
     }
@@ -115,21 +128,35 @@ mod tests {
             BusinessDate::parse("2026-10-30"),
             Err(CalendarError::NotMonthEnd(d("2026-10-30"), d("2026-10-31")))
         );
-        assert!(matches!(BusinessDate::parse("31/10/2026"), Err(CalendarError::Unparsable(_))));
-        assert_eq!(BusinessDate::parse("2026-10-31").unwrap().first_day(), d("2026-10-01"));
+        assert!(matches!(
+            BusinessDate::parse("31/10/2026"),
+            Err(CalendarError::Unparsable(_))
+        ));
+        assert_eq!(
+            BusinessDate::parse("2026-10-31").unwrap().first_day(),
+            d("2026-10-01")
+        );
     }
 
     #[test]
     fn the_fire_time_is_read_in_the_configured_zone() {
         // 2026-12-31 18:30 UTC is already 2027-01-01 02:30 in Shanghai.
-        let fire = chrono::Utc.with_ymd_and_hms(2026, 12, 31, 18, 30, 0).unwrap();
+        let fire = chrono::Utc
+            .with_ymd_and_hms(2026, 12, 31, 18, 30, 0)
+            .unwrap();
         assert_eq!(BusinessDate::for_instant(&fire).date(), d("2026-11-30"));
-        assert_eq!(BusinessDate::for_instant(&fire.with_timezone(&Shanghai)).date(), d("2026-12-31"));
+        assert_eq!(
+            BusinessDate::for_instant(&fire.with_timezone(&Shanghai)).date(),
+            d("2026-12-31")
+        );
     }
 
     #[test]
     fn months_parse_to_their_last_day() {
-        assert_eq!(BusinessDate::from_month("2028-02").unwrap().date(), d("2028-02-29"));
+        assert_eq!(
+            BusinessDate::from_month("2028-02").unwrap().date(),
+            d("2028-02-29")
+        );
         assert!(BusinessDate::from_month("2028-13").is_err());
         assert!(BusinessDate::from_month("nope").is_err());
     }

@@ -17,7 +17,11 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
-#[command(name = "settlementd", version, about = "Idempotent monthly settlement of library-loan fines")]
+#[command(
+    name = "settlementd",
+    version,
+    about = "Idempotent monthly settlement of library-loan fines"
+)]
 pub struct Cli {
     /// A TOML file layered over the built-in defaults (environment variables SETTLEMENTD__SECTION__KEY win over both).
     #[arg(long, global = true, value_name = "PATH")]
@@ -183,7 +187,10 @@ pub fn parse() -> std::result::Result<Cli, ExitCode> {
             }
             _ => {
                 let text = e.render().to_string();
-                let first = text.lines().find(|l| !l.trim().is_empty()).unwrap_or("invalid arguments");
+                let first = text
+                    .lines()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("invalid arguments");
                 eprintln!("{} (see --help)", first.trim());
                 ExitCode::from(2)
             }
@@ -194,17 +201,27 @@ pub fn parse() -> std::result::Result<Cli, ExitCode> {
 /// Sets up logging on stderr (stdout is for command output).
 pub fn init_logging(format: LogFormat, default_level: &str) {
     use tracing_subscriber::EnvFilter;
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
     let json = match format {
         LogFormat::Json => true,
         LogFormat::Text => false,
         LogFormat::Auto => !std::io::stdout().is_terminal(),
     };
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = if json {
-        builder.json().flatten_event(true).with_current_span(true).with_span_list(false).try_init()
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_span_list(false)
+            .try_init()
     } else {
-        builder.with_ansi(std::io::stderr().is_terminal()).try_init()
+        builder
+            .with_ansi(std::io::stderr().is_terminal())
+            .try_init()
     };
 }
 
@@ -213,15 +230,16 @@ pub fn shutdown_on_signals() -> CancellationToken {
     let token = CancellationToken::new();
     let cancel = token.clone();
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                let _ = tokio::signal::ctrl_c().await;
-                cancel.cancel();
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot listen for SIGTERM");
+                    let _ = tokio::signal::ctrl_c().await;
+                    cancel.cancel();
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
@@ -250,10 +268,16 @@ impl Database {
                 .await
                 .map_err(|e| AppError::Failed(format!("embedded PostgreSQL: {e}")))??;
             let pool = db::connect(&pg.url("postgres"), &settings.database).await?;
-            return Ok(Self { pool, embedded: Some(pg) });
+            return Ok(Self {
+                pool,
+                embedded: Some(pg),
+            });
         }
         let pool = db::connect(settings.database_url()?, &settings.database).await?;
-        Ok(Self { pool, embedded: None })
+        Ok(Self {
+            pool,
+            embedded: None,
+        })
     }
 
     /// Closes the pool, then stops a private cluster cleanly.
@@ -266,10 +290,16 @@ impl Database {
 }
 
 /// The business date given on the command line, or last month's end in the configured zone.
-pub fn business_date_or_default(given: Option<&str>, settings: &Settings, clock: &dyn Clock) -> Result<BusinessDate> {
+pub fn business_date_or_default(
+    given: Option<&str>,
+    settings: &Settings,
+    clock: &dyn Clock,
+) -> Result<BusinessDate> {
     match given {
         Some(text) => Ok(BusinessDate::parse(text)?),
-        None => Ok(BusinessDate::for_instant(&clock.now().with_timezone(&settings.schedule.timezone))),
+        None => Ok(BusinessDate::for_instant(
+            &clock.now().with_timezone(&settings.schedule.timezone),
+        )),
     }
 }
 
@@ -287,7 +317,9 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         Command::Run(args) => run_command(args, settings).await,
         Command::Status(args) => status_command(args, settings).await,
         Command::Serve(args) => crate::daemon::serve_command(settings, args.embedded_db).await,
-        Command::Schedule(args) => crate::daemon::schedule::print_next(&settings, &SystemClock, args.next, args.json),
+        Command::Schedule(args) => {
+            crate::daemon::schedule::print_next(&settings, &SystemClock, args.next, args.json)
+        }
         Command::Seed(args) => crate::seed::seed_command(args, settings).await,
         Command::Demo => crate::demo::run(settings).await,
     }
@@ -316,7 +348,8 @@ async fn run_command(args: RunArgs, settings: Settings) -> Result<()> {
         args.shard.unwrap_or(settings.shard.index),
         args.shards.unwrap_or(settings.shard.count),
     )?;
-    let business_date = business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
+    let business_date =
+        business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
     let database = Database::open(&settings, args.db.embedded_db).await?;
     if database.embedded.is_some() {
         db::migrate(&database.pool).await?;
@@ -375,8 +408,12 @@ pub fn report_line(report: &RunReport) -> String {
     let head = format!("{}", report.key);
     let ms = report.elapsed.as_millis();
     match report.skipped {
-        Some(SkipReason::AlreadyDone) => format!("{head}: skipped, already SUCCESS (use --force to re-run) [{ms} ms]"),
-        Some(SkipReason::Held) => format!("{head}: skipped, another replica holds a live claim [{ms} ms]"),
+        Some(SkipReason::AlreadyDone) => {
+            format!("{head}: skipped, already SUCCESS (use --force to re-run) [{ms} ms]")
+        }
+        Some(SkipReason::Held) => {
+            format!("{head}: skipped, another replica holds a live claim [{ms} ms]")
+        }
         None => format!(
             "{head}: SUCCESS attempt {}{}: scanned {}, updated {} in {ms} ms",
             report.attempt.unwrap_or_default(),
@@ -388,14 +425,21 @@ pub fn report_line(report: &RunReport) -> String {
 }
 
 async fn status_command(args: StatusArgs, settings: Settings) -> Result<()> {
-    let business_date = business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
+    let business_date =
+        business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
     let shards = args.shards.unwrap_or(settings.shard.count);
     if shards < 1 {
         return Err(AppError::Invalid("--shards must be >= 1".into()));
     }
     let database = Database::open(&settings, args.db.embedded_db).await?;
     let result = async {
-        let rows = jobs::claim::rows_for(&database.pool, settlement::JOB_NAME, business_date.date(), shards).await?;
+        let rows = jobs::claim::rows_for(
+            &database.pool,
+            settlement::JOB_NAME,
+            business_date.date(),
+            shards,
+        )
+        .await?;
         let totals = settlement::month_totals(&database.pool, business_date).await?;
         Ok::<_, AppError>((rows, totals))
     }
@@ -421,7 +465,11 @@ async fn status_command(args: StatusArgs, settings: Settings) -> Result<()> {
         );
         return Ok(());
     }
-    println!("{} {} with {shards} shard(s)", settlement::JOB_NAME, business_date);
+    println!(
+        "{} {} with {shards} shard(s)",
+        settlement::JOB_NAME,
+        business_date
+    );
     println!(
         "{:<6} {:<8} {:>7} {:<28} {:>10} {:>12} {:>10} {:>10}  last_error",
         "shard", "status", "attempt", "owner", "heartbeat", "last_id", "scanned", "updated"
@@ -435,7 +483,9 @@ async fn status_command(args: StatusArgs, settings: Settings) -> Result<()> {
                 r.attempt,
                 r.owner,
                 r.heartbeat_age_secs,
-                r.last_id.map(|i| i.to_string()).unwrap_or_else(|| "-".into()),
+                r.last_id
+                    .map(|i| i.to_string())
+                    .unwrap_or_else(|| "-".into()),
                 r.scanned,
                 r.updated,
                 r.last_error.as_deref().unwrap_or("")

@@ -70,7 +70,10 @@ impl ShardSpec {
 
     fn validate(&self) -> Result<()> {
         if self.count < 1 {
-            return Err(ConfigError(format!("shard.count must be >= 1, got {}", self.count)));
+            return Err(ConfigError(format!(
+                "shard.count must be >= 1, got {}",
+                self.count
+            )));
         }
         if self.index >= self.count {
             return Err(ConfigError(format!(
@@ -146,12 +149,19 @@ pub fn parse_cron(text: &str) -> Result<Cron> {
         .seconds(croner::parser::Seconds::Required)
         .build()
         .parse(text)
-        .map_err(|e| ConfigError(format!("schedule.cron '{text}' is not a 6-field cron expression: {e}")))
+        .map_err(|e| {
+            ConfigError(format!(
+                "schedule.cron '{text}' is not a 6-field cron expression: {e}"
+            ))
+        })
 }
 
 pub fn parse_tz(text: &str) -> Result<Tz> {
-    text.parse::<Tz>()
-        .map_err(|_| ConfigError(format!("schedule.timezone '{text}' is not a known IANA time zone")))
+    text.parse::<Tz>().map_err(|_| {
+        ConfigError(format!(
+            "schedule.timezone '{text}' is not a known IANA time zone"
+        ))
+    })
 }
 
 fn de_cron<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Cron, D::Error> {
@@ -171,13 +181,21 @@ impl Settings {
     }
 
     /// As [`Settings::load`] with an explicit environment (tests pass their own).
-    pub fn load_from(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Self> {
+    pub fn load_from(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Self> {
         let env: std::collections::HashMap<String, String> = env.into_iter().collect();
-        let mut builder = config::Config::builder()
-            .add_source(config::File::from_str(DEFAULT_TOML, config::FileFormat::Toml));
+        let mut builder = config::Config::builder().add_source(config::File::from_str(
+            DEFAULT_TOML,
+            config::FileFormat::Toml,
+        ));
         if let Some(path) = file {
             if !path.is_file() {
-                return Err(ConfigError(format!("config file {} does not exist", path.display())));
+                return Err(ConfigError(format!(
+                    "config file {} does not exist",
+                    path.display()
+                )));
             }
             builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
         }
@@ -193,8 +211,12 @@ impl Settings {
                 .try_parsing(true)
                 .source(Some(ours)),
         );
-        let raw = builder.build().map_err(|e| ConfigError(one_line(&e.to_string())))?;
-        let mut settings: Settings = raw.try_deserialize().map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        let raw = builder
+            .build()
+            .map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        let mut settings: Settings = raw
+            .try_deserialize()
+            .map_err(|e| ConfigError(one_line(&e.to_string())))?;
         if settings.database.url.is_none() {
             if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
                 settings.database.url = Some(SecretString::from(url.clone()));
@@ -218,7 +240,9 @@ impl Settings {
             )));
         }
         if self.database.acquire_timeout_secs < 1 {
-            return Err(ConfigError("database.acquire_timeout_secs must be >= 1".into()));
+            return Err(ConfigError(
+                "database.acquire_timeout_secs must be >= 1".into(),
+            ));
         }
         let lease = self.lease;
         if lease.heartbeat_secs < 1 {
@@ -258,8 +282,12 @@ impl Settings {
 }
 
 fn check_url(url: &str) -> Result<()> {
-    let parsed = url::Url::parse(url)
-        .map_err(|e| ConfigError(format!("database.url '{}' is not a URL: {e}", redact_url(url))))?;
+    let parsed = url::Url::parse(url).map_err(|e| {
+        ConfigError(format!(
+            "database.url '{}' is not a URL: {e}",
+            redact_url(url)
+        ))
+    })?;
     if !matches!(parsed.scheme(), "postgres" | "postgresql") {
         return Err(ConfigError(format!(
             "database.url '{}' must start with postgres:// or postgresql://",
@@ -292,7 +320,10 @@ mod tests {
     use super::*;
 
     fn load(env: &[(&str, &str)]) -> Result<Settings> {
-        Settings::load_from(None, env.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+        Settings::load_from(
+            None,
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
     }
 
     #[test]
@@ -334,29 +365,52 @@ mod tests {
     #[test]
     fn invalid_values_are_rejected_with_the_key_named() {
         let cases: &[(&[(&str, &str)], &str)] = &[
-            (&[("SETTLEMENTD__SHARD__INDEX", "3"), ("SETTLEMENTD__SHARD__COUNT", "3")], "shard.index"),
+            (
+                &[
+                    ("SETTLEMENTD__SHARD__INDEX", "3"),
+                    ("SETTLEMENTD__SHARD__COUNT", "3"),
+                ],
+                "shard.index",
+            ),
             (&[("SETTLEMENTD__SHARD__COUNT", "0")], "shard.count"),
             (&[("SETTLEMENTD__SHARD__INDEX", "-1")], "index"),
             (&[("SETTLEMENTD__BATCH__SIZE", "0")], "batch.size"),
             (&[("SETTLEMENTD__LEASE__TTL_SECS", "29")], "lease.ttl_secs"),
-            (&[("SETTLEMENTD__FINE__GRACE_DAYS", "-2")], "fine.grace_days"),
-            (&[("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus")], "schedule.timezone"),
-            (&[("SETTLEMENTD__SCHEDULE__CRON", "0 30 2 1 *")], "schedule.cron"),
+            (
+                &[("SETTLEMENTD__FINE__GRACE_DAYS", "-2")],
+                "fine.grace_days",
+            ),
+            (
+                &[("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus")],
+                "schedule.timezone",
+            ),
+            (
+                &[("SETTLEMENTD__SCHEDULE__CRON", "0 30 2 1 *")],
+                "schedule.cron",
+            ),
             (&[("SETTLEMENTD__SHARD__WHAT", "1")], "what"),
             (&[("SETTLEMENTD__HTTP__LISTEN", "nowhere")], "listen"),
         ];
         for (env, needle) in cases {
             let err = load(env).unwrap_err().to_string();
-            assert!(err.contains(needle), "{env:?}: '{err}' should name {needle}");
+            assert!(
+                err.contains(needle),
+                "{env:?}: '{err}' should name {needle}"
+            );
             assert!(!err.contains('\n'), "{err}");
         }
     }
 
     #[test]
     fn passwords_never_appear_in_url_errors() {
-        let err = load(&[("DATABASE_URL", "mysql://u:hunter2@h/db")]).unwrap_err().to_string();
+        let err = load(&[("DATABASE_URL", "mysql://u:hunter2@h/db")])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("postgres://"), "{err}");
         assert!(!err.contains("hunter2"), "{err}");
-        assert_eq!(redact_url("postgres://u:hunter2@h:5/db"), "postgres://u:***@h:5/db");
+        assert_eq!(
+            redact_url("postgres://u:hunter2@h:5/db"),
+            "postgres://u:***@h:5/db"
+        );
     }
 }

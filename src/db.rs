@@ -40,13 +40,20 @@ pub async fn connect(url: &str, settings: &DatabaseSettings) -> Result<PgPool> {
     connect_with(options, settings, &redact_url(url)).await
 }
 
-pub async fn connect_with(options: PgConnectOptions, settings: &DatabaseSettings, shown: &str) -> Result<PgPool> {
+pub async fn connect_with(
+    options: PgConnectOptions,
+    settings: &DatabaseSettings,
+    shown: &str,
+) -> Result<PgPool> {
     PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(Duration::from_secs(settings.acquire_timeout_secs))
         .connect_with(options.application_name("settlementd"))
         .await
-        .map_err(|source| DbError::Connect { url: shown.to_string(), source })
+        .map_err(|source| DbError::Connect {
+            url: shown.to_string(),
+            source,
+        })
 }
 
 pub async fn migrate(pool: &PgPool) -> Result<()> {
@@ -57,15 +64,14 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
 /// True when every embedded migration is applied (what `/readyz` checks).
 pub async fn schema_is_current(pool: &PgPool) -> Result<bool> {
     let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    let applied: Option<i64> = sqlx::query_scalar(
-        "SELECT max(version) FROM _sqlx_migrations WHERE success",
-    )
-    .fetch_one(pool)
-    .await
-    .or_else(|e| match &e {
-        // No migrations table yet: not current.
-        sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
-        _ => Err(e),
-    })?;
+    let applied: Option<i64> =
+        sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
+            .fetch_one(pool)
+            .await
+            .or_else(|e| match &e {
+                // No migrations table yet: not current.
+                sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
+                _ => Err(e),
+            })?;
     Ok(applied == Some(latest))
 }

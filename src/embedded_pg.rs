@@ -76,7 +76,8 @@ impl EmbeddedPg {
             .prefix(&format!("{TEMP_PREFIX}{}-", std::process::id()))
             .tempdir()
             .map_err(io("create a temporary directory"))?;
-        fs::set_permissions(run_dir.path(), fs::Permissions::from_mode(0o755)).map_err(io("chmod"))?;
+        fs::set_permissions(run_dir.path(), fs::Permissions::from_mode(0o755))
+            .map_err(io("chmod"))?;
         let socket_dir = run_dir.path().join("socket");
         let temporary = opts.data_dir.is_none();
         let data_dir = match opts.data_dir {
@@ -99,9 +100,17 @@ impl EmbeddedPg {
                 .stdout(log_file(&log)?)
                 .stderr(log_file(&log)?)
                 .status()
-                .map_err(|e| EmbeddedError::Start(format!("cannot run {}: {e}", bindir.join("initdb").display())))?;
+                .map_err(|e| {
+                    EmbeddedError::Start(format!(
+                        "cannot run {}: {e}",
+                        bindir.join("initdb").display()
+                    ))
+                })?;
             if !status.success() {
-                return Err(EmbeddedError::Start(format!("initdb failed: {}", tail(&log))));
+                return Err(EmbeddedError::Start(format!(
+                    "initdb failed: {}",
+                    tail(&log)
+                )));
             }
         }
 
@@ -115,11 +124,22 @@ impl EmbeddedPg {
             .args(["-c", "listen_addresses=", "-p", &PORT.to_string()]);
         if temporary {
             // Throwaway data: durability buys nothing.
-            command.args(["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]);
+            command.args([
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+            ]);
         }
         // Own process group: a terminal's Ctrl-C reaches settlementd, which then lets the batch in
         // flight commit before it stops the server.
-        command.stdout(log_file(&log)?).stderr(log_file(&log)?).stdin(Stdio::null()).process_group(0);
+        command
+            .stdout(log_file(&log)?)
+            .stderr(log_file(&log)?)
+            .stdin(Stdio::null())
+            .process_group(0);
         // SAFETY: prctl is async-signal-safe; it runs in the child between fork and exec, after the
         // credential change (which would clear it), so the server gets SIGINT (fast shutdown) when
         // the keeper thread — alive exactly as long as the server — goes away with this process.
@@ -147,8 +167,16 @@ impl EmbeddedPg {
         let pid = pid_rx
             .recv()
             .map_err(|_| EmbeddedError::Start("keeper thread died".into()))?
-            .map_err(|e| EmbeddedError::Start(format!("cannot run {}: {e}", bindir.join("postgres").display())))?;
-        let version = fs::read_to_string(data_dir.join("PG_VERSION")).unwrap_or_default().trim().to_string();
+            .map_err(|e| {
+                EmbeddedError::Start(format!(
+                    "cannot run {}: {e}",
+                    bindir.join("postgres").display()
+                ))
+            })?;
+        let version = fs::read_to_string(data_dir.join("PG_VERSION"))
+            .unwrap_or_default()
+            .trim()
+            .to_string();
         let mut pg = Self {
             run_dir: Some(run_dir),
             socket_dir,
@@ -210,11 +238,17 @@ impl EmbeddedPg {
             }
             if self.keeper.as_ref().is_some_and(|k| k.is_finished()) {
                 self.keeper = None;
-                return Err(EmbeddedError::Start(format!("the server exited: {}", tail(log))));
+                return Err(EmbeddedError::Start(format!(
+                    "the server exited: {}",
+                    tail(log)
+                )));
             }
             if Instant::now() > deadline {
                 self.shutdown();
-                return Err(EmbeddedError::Start(format!("not ready after 60 s: {}", tail(log))));
+                return Err(EmbeddedError::Start(format!(
+                    "not ready after 60 s: {}",
+                    tail(log)
+                )));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -236,7 +270,10 @@ pub fn find_bindir() -> Result<PathBuf> {
         return if has_server(&dir) {
             Ok(dir)
         } else {
-            Err(EmbeddedError::Start(format!("{BINDIR_ENV}={} has no postgres and initdb", dir.display())))
+            Err(EmbeddedError::Start(format!(
+                "{BINDIR_ENV}={} has no postgres and initdb",
+                dir.display()
+            )))
         };
     }
     let mut candidates = Vec::new();
@@ -260,7 +297,10 @@ pub fn find_bindir() -> Result<PathBuf> {
         .collect();
     versions.sort_by(|a, b| b.0.cmp(&a.0));
     candidates.extend(versions.into_iter().map(|(_, dir)| dir));
-    candidates.into_iter().find(|d| has_server(d)).ok_or(EmbeddedError::NoBinaries)
+    candidates
+        .into_iter()
+        .find(|d| has_server(d))
+        .ok_or(EmbeddedError::NoBinaries)
 }
 
 #[derive(Clone, Copy)]
@@ -285,12 +325,17 @@ fn server_user() -> Result<Option<OsUser>> {
             return Ok(Some(OsUser { uid, gid }));
         }
     }
-    Err(EmbeddedError::Start("running as root and no unprivileged 'postgres' or 'nobody' user exists".into()))
+    Err(EmbeddedError::Start(
+        "running as root and no unprivileged 'postgres' or 'nobody' user exists".into(),
+    ))
 }
 
 fn server_command(program: &Path, user: Option<OsUser>, cwd: &Path) -> Command {
     let mut command = Command::new(program);
-    command.current_dir(cwd).env_remove("PGDATA").env("LC_ALL", "C");
+    command
+        .current_dir(cwd)
+        .env_remove("PGDATA")
+        .env("LC_ALL", "C");
     if let Some(user) = user {
         command.uid(user.uid).gid(user.gid);
     }
@@ -309,7 +354,11 @@ fn absolute(path: &Path) -> Result<PathBuf> {
 }
 
 fn log_file(path: &Path) -> Result<fs::File> {
-    fs::OpenOptions::new().create(true).append(true).open(path).map_err(io("open a log file"))
+    fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(io("open a log file"))
 }
 
 /// The last lines of a log, on one line, for an error message.
@@ -326,11 +375,17 @@ fn io(what: &'static str) -> impl Fn(std::io::Error) -> EmbeddedError {
 
 /// Removes temporary clusters left by killed processes (their keeper pid is gone).
 fn clean_stale_temp_dirs() {
-    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else { return };
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TEMP_PREFIX)) else { continue };
-        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else { continue };
+        let Some(rest) = name.to_str().and_then(|n| n.strip_prefix(TEMP_PREFIX)) else {
+            continue;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            continue;
+        };
         if Path::new(&format!("/proc/{pid}")).exists() {
             continue;
         }

@@ -17,7 +17,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let level = if matches!(cli.command, Command::Serve(_)) { "info" } else { "warn" };
+    let level = if matches!(cli.command, Command::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => {

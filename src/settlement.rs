@@ -81,7 +81,12 @@ impl Job for FineSettlement {
         Ok((plan, total))
     }
 
-    async fn run_batch(&self, tx: &mut PgConnection, plan: &MonthPlan, after: Option<i64>) -> sqlx::Result<Batch> {
+    async fn run_batch(
+        &self,
+        tx: &mut PgConnection,
+        plan: &MonthPlan,
+        after: Option<i64>,
+    ) -> sqlx::Result<Batch> {
         let sql = format!(
             "WITH batch AS (
                  SELECT id FROM loans
@@ -133,7 +138,10 @@ pub struct MonthTotals {
     pub digest: String,
 }
 
-pub async fn month_totals(db: impl PgExecutor<'_>, business_date: BusinessDate) -> sqlx::Result<MonthTotals> {
+pub async fn month_totals(
+    db: impl PgExecutor<'_>,
+    business_date: BusinessDate,
+) -> sqlx::Result<MonthTotals> {
     let (settled_rows, fine_cents_sum, digest): (i64, i64, String) = sqlx::query_as(
         "SELECT count(*), COALESCE(sum(fine_cents), 0)::bigint,
                 md5(COALESCE(string_agg(id::text || ':' || fine_cents::text, ',' ORDER BY id), ''))
@@ -144,5 +152,9 @@ pub async fn month_totals(db: impl PgExecutor<'_>, business_date: BusinessDate) 
     .bind(business_date.date())
     .fetch_one(db)
     .await?;
-    Ok(MonthTotals { settled_rows, fine_cents_sum, digest })
+    Ok(MonthTotals {
+        settled_rows,
+        fine_cents_sum,
+        digest,
+    })
 }

@@ -23,9 +23,14 @@ pub struct Claim {
 pub enum ClaimOutcome {
     Won(Claim),
     /// Another owner holds a live lease.
-    Held { owner: String, attempt: i32 },
+    Held {
+        owner: String,
+        attempt: i32,
+    },
     /// The key is SUCCESS and the run was not forced.
-    AlreadyDone { attempt: i32 },
+    AlreadyDone {
+        attempt: i32,
+    },
 }
 
 /// Claims `key` in one short transaction on `conn`.
@@ -117,7 +122,10 @@ pub async fn claim(
     Ok(if status == "SUCCESS" {
         ClaimOutcome::AlreadyDone { attempt }
     } else {
-        ClaimOutcome::Held { owner: holder, attempt }
+        ClaimOutcome::Held {
+            owner: holder,
+            attempt,
+        }
     })
 }
 

@@ -36,7 +36,13 @@ impl Heartbeat {
     }
 }
 
-async fn renew(pool: PgPool, claim: Claim, every: Duration, lost: CancellationToken, stop: CancellationToken) {
+async fn renew(
+    pool: PgPool,
+    claim: Claim,
+    every: Duration,
+    lost: CancellationToken,
+    stop: CancellationToken,
+) {
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -34,7 +34,11 @@ pub struct JobKey {
 
 impl fmt::Display for JobKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {} shard {}/{}", self.job_name, self.business_date, self.shard, self.shards)
+        write!(
+            f,
+            "{} {} shard {}/{}",
+            self.job_name, self.business_date, self.shard, self.shards
+        )
     }
 }
 

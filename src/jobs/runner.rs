@@ -112,7 +112,16 @@ async fn run_in_span<J: Job>(
     tracing::info!(took_over = claim.took_over, resume_after = ?claim.resume_after, "claimed");
 
     let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
-    let worked = work(pool, job, &claim, opts.estimate, heartbeat.lost(), shutdown, on_progress).await;
+    let worked = work(
+        pool,
+        job,
+        &claim,
+        opts.estimate,
+        heartbeat.lost(),
+        shutdown,
+        on_progress,
+    )
+    .await;
     heartbeat.stop().await;
 
     let failure = match worked {
@@ -138,8 +147,12 @@ async fn run_in_span<J: Job>(
     // Best effort: if this write fails too, the lease expires and a peer takes over.
     match claim::mark_failed(pool, &claim, &failure.to_string()).await {
         Ok(true) => tracing::warn!(error = %failure, "marked FAILED"),
-        Ok(false) => tracing::warn!(error = %failure, "failed, and the claim was already taken over"),
-        Err(e) => tracing::warn!(error = %failure, mark_error = %e, "failed; could not mark FAILED"),
+        Ok(false) => {
+            tracing::warn!(error = %failure, "failed, and the claim was already taken over")
+        }
+        Err(e) => {
+            tracing::warn!(error = %failure, mark_error = %e, "failed; could not mark FAILED")
+        }
     }
     Err(failure)
 }
@@ -153,8 +166,13 @@ async fn work<J: Job>(
     shutdown: &CancellationToken,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<(u64, u64)> {
-    let (plan, total) = job.plan(pool, &claim.key, claim.resume_after, estimate).await?;
-    let mut progress = Progress { total, ..Progress::default() };
+    let (plan, total) = job
+        .plan(pool, &claim.key, claim.resume_after, estimate)
+        .await?;
+    let mut progress = Progress {
+        total,
+        ..Progress::default()
+    };
     on_progress(progress);
     let mut after = claim.resume_after;
     loop {
@@ -185,7 +203,10 @@ async fn work<J: Job>(
 }
 
 fn lease_lost(claim: &claim::Claim) -> JobError {
-    JobError::LeaseLost { key: claim.key.clone(), attempt: claim.attempt }
+    JobError::LeaseLost {
+        key: claim.key.clone(),
+        attempt: claim.attempt,
+    }
 }
 
 fn skipped(key: JobKey, reason: SkipReason, started: Instant) -> RunReport {

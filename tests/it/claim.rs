@@ -1,0 +1,246 @@
+//! The job layer against real PostgreSQL: claims, takeovers, fencing.
+
+use crate::helpers::*;
+use settlementd::jobs::claim::{self, ClaimOutcome};
+use settlementd::jobs::{Batch, JobKey, Owner};
+use std::time::Duration;
+
+const TTL: Duration = Duration::from_secs(60);
+
+fn key() -> JobKey {
+    JobKey {
+        job_name: "test-job".into(),
+        business_date: bd("2026-10-31").date(),
+        shards: 3,
+        shard: 1,
+    }
+}
+
+fn owner(name: &str) -> Owner {
+    Owner(name.into())
+}
+
+async fn claim_as(db: &TestDb, who: &str, force: bool) -> ClaimOutcome {
+    let mut conn = db.pool.acquire().await.unwrap();
+    claim::claim(&mut conn, &key(), &owner(who), TTL, force)
+        .await
+        .unwrap()
+}
+
+fn won(outcome: ClaimOutcome) -> claim::Claim {
+    match outcome {
+        ClaimOutcome::Won(c) => c,
+        other => panic!("expected to win the claim, got {other:?}"),
+    }
+}
+
+async fn set_status(db: &TestDb, status: &str) {
+    sqlx::query("UPDATE job_runs SET status = $1")
+        .bind(status)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claims_of_one_key_have_exactly_one_winner() {
+    let db = test_db().await;
+    let tasks: Vec<_> = (0..8)
+        .map(|i| {
+            let pool = db.pool.clone();
+            tokio::spawn(async move {
+                let mut conn = pool.acquire().await.unwrap();
+                claim::claim(
+                    &mut conn,
+                    &key(),
+                    &owner(&format!("replica-{i}")),
+                    TTL,
+                    false,
+                )
+                .await
+                .unwrap()
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            ClaimOutcome::Won(c) => {
+                winners += 1;
+                assert_eq!(c.attempt, 1);
+            }
+            ClaimOutcome::Held { attempt, .. } => assert_eq!(attempt, 1),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(winners, 1);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1);
+}
+
+#[tokio::test]
+async fn a_failed_claim_is_taken_over_with_the_next_attempt() {
+    let db = test_db().await;
+    let first = won(claim_as(&db, "a", false).await);
+    assert!(claim::mark_failed(&db.pool, &first, "boom").await.unwrap());
+    let second = won(claim_as(&db, "b", false).await);
+    assert_eq!(second.attempt, 2);
+    assert!(second.took_over);
+    let (status, holder, err): (String, String, Option<String>) =
+        sqlx::query_as("SELECT status, owner, last_error FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), holder.as_str(), err),
+        ("RUNNING", "b", None)
+    );
+}
+
+#[tokio::test]
+async fn a_stale_running_claim_is_taken_over_and_a_live_one_is_not() {
+    let db = test_db().await;
+    won(claim_as(&db, "a", false).await);
+    // Live lease: nobody may take it, forced or not.
+    assert_eq!(
+        claim_as(&db, "b", false).await,
+        ClaimOutcome::Held {
+            owner: "a".into(),
+            attempt: 1
+        }
+    );
+    assert_eq!(
+        claim_as(&db, "b", true).await,
+        ClaimOutcome::Held {
+            owner: "a".into(),
+            attempt: 1
+        }
+    );
+    // Just inside the lease: still live.
+    age_heartbeat(&db.pool, bd("2026-10-31"), 3, 1, TTL.as_secs() as i64 - 5).await;
+    assert!(matches!(
+        claim_as(&db, "b", false).await,
+        ClaimOutcome::Held { .. }
+    ));
+    // Past the lease on the database clock: taken over.
+    age_heartbeat(&db.pool, bd("2026-10-31"), 3, 1, 10).await;
+    let taken = won(claim_as(&db, "b", false).await);
+    assert_eq!(taken.attempt, 2);
+}
+
+#[tokio::test]
+async fn success_blocks_a_rerun_unless_forced() {
+    let db = test_db().await;
+    let first = won(claim_as(&db, "a", false).await);
+    assert!(claim::record_batch(
+        &mut *db.pool.acquire().await.unwrap(),
+        &first,
+        &Batch {
+            last_id: Some(42),
+            scanned: 5,
+            updated: 4,
+            done: true
+        }
+    )
+    .await
+    .unwrap());
+    assert!(claim::mark_success(&db.pool, &first).await.unwrap());
+    assert_eq!(
+        claim_as(&db, "b", false).await,
+        ClaimOutcome::AlreadyDone { attempt: 1 }
+    );
+    let forced = won(claim_as(&db, "b", true).await);
+    assert_eq!(forced.attempt, 2);
+    // A forced re-run starts from the beginning, not from the old cursor.
+    assert_eq!(forced.resume_after, None);
+    let (scanned, last_id): (i64, Option<i64>) =
+        sqlx::query_as("SELECT scanned, last_id FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((scanned, last_id), (0, None));
+}
+
+#[tokio::test]
+async fn a_takeover_resumes_after_committed_progress() {
+    let db = test_db().await;
+    let first = won(claim_as(&db, "a", false).await);
+    let batch = Batch {
+        last_id: Some(1000),
+        scanned: 10,
+        updated: 10,
+        done: false,
+    };
+    assert!(
+        claim::record_batch(&mut *db.pool.acquire().await.unwrap(), &first, &batch)
+            .await
+            .unwrap()
+    );
+    set_status(&db, "FAILED").await;
+    let second = won(claim_as(&db, "b", false).await);
+    assert_eq!(second.resume_after, Some(1000));
+}
+
+#[tokio::test]
+async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
+    let db = test_db().await;
+    let zombie = won(claim_as(&db, "zombie", false).await);
+    age_heartbeat(&db.pool, bd("2026-10-31"), 3, 1, 3600).await;
+    let heir = won(claim_as(&db, "heir", false).await);
+    assert_eq!(heir.attempt, 2);
+
+    let batch = Batch {
+        last_id: Some(7),
+        scanned: 1,
+        updated: 1,
+        done: false,
+    };
+    assert!(
+        !claim::record_batch(&mut *db.pool.acquire().await.unwrap(), &zombie, &batch)
+            .await
+            .unwrap()
+    );
+    assert!(!claim::heartbeat(&db.pool, &zombie).await.unwrap());
+    assert!(!claim::mark_success(&db.pool, &zombie).await.unwrap());
+    assert!(!claim::mark_failed(&db.pool, &zombie, "zombie says hi")
+        .await
+        .unwrap());
+
+    let (status, attempt, holder, last_id, err): (
+        String,
+        i32,
+        String,
+        Option<i64>,
+        Option<String>,
+    ) = sqlx::query_as("SELECT status, attempt, owner, last_id, last_error FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        (status.as_str(), attempt, holder.as_str(), last_id, err),
+        ("RUNNING", 2, "heir", None, None)
+    );
+}
+
+#[tokio::test]
+async fn owners_of_two_processes_on_one_host_differ() {
+    let (a, b) = (Owner::for_process(), Owner::for_process());
+    assert_ne!(a, b);
+    assert!(a.0.contains(&std::process::id().to_string()));
+}
+
+#[tokio::test]
+async fn the_shard_count_is_part_of_the_key() {
+    let db = test_db().await;
+    let three = won(claim_as(&db, "a", false).await);
+    assert!(claim::mark_success(&db.pool, &three).await.unwrap());
+    let four = JobKey { shards: 4, ..key() };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let outcome = claim::claim(&mut conn, &four, &owner("a"), TTL, false)
+        .await
+        .unwrap();
+    assert_eq!(won(outcome).attempt, 1);
+}

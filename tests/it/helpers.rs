@@ -1,0 +1,204 @@
+//! Test harness: one private PostgreSQL cluster per test process, a fresh database per test.
+
+#![allow(dead_code)]
+
+use settlementd::calendar::BusinessDate;
+use settlementd::embedded_pg::{EmbeddedOptions, EmbeddedPg};
+use sqlx::{Connection, PgConnection, PgPool};
+use std::sync::OnceLock;
+
+/// The server every test database lives on: an admin URL template with `{db}` for the name.
+struct Server {
+    url_template: String,
+    /// Keeps the private cluster alive for the whole test process; the server dies with the process
+    /// (PR_SET_PDEATHSIG) and its directory is cleaned up by the next run.
+    _embedded: Option<EmbeddedPg>,
+}
+
+static SERVER: OnceLock<Server> = OnceLock::new();
+static TEMPLATE: tokio::sync::OnceCell<String> = tokio::sync::OnceCell::const_new();
+
+fn server() -> &'static Server {
+    SERVER.get_or_init(|| {
+        if let Ok(url) = std::env::var("TEST_DATABASE_URL") {
+            let mut parsed = url::Url::parse(&url).expect("TEST_DATABASE_URL is a URL");
+            parsed.set_path("/DBNAME");
+            return Server {
+                url_template: parsed.to_string(),
+                _embedded: None,
+            };
+        }
+        let pg = EmbeddedPg::start(EmbeddedOptions::default())
+            .expect("start a private PostgreSQL for the tests");
+        Server {
+            url_template: pg.url("DBNAME"),
+            _embedded: Some(pg),
+        }
+    })
+}
+
+pub fn url_for(db: &str) -> String {
+    server().url_template.replace("DBNAME", db)
+}
+
+async fn admin() -> PgConnection {
+    PgConnection::connect(&url_for("postgres"))
+        .await
+        .expect("connect to the test server")
+}
+
+/// A fresh database per test, cloned from a migrated template.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+    pub pool: PgPool,
+}
+
+pub async fn test_db() -> TestDb {
+    let template = TEMPLATE
+        .get_or_init(|| async {
+            let name = format!("settlementd_tmpl_{}", std::process::id());
+            let mut admin = admin().await;
+            sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+                .execute(&mut admin)
+                .await
+                .unwrap();
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut admin)
+                .await
+                .unwrap();
+            let mut conn = PgConnection::connect(&url_for(&name)).await.unwrap();
+            settlementd::db::MIGRATOR
+                .run(&mut conn)
+                .await
+                .expect("migrate the template");
+            conn.close().await.unwrap();
+            name
+        })
+        .await;
+    let name = format!("t_{:016x}", rand::random::<u64>());
+    let mut admin = admin().await;
+    // A template may not have other sessions; retry briefly if a sibling is cloning it right now.
+    for i in 0.. {
+        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+            .execute(&mut admin)
+            .await
+        {
+            Ok(_) => break,
+            Err(e) if i < 50 && e.to_string().contains("being accessed") => {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("create test database: {e}"),
+        }
+    }
+    let url = url_for(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(10)
+        .connect(&url)
+        .await
+        .expect("connect to the test database");
+    TestDb { name, url, pool }
+}
+
+/// An empty, unmigrated database (for migration tests).
+pub async fn empty_db() -> (String, String) {
+    let name = format!("e_{:016x}", rand::random::<u64>());
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
+    let url = url_for(&name);
+    (name, url)
+}
+
+pub fn bd(text: &str) -> BusinessDate {
+    BusinessDate::parse(text).unwrap()
+}
+
+/// Deterministic loans: `n` returned in `month`'s business date month (one in ten not returned),
+/// lateness from 15 days early to 45 days late (about a quarter on time, so fine 0), plus a few
+/// returned just before and just after the month, which a run must never touch.
+pub async fn seed_month(pool: &PgPool, month: BusinessDate, n: i64, first_id: i64) {
+    let days = (month.date() - month.first_day()).num_days() + 1;
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT i, i % 997, i % 1543, r - (((i * 7919) % 61) - 15) - 14, r - (((i * 7919) % 61) - 15),
+                CASE WHEN i % 10 = 0 THEN NULL ELSE r END
+           FROM (SELECT i, $2::date + ((i * 37) % $3)::int AS r
+                   FROM generate_series($4::bigint, $4::bigint + $1 - 1) AS i) s",
+    )
+    .bind(n)
+    .bind(month.first_day())
+    .bind(days)
+    .bind(first_id)
+    .execute(pool)
+    .await
+    .unwrap();
+    // Boundary rows: the day before the month and the day after it.
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES ($1, 1, 1, $2::date - 30, $2::date - 20, $2::date - 1),
+                ($1 + 1, 1, 1, $3::date - 30, $3::date - 20, $3::date + 1)",
+    )
+    .bind(first_id + n)
+    .bind(month.first_day())
+    .bind(month.date())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Rows a run of `month` must settle.
+pub async fn eligible(pool: &PgPool, month: BusinessDate) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM loans WHERE returned_on BETWEEN $1 AND $2")
+        .bind(month.first_day())
+        .bind(month.date())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Every byte of the loans table that settlement may change, in id order.
+pub async fn loans_snapshot(
+    pool: &PgPool,
+) -> Vec<(i64, i64, Option<chrono::DateTime<chrono::Utc>>)> {
+    sqlx::query_as("SELECT id, fine_cents, fine_settled_at FROM loans ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Ages a claim's heartbeat in SQL, as if its holder stopped renewing `secs` seconds ago.
+pub async fn age_heartbeat(
+    pool: &PgPool,
+    business_date: BusinessDate,
+    shards: i32,
+    shard: i32,
+    secs: i64,
+) {
+    sqlx::query(
+        "UPDATE job_runs SET heartbeat_at = heartbeat_at - make_interval(secs => $4)
+          WHERE business_date = $1 AND shards = $2 AND shard = $3",
+    )
+    .bind(business_date.date())
+    .bind(shards)
+    .bind(shard)
+    .bind(secs as f64)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// The `settlementd` binary with a clean environment pointing at `url` (when given).
+pub fn settlementd(url: Option<&str>) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_settlementd"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
+            cmd.env_remove(key);
+        }
+    }
+    if let Some(url) = url {
+        cmd.env("SETTLEMENTD__DATABASE__URL", url);
+    }
+    cmd
+}

@@ -1,0 +1,12 @@
+//! One integration-test binary. Every test runs against a real PostgreSQL: a private cluster the
+//! harness starts itself (server binaries from $SETTLEMENTD_PG_BINDIR or the machine's install), or
+//! the server named by $TEST_DATABASE_URL. Each test gets a fresh, migrated database.
+
+mod helpers;
+
+mod claim;
+mod cli;
+mod daemon;
+mod demo;
+mod schema;
+mod settle;
