@@ -122,7 +122,7 @@ pub async fn seed_month(pool: &PgPool, month: BusinessDate, n: i64, first_id: i6
     let days = (month.date() - month.first_day()).num_days() + 1;
     sqlx::query(
         "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
-         SELECT i, i % 997, i % 1543, r - (((i * 7919) % 61) - 15) - 14, r - (((i * 7919) % 61) - 15),
+         SELECT i, i % 997, i % 1543, r - (((i * 7919) % 61) - 15)::int - 14, r - (((i * 7919) % 61) - 15)::int,
                 CASE WHEN i % 10 = 0 THEN NULL ELSE r END
            FROM (SELECT i, $2::date + ((i * 37) % $3)::int AS r
                    FROM generate_series($4::bigint, $4::bigint + $1 - 1) AS i) s",

@@ -1,1 +1,508 @@
-//! Tests: settle.
+//! The settlement job end to end: sharding, duplicates, zombies, the seed's trap, resharding.
+
+use crate::helpers::*;
+use settlementd::calendar::BusinessDate;
+use settlementd::config::ShardSpec;
+use settlementd::fine::FineRule;
+use settlementd::jobs::{self, claim, Batch, Job, JobError, JobKey, Owner, RunOptions, RunReport};
+use settlementd::settlement::{self, FineSettlement, MonthPlan};
+use sqlx::{PgConnection, PgPool};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+const OCT: &str = "2026-10-31";
+
+fn job(batch_size: u32) -> FineSettlement {
+    FineSettlement {
+        rule: FineRule::default(),
+        batch_size,
+    }
+}
+
+fn opts(force: bool) -> RunOptions {
+    RunOptions {
+        owner: Owner::for_process(),
+        lease_ttl: Duration::from_secs(60),
+        heartbeat_every: Duration::from_secs(10),
+        force,
+        estimate: false,
+    }
+}
+
+fn shard(index: u32, count: u32) -> ShardSpec {
+    ShardSpec::new(index, count).unwrap()
+}
+
+async fn run(pool: &PgPool, month: BusinessDate, s: ShardSpec, force: bool) -> RunReport {
+    run_job(pool, &job(100), month, s, force).await.unwrap()
+}
+
+async fn run_job<J: Job>(
+    pool: &PgPool,
+    job: &J,
+    month: BusinessDate,
+    s: ShardSpec,
+    force: bool,
+) -> Result<RunReport, JobError> {
+    jobs::run_once(
+        pool,
+        job,
+        settlement::key(month, s),
+        &opts(force),
+        &CancellationToken::new(),
+        &|_| {},
+    )
+    .await
+}
+
+async fn settled_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn three_shards_settle_every_eligible_row_once_and_nothing_else() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    seed_month(&db.pool, bd("2026-11-30"), 300, 5000).await;
+    let mut updated = 0;
+    for i in 0..3 {
+        let report = run(&db.pool, oct, shard(i, 3), false).await;
+        assert_eq!(report.skipped, None);
+        assert_eq!(report.attempt, Some(1));
+        assert_eq!(report.scanned, report.updated);
+        updated += report.updated;
+    }
+    let eligible = eligible(&db.pool, oct).await;
+    assert_eq!(updated as i64, eligible);
+    assert_eq!(settled_count(&db.pool).await, eligible);
+    // Nothing outside the month (before, after, unreturned) was touched.
+    let outside: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL
+            AND (returned_on IS NULL OR returned_on NOT BETWEEN $1 AND $2)",
+    )
+    .bind(oct.first_day())
+    .bind(oct.date())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(outside, 0);
+    let statuses: Vec<String> = sqlx::query_scalar("SELECT status FROM job_runs ORDER BY shard")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(statuses, ["SUCCESS", "SUCCESS", "SUCCESS"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn duplicate_concurrent_runs_of_one_shard_settle_every_row_once() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 2000, 1).await;
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let pool = db.pool.clone();
+            tokio::spawn(async move { run(&pool, oct, shard(0, 1), false).await })
+        })
+        .collect();
+    let mut reports = Vec::new();
+    for r in runs {
+        reports.push(r.await.unwrap());
+    }
+    let worked: Vec<_> = reports.iter().filter(|r| r.skipped.is_none()).collect();
+    assert_eq!(
+        worked.len(),
+        1,
+        "exactly one duplicate wins the claim: {reports:?}"
+    );
+    let updated: u64 = reports.iter().map(|r| r.updated).sum();
+    assert_eq!(updated as i64, eligible(&db.pool, oct).await);
+    assert_eq!(settled_count(&db.pool).await, eligible(&db.pool, oct).await);
+}
+
+#[tokio::test]
+async fn zero_fine_rows_are_settled_and_a_forced_rerun_changes_no_byte() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    let first = run(&db.pool, oct, shard(0, 1), false).await;
+    let zero_fines: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_cents = 0 AND fine_settled_at IS NOT NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        zero_fines > 100,
+        "the data has on-time returns: {zero_fines}"
+    );
+    let before = loans_snapshot(&db.pool).await;
+    let totals = settlement::month_totals(&db.pool, oct).await.unwrap();
+
+    let rerun = run(&db.pool, oct, shard(0, 1), true).await;
+    assert_eq!(
+        (rerun.scanned, rerun.updated, rerun.attempt),
+        (0, 0, Some(2))
+    );
+    assert_eq!(
+        loans_snapshot(&db.pool).await,
+        before,
+        "a forced re-run changes no byte"
+    );
+    assert_eq!(
+        settlement::month_totals(&db.pool, oct).await.unwrap(),
+        totals
+    );
+    assert_eq!(first.updated as i64, totals.settled_rows);
+}
+
+#[tokio::test]
+async fn the_zero_fine_marker_of_the_seed_rescans_every_zero_fine_row() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    let rule = FineRule::default();
+    let first = settlement::settle_with_zero_fine_marker(&db.pool, oct, rule)
+        .await
+        .unwrap();
+    let zero_fines: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_cents = 0 AND returned_on BETWEEN $1 AND $2",
+    )
+    .bind(oct.first_day())
+    .bind(oct.date())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let second = settlement::settle_with_zero_fine_marker(&db.pool, oct, rule)
+        .await
+        .unwrap();
+    assert_eq!(first as i64, eligible(&db.pool, oct).await);
+    assert!(zero_fines > 0);
+    assert_eq!(
+        second as i64, zero_fines,
+        "the trap: every zero-fine row is processed again"
+    );
+}
+
+#[tokio::test]
+async fn resharding_from_three_to_four_replicas_settles_nothing_new() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    for i in 0..3 {
+        run(&db.pool, oct, shard(i, 3), false).await;
+    }
+    let before = loans_snapshot(&db.pool).await;
+    for i in 0..4 {
+        let report = run(&db.pool, oct, shard(i, 4), false).await;
+        // Fresh claims (the shard count is in the key), and they find nothing left to do.
+        assert_eq!(
+            (report.skipped, report.attempt, report.updated),
+            (None, Some(1), 0)
+        );
+    }
+    assert_eq!(loans_snapshot(&db.pool).await, before);
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM job_runs WHERE status = 'SUCCESS'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claims, 7);
+}
+
+#[tokio::test]
+async fn the_settlement_sql_agrees_with_the_pure_fine_rule() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    let rule = FineRule {
+        daily_rate_cents: 25,
+        grace_days: 3,
+        max_cents: 700,
+    };
+    let job = FineSettlement {
+        rule,
+        batch_size: 64,
+    };
+    run_job(&db.pool, &job, oct, shard(0, 1), false)
+        .await
+        .unwrap();
+    let rows: Vec<(chrono::NaiveDate, chrono::NaiveDate, i64)> = sqlx::query_as(
+        "SELECT due_on, returned_on, fine_cents FROM loans WHERE fine_settled_at IS NOT NULL",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(rows.len() > 800);
+    let mut capped = 0;
+    for (due_on, returned_on, fine) in rows {
+        assert_eq!(
+            fine,
+            rule.fine_cents(due_on, returned_on),
+            "due {due_on} returned {returned_on}"
+        );
+        capped += usize::from(fine == 700);
+    }
+    assert!(capped > 0, "the cap is exercised");
+}
+
+#[tokio::test]
+async fn business_dates_cover_december_across_the_year_end_and_leap_february() {
+    let db = test_db().await;
+    let dec = bd("2026-12-31");
+    let feb = bd("2028-02-29");
+    seed_month(&db.pool, dec, 500, 1).await;
+    seed_month(&db.pool, feb, 500, 1000).await;
+    let report = run(&db.pool, dec, shard(0, 1), false).await;
+    assert_eq!(report.updated as i64, eligible(&db.pool, dec).await);
+    let on_29th: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM loans WHERE returned_on = '2028-02-29'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(on_29th > 0);
+    let report = run(&db.pool, feb, shard(0, 1), false).await;
+    assert_eq!(report.updated as i64, eligible(&db.pool, feb).await);
+    let unsettled_29th: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE returned_on = '2028-02-29' AND fine_settled_at IS NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(unsettled_29th, 0);
+}
+
+/// Pauses the first batch after its work, before the runner fences it, so a test can take the
+/// claim over while the batch is in flight.
+struct PausedFirstBatch {
+    inner: FineSettlement,
+    reached: Arc<Notify>,
+    resume: Arc<Notify>,
+}
+
+impl Job for PausedFirstBatch {
+    type Plan = MonthPlan;
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    async fn plan(
+        &self,
+        pool: &PgPool,
+        key: &JobKey,
+        after: Option<i64>,
+        estimate: bool,
+    ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
+        self.inner.plan(pool, key, after, estimate).await
+    }
+    async fn run_batch(
+        &self,
+        tx: &mut PgConnection,
+        plan: &MonthPlan,
+        after: Option<i64>,
+    ) -> sqlx::Result<Batch> {
+        let batch = self.inner.run_batch(tx, plan, after).await?;
+        self.reached.notify_one();
+        self.resume.notified().await;
+        Ok(batch)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_zombie_batch_in_flight_during_a_takeover_is_rolled_back() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 600, 1).await;
+    let (reached, resume) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let zombie_job = PausedFirstBatch {
+        inner: job(100),
+        reached: reached.clone(),
+        resume: resume.clone(),
+    };
+    let pool = db.pool.clone();
+    let zombie =
+        tokio::spawn(async move { run_job(&pool, &zombie_job, oct, shard(0, 1), false).await });
+
+    reached.notified().await;
+    // The zombie has updated 100 rows in its open transaction. Its lease expires; an heir claims.
+    age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let key = settlement::key(oct, shard(0, 1));
+    let heir = match claim::claim(
+        &mut conn,
+        &key,
+        &Owner("heir".into()),
+        Duration::from_secs(60),
+        false,
+    )
+    .await
+    .unwrap()
+    {
+        claim::ClaimOutcome::Won(c) => c,
+        other => panic!("heir should take over: {other:?}"),
+    };
+    drop(conn);
+    resume.notify_one();
+    let err = zombie.await.unwrap().unwrap_err();
+    assert!(
+        matches!(err, JobError::LeaseLost { attempt: 1, .. }),
+        "{err}"
+    );
+    assert_eq!(
+        settled_count(&db.pool).await,
+        0,
+        "the zombie's batch was rolled back"
+    );
+    let (status, attempt, owner): (String, i32, String) =
+        sqlx::query_as("SELECT status, attempt, owner FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), attempt, owner.as_str()),
+        ("RUNNING", 2, "heir")
+    );
+
+    // The heir dies too; the next run takes over and settles everything exactly once.
+    assert!(claim::mark_failed(&db.pool, &heir, "heir crashed")
+        .await
+        .unwrap());
+    let last = run(&db.pool, oct, shard(0, 1), false).await;
+    assert_eq!(last.attempt, Some(3));
+    assert_eq!(last.updated as i64, eligible(&db.pool, oct).await);
+}
+
+#[tokio::test]
+async fn an_interrupted_run_is_marked_failed_and_the_next_run_resumes_after_its_progress() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    let shutdown = CancellationToken::new();
+    let stop_after_first_batch = {
+        let shutdown = shutdown.clone();
+        move |p: jobs::Progress| {
+            if p.scanned > 0 {
+                shutdown.cancel();
+            }
+        }
+    };
+    let key = settlement::key(oct, shard(0, 1));
+    let err = jobs::run_once(
+        &db.pool,
+        &job(100),
+        key,
+        &opts(false),
+        &shutdown,
+        &stop_after_first_batch,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, JobError::Interrupted));
+    let (status, error, last_id, updated): (String, Option<String>, Option<i64>, i64) =
+        sqlx::query_as("SELECT status, last_error, last_id, updated FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (status.as_str(), error.as_deref(), updated),
+        ("FAILED", Some("interrupted: shutdown"), 100)
+    );
+    assert_eq!(
+        settled_count(&db.pool).await,
+        100,
+        "the batch in flight committed"
+    );
+
+    let resumed = run(&db.pool, oct, shard(0, 1), false).await;
+    assert_eq!(resumed.attempt, Some(2));
+    assert_eq!(
+        resumed.scanned as i64,
+        eligible(&db.pool, oct).await - 100,
+        "resumed after id {last_id:?}"
+    );
+    assert_eq!(settled_count(&db.pool).await, eligible(&db.pool, oct).await);
+}
+
+#[tokio::test]
+async fn a_failing_batch_commits_nothing_marks_the_run_failed_and_a_retry_finishes() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 1000, 1).await;
+    // Row 451 cannot be settled: the fourth or fifth batch fails.
+    sqlx::query(
+        "CREATE FUNCTION refuse_451() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN IF NEW.id = 451 THEN RAISE EXCEPTION 'loan 451 is locked by libraryd'; END IF; RETURN NEW; END $$",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("CREATE TRIGGER refuse_451 BEFORE UPDATE ON loans FOR EACH ROW EXECUTE FUNCTION refuse_451()")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let err = run_job(&db.pool, &job(100), oct, shard(0, 1), false)
+        .await
+        .unwrap_err();
+    assert!(err.is_retryable(), "{err}");
+    let (status, error, last_id): (String, Option<String>, Option<i64>) =
+        sqlx::query_as("SELECT status, last_error, last_id FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(status, "FAILED");
+    assert!(error.unwrap().contains("loan 451"));
+    let last_id = last_id.expect("earlier batches committed progress");
+    assert!(last_id < 451);
+    let settled_beyond: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL AND id > $1",
+    )
+    .bind(last_id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(settled_beyond, 0, "the failed batch committed nothing");
+
+    sqlx::query("DROP TRIGGER refuse_451 ON loans")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let retry = run(&db.pool, oct, shard(0, 1), false).await;
+    assert_eq!(retry.attempt, Some(2));
+    assert_eq!(settled_count(&db.pool).await, eligible(&db.pool, oct).await);
+}
+
+#[tokio::test]
+async fn a_heartbeat_that_finds_its_claim_taken_over_reports_the_loss() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    let key = settlement::key(oct, shard(0, 1));
+    let mut conn = db.pool.acquire().await.unwrap();
+    let ttl = Duration::from_secs(60);
+    let mine = match claim::claim(&mut conn, &key, &Owner("a".into()), ttl, false)
+        .await
+        .unwrap()
+    {
+        claim::ClaimOutcome::Won(c) => c,
+        other => panic!("{other:?}"),
+    };
+    let heartbeat = jobs::lease::Heartbeat::spawn(db.pool.clone(), mine, Duration::from_millis(20));
+    age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
+    // The heartbeat may renew between the ageing and the takeover: age until the takeover wins.
+    loop {
+        if let claim::ClaimOutcome::Won(_) =
+            claim::claim(&mut conn, &key, &Owner("b".into()), ttl, false)
+                .await
+                .unwrap()
+        {
+            break;
+        }
+        age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
+    }
+    tokio::time::timeout(Duration::from_secs(30), heartbeat.lost().cancelled())
+        .await
+        .expect("the heartbeat notices the lost claim");
+    heartbeat.stop().await;
+}
