@@ -1,1 +1,222 @@
-//! Tests: cli.
+//! The binary's contract: JSON output, exit codes, one-line errors, secrets kept out of errors.
+
+use crate::helpers::*;
+use std::process::Output;
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).to_string()
+}
+
+/// Exit 2 with exactly one line on stderr and no panic or backtrace.
+fn assert_invalid(out: &Output, needle: &str) {
+    let err = stderr_of(out);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line expected: {err}");
+    assert!(err.contains(needle), "'{err}' should mention '{needle}'");
+    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+}
+
+const UNREACHABLE: &str = "postgres://settle:hunter2@127.0.0.1:1/libraryd";
+
+#[tokio::test]
+async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
+    let out = settlementd(Some(&db.url))
+        .args(["run", "--business-date", "2026-10-31", "--shard", "1", "--shards", "2", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(stdout.trim_end().lines().count(), 1, "{stdout}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let mut keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
+    keys.sort();
+    assert_eq!(keys, ["attempt", "business_date", "elapsed_ms", "scanned", "shard", "shards", "skipped", "updated"]);
+    assert_eq!(v["business_date"], "2026-10-31");
+    assert_eq!((v["shard"].as_u64(), v["shards"].as_u64()), (Some(1), Some(2)));
+    assert_eq!((v["skipped"].as_bool(), v["attempt"].as_i64()), (Some(false), Some(1)));
+    let expected: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31' AND id % 2 = 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(v["updated"].as_i64(), Some(expected));
+
+    // The same run again is skipped, still exit 0, still one object.
+    let again = settlementd(Some(&db.url))
+        .args(["run", "--business-date", "2026-10-31", "--shard", "1", "--shards", "2", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(again.status.code(), Some(0));
+    let v: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!((v["skipped"].as_bool(), v["scanned"].as_u64(), v["updated"].as_u64()), (Some(true), Some(0), Some(0)));
+}
+
+#[tokio::test]
+async fn run_prints_a_readable_summary_and_status_shows_every_shard() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
+    let out = settlementd(Some(&db.url))
+        .args(["run", "--business-date", "2026-10-31", "--shards", "3"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("SUCCESS attempt 1") && text.contains("shard 0/3"), "{text}");
+
+    let out = settlementd(Some(&db.url))
+        .args(["status", "--business-date", "2026-10-31", "--shards", "3", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let runs = v["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 3);
+    assert_eq!(runs[0]["status"], "SUCCESS");
+    assert_eq!((runs[1]["status"].as_str(), runs[2]["status"].as_str()), (Some("missing"), Some("missing")));
+    let totals = settlementd::settlement::month_totals(&db.pool, bd("2026-10-31")).await.unwrap();
+    assert_eq!(v["totals"]["settled_rows"].as_i64(), Some(totals.settled_rows));
+    assert_eq!(v["totals"]["digest"].as_str(), Some(totals.digest.as_str()));
+
+    let out = settlementd(Some(&db.url))
+        .args(["status", "--business-date", "2026-10-31", "--shards", "3"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("SUCCESS") && text.contains("missing") && text.contains(&totals.digest), "{text}");
+}
+
+#[tokio::test]
+async fn bad_command_line_input_exits_2_with_one_line() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["run", "--bogus"], "--bogus"),
+        (&["run", "--business-date", "2026-10-30"], "last day of a month"),
+        (&["run", "--business-date", "yesterday"], "YYYY-MM-DD"),
+        (&["run", "--business-date", "2026-10-31", "--shard", "3", "--shards", "3"], "shard.index"),
+        (&["run", "--business-date", "2026-10-31", "--shards", "0"], "shard.count"),
+        (&["run", "--shard", "-1"], "-1"),
+        (&["status", "--shards", "0"], "shards"),
+        (&["frobnicate"], "frobnicate"),
+    ];
+    for (args, needle) in cases {
+        // An unreachable database: input errors must be reported before any connection attempt.
+        let out = settlementd(Some(UNREACHABLE)).args(*args).output().unwrap();
+        assert_invalid(&out, needle);
+    }
+}
+
+#[tokio::test]
+async fn bad_configuration_exits_2_with_one_line_naming_the_key() {
+    let cases: &[(&str, &str, &str)] = &[
+        ("SETTLEMENTD__LEASE__TTL_SECS", "20", "lease.ttl_secs"),
+        ("SETTLEMENTD__SHARD__INDEX", "7", "shard.index"),
+        ("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus", "schedule.timezone"),
+        ("SETTLEMENTD__SCHEDULE__CRON", "every monday", "schedule.cron"),
+        ("SETTLEMENTD__BATCH__SIZE", "lots", "size"),
+        ("SETTLEMENTD__FINE__MAX_CENTS", "-5", "fine.max_cents"),
+    ];
+    for (key, value, needle) in cases {
+        let out = settlementd(Some(UNREACHABLE))
+            .env(key, value)
+            .args(["run", "--business-date", "2026-10-31"])
+            .output()
+            .unwrap();
+        assert_invalid(&out, needle);
+    }
+    let out = settlementd(Some(UNREACHABLE)).args(["--config", "/nonexistent.toml", "run"]).output().unwrap();
+    assert_invalid(&out, "/nonexistent.toml");
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "[shard]\nindex = \"two\"\n").unwrap();
+    let out = settlementd(Some(UNREACHABLE))
+        .args(["--config", file.path().to_str().unwrap(), "run"])
+        .output()
+        .unwrap();
+    assert_invalid(&out, "index");
+    let out = settlementd(None).args(["run", "--business-date", "2026-10-31"]).output().unwrap();
+    assert_invalid(&out, "DATABASE_URL");
+}
+
+#[tokio::test]
+async fn an_unreachable_database_fails_with_exit_1_and_no_password() {
+    let out = settlementd(Some(UNREACHABLE))
+        .args(["run", "--business-date", "2026-10-31"])
+        .output()
+        .unwrap();
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("127.0.0.1:1"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+}
+
+#[tokio::test]
+async fn a_config_file_sits_between_the_defaults_and_the_environment() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-10-31"), 200, 1).await;
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), "[shard]\nindex = 1\ncount = 2\n[fine]\ndaily_rate_cents = 7\n").unwrap();
+    let out = settlementd(Some(&db.url))
+        .env("SETTLEMENTD__SHARD__INDEX", "0")
+        .args(["--config", file.path().to_str().unwrap(), "run", "--business-date", "2026-10-31", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!((v["shard"].as_u64(), v["shards"].as_u64()), (Some(0), Some(2)));
+    let max_fine: i64 = sqlx::query_scalar("SELECT max(fine_cents) FROM loans").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(max_fine % 7, 0, "the file's fine rate applied");
+    assert!(max_fine > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_are_safe_when_replicas_apply_them_at_once() {
+    let (_name, url) = empty_db().await;
+    let children: Vec<_> = (0..4)
+        .map(|_| settlementd(Some(&url)).arg("migrate").stderr(std::process::Stdio::piped()).spawn().unwrap())
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    }
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    assert!(settlementd::db::schema_is_current(&pool).await.unwrap());
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&pool).await.unwrap();
+    assert_eq!(applied as usize, settlementd::db::MIGRATOR.iter().count());
+}
+
+#[tokio::test]
+async fn migrating_an_existing_libraryd_table_only_adds_what_it_lacks() {
+    let (_name, url) = empty_db().await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE loans (id bigint PRIMARY KEY, member_id bigint NOT NULL, book_id bigint NOT NULL,
+                             borrowed_on date NOT NULL, due_on date NOT NULL, returned_on date,
+                             librarian_note text)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("INSERT INTO loans VALUES (1, 1, 1, '2026-09-01', '2026-09-15', '2026-10-02', 'kept')")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let out = settlementd(Some(&url)).arg("migrate").output().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let (note, fine, settled): (String, i64, Option<chrono::DateTime<chrono::Utc>>) =
+        sqlx::query_as("SELECT librarian_note, fine_cents, fine_settled_at FROM loans")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((note.as_str(), fine, settled), ("kept", 0, None));
+}
+
+#[test]
+fn help_prints_and_exits_0() {
+    let out = settlementd(None).arg("--help").output().unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for command in ["migrate", "run", "status", "serve", "schedule", "seed", "demo"] {
+        assert!(text.contains(command), "{text}");
+    }
+}
