@@ -1,0 +1,25 @@
+# settlementd: one replica per container. Build: docker build -t settlementd .
+# Run: docker run -e DATABASE_URL=postgres://... -e SETTLEMENTD__SHARD__INDEX=0 \
+#        -e SETTLEMENTD__SHARD__COUNT=3 -p 9464:9464 settlementd
+FROM rust:1.95-bookworm AS build
+WORKDIR /src
+# Dependencies first, so source edits do not rebuild them.
+COPY Cargo.toml Cargo.lock build.rs ./
+RUN mkdir -p src benches && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
+    && echo 'fn main() {}' > benches/settle.rs && mkdir migrations \
+    && cargo build --release --locked --bin settlementd || true
+COPY src src
+COPY migrations migrations
+COPY config config
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin settlementd
+
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates tzdata \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --system --uid 10001 --no-create-home settlementd
+COPY --from=build /src/target/release/settlementd /usr/local/bin/settlementd
+USER 10001
+EXPOSE 9464
+ENV SETTLEMENTD__LOG__FORMAT=json
+ENTRYPOINT ["settlementd"]
+CMD ["serve"]
