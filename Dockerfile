@@ -3,15 +3,9 @@
 #        -e SETTLEMENTD__SHARD__COUNT=3 -p 9464:9464 settlementd
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
-# Dependencies first, so source edits do not rebuild them.
-COPY Cargo.toml Cargo.lock build.rs ./
-RUN mkdir -p src benches && echo 'fn main() {}' > src/main.rs && echo '' > src/lib.rs \
-    && echo 'fn main() {}' > benches/settle.rs && mkdir migrations \
-    && cargo build --release --locked --bin settlementd || true
-COPY src src
-COPY migrations migrations
-COPY config config
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin settlementd
+# Every target named in Cargo.toml (tests, benches) must exist for cargo to read the manifest.
+COPY . .
+RUN cargo build --release --locked --bin settlementd
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates tzdata \
