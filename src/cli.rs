@@ -155,7 +155,20 @@ impl From<DbError> for AppError {
 }
 impl From<JobError> for AppError {
     fn from(e: JobError) -> Self {
-        AppError::Failed(e.to_string())
+        AppError::Failed(with_hint(e.to_string(), undefined_table(&e)))
+    }
+}
+
+/// Missing tables mean the database was never migrated: say how to fix it.
+fn undefined_table(e: &JobError) -> bool {
+    matches!(e, JobError::Db(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01"))
+}
+
+fn with_hint(message: String, missing_schema: bool) -> String {
+    if missing_schema {
+        format!("{message} (run `settlementd migrate` first)")
+    } else {
+        message
     }
 }
 impl From<EmbeddedError> for AppError {
@@ -169,7 +182,7 @@ impl From<EmbeddedError> for AppError {
 }
 impl From<sqlx::Error> for AppError {
     fn from(e: sqlx::Error) -> Self {
-        AppError::Failed(format!("database error: {e}"))
+        AppError::from(JobError::Db(e))
     }
 }
 
@@ -303,6 +316,24 @@ pub fn business_date_or_default(
     }
 }
 
+/// Refuses a month that has not ended yet in the configured zone: a SUCCESS claim for it would make
+/// the scheduled run skip every loan returned after this moment.
+pub fn ensure_month_is_over(
+    business_date: BusinessDate,
+    settings: &Settings,
+    clock: &dyn Clock,
+) -> Result<()> {
+    let zone = settings.schedule.timezone;
+    let today = clock.now().with_timezone(&zone).date_naive();
+    if business_date.date() >= today {
+        return Err(AppError::Invalid(format!(
+            "business date {business_date} is not over yet in {zone} (today is {today}): settling it now \
+             would skip loans returned later in the month"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs one parsed command to completion.
 pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
     match cli.command {
@@ -350,6 +381,7 @@ async fn run_command(args: RunArgs, settings: Settings) -> Result<()> {
     )?;
     let business_date =
         business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
+    ensure_month_is_over(business_date, &settings, &SystemClock)?;
     let database = Database::open(&settings, args.db.embedded_db).await?;
     if database.embedded.is_some() {
         db::migrate(&database.pool).await?;

@@ -50,15 +50,24 @@ impl FineRule {
             .min(self.max_cents)
     }
 
-    /// Every field must be non-negative.
+    /// Upper bounds that keep the SQL expression inside bigint for any pair of PostgreSQL dates
+    /// (at most ~5.9 million days apart), so a strange row can never overflow a batch.
+    pub const MAX_DAILY_RATE_CENTS: i64 = 1_000_000_000;
+    pub const MAX_GRACE_DAYS: i64 = 36_500;
+
+    /// Every field must be non-negative and within the bounds above.
     pub fn validate(&self) -> Result<(), String> {
-        for (name, value) in [
-            ("fine.daily_rate_cents", self.daily_rate_cents),
-            ("fine.grace_days", self.grace_days),
-            ("fine.max_cents", self.max_cents),
+        for (name, value, max) in [
+            (
+                "fine.daily_rate_cents",
+                self.daily_rate_cents,
+                Self::MAX_DAILY_RATE_CENTS,
+            ),
+            ("fine.grace_days", self.grace_days, Self::MAX_GRACE_DAYS),
+            ("fine.max_cents", self.max_cents, i64::MAX),
         ] {
-            if value < 0 {
-                return Err(format!("{name} must be >= 0, got {value}"));
+            if !(0..=max).contains(&value) {
+                return Err(format!("{name} must be between 0 and {max}, got {value}"));
             }
         }
         Ok(())

@@ -248,14 +248,23 @@ async fn the_shard_count_is_part_of_the_key() {
 #[tokio::test]
 async fn the_harness_runs_the_server_binaries_it_was_given() {
     let db = test_db().await;
-    let version: String = sqlx::query_scalar("SHOW server_version").fetch_one(&db.pool).await.unwrap();
+    let version: String = sqlx::query_scalar("SHOW server_version")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     if std::env::var("TEST_DATABASE_URL").is_ok() {
         return; // An external server: no binaries of ours to compare with.
     }
     let bindir = settlementd::embedded_pg::find_bindir().unwrap();
-    let out = std::process::Command::new(bindir.join("postgres")).arg("--version").output().unwrap();
+    let out = std::process::Command::new(bindir.join("postgres"))
+        .arg("--version")
+        .output()
+        .unwrap();
     let expected = String::from_utf8_lossy(&out.stdout);
     let major = version.split(['.', ' ']).next().unwrap();
-    assert!(expected.contains(&format!(" {major}.")), "server {version}, binaries say {expected}");
+    assert!(
+        expected.contains(&format!(" {major}.")),
+        "server {version}, binaries say {expected}"
+    );
     eprintln!("PostgreSQL server under test: {version}");
 }

@@ -11,9 +11,16 @@ fn stderr_of(out: &Output) -> String {
 fn assert_invalid(out: &Output, needle: &str) {
     let err = stderr_of(out);
     assert_eq!(out.status.code(), Some(2), "stderr: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "one line expected: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "one line expected: {err}"
+    );
     assert!(err.contains(needle), "'{err}' should mention '{needle}'");
-    assert!(!err.contains("panicked") && !err.contains("backtrace"), "{err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("backtrace"),
+        "{err}"
+    );
 }
 
 const UNREACHABLE: &str = "postgres://settle:hunter2@127.0.0.1:1/libraryd";
@@ -23,7 +30,16 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
     let db = test_db().await;
     seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
     let out = settlementd(Some(&db.url))
-        .args(["run", "--business-date", "2026-10-31", "--shard", "1", "--shards", "2", "--json"])
+        .args([
+            "run",
+            "--business-date",
+            "2026-10-31",
+            "--shard",
+            "1",
+            "--shards",
+            "2",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
@@ -32,10 +48,28 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
     let mut keys: Vec<_> = v.as_object().unwrap().keys().cloned().collect();
     keys.sort();
-    assert_eq!(keys, ["attempt", "business_date", "elapsed_ms", "scanned", "shard", "shards", "skipped", "updated"]);
+    assert_eq!(
+        keys,
+        [
+            "attempt",
+            "business_date",
+            "elapsed_ms",
+            "scanned",
+            "shard",
+            "shards",
+            "skipped",
+            "updated"
+        ]
+    );
     assert_eq!(v["business_date"], "2026-10-31");
-    assert_eq!((v["shard"].as_u64(), v["shards"].as_u64()), (Some(1), Some(2)));
-    assert_eq!((v["skipped"].as_bool(), v["attempt"].as_i64()), (Some(false), Some(1)));
+    assert_eq!(
+        (v["shard"].as_u64(), v["shards"].as_u64()),
+        (Some(1), Some(2))
+    );
+    assert_eq!(
+        (v["skipped"].as_bool(), v["attempt"].as_i64()),
+        (Some(false), Some(1))
+    );
     let expected: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31' AND id % 2 = 1",
     )
@@ -46,12 +80,28 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
 
     // The same run again is skipped, still exit 0, still one object.
     let again = settlementd(Some(&db.url))
-        .args(["run", "--business-date", "2026-10-31", "--shard", "1", "--shards", "2", "--json"])
+        .args([
+            "run",
+            "--business-date",
+            "2026-10-31",
+            "--shard",
+            "1",
+            "--shards",
+            "2",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert_eq!(again.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
-    assert_eq!((v["skipped"].as_bool(), v["scanned"].as_u64(), v["updated"].as_u64()), (Some(true), Some(0), Some(0)));
+    assert_eq!(
+        (
+            v["skipped"].as_bool(),
+            v["scanned"].as_u64(),
+            v["updated"].as_u64()
+        ),
+        (Some(true), Some(0), Some(0))
+    );
 }
 
 #[tokio::test]
@@ -63,10 +113,20 @@ async fn run_prints_a_readable_summary_and_status_shows_every_shard() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("SUCCESS attempt 1") && text.contains("shard 0/3"), "{text}");
+    assert!(
+        text.contains("SUCCESS attempt 1") && text.contains("shard 0/3"),
+        "{text}"
+    );
 
     let out = settlementd(Some(&db.url))
-        .args(["status", "--business-date", "2026-10-31", "--shards", "3", "--json"])
+        .args([
+            "status",
+            "--business-date",
+            "2026-10-31",
+            "--shards",
+            "3",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
@@ -74,9 +134,17 @@ async fn run_prints_a_readable_summary_and_status_shows_every_shard() {
     let runs = v["runs"].as_array().unwrap();
     assert_eq!(runs.len(), 3);
     assert_eq!(runs[0]["status"], "SUCCESS");
-    assert_eq!((runs[1]["status"].as_str(), runs[2]["status"].as_str()), (Some("missing"), Some("missing")));
-    let totals = settlementd::settlement::month_totals(&db.pool, bd("2026-10-31")).await.unwrap();
-    assert_eq!(v["totals"]["settled_rows"].as_i64(), Some(totals.settled_rows));
+    assert_eq!(
+        (runs[1]["status"].as_str(), runs[2]["status"].as_str()),
+        (Some("missing"), Some("missing"))
+    );
+    let totals = settlementd::settlement::month_totals(&db.pool, bd("2026-10-31"))
+        .await
+        .unwrap();
+    assert_eq!(
+        v["totals"]["settled_rows"].as_i64(),
+        Some(totals.settled_rows)
+    );
     assert_eq!(v["totals"]["digest"].as_str(), Some(totals.digest.as_str()));
 
     let out = settlementd(Some(&db.url))
@@ -84,19 +152,40 @@ async fn run_prints_a_readable_summary_and_status_shows_every_shard() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("SUCCESS") && text.contains("missing") && text.contains(&totals.digest), "{text}");
+    assert!(
+        text.contains("SUCCESS") && text.contains("missing") && text.contains(&totals.digest),
+        "{text}"
+    );
 }
 
 #[tokio::test]
 async fn bad_command_line_input_exits_2_with_one_line() {
     let cases: &[(&[&str], &str)] = &[
         (&["run", "--bogus"], "--bogus"),
-        (&["run", "--business-date", "2026-10-30"], "last day of a month"),
+        (
+            &["run", "--business-date", "2026-10-30"],
+            "last day of a month",
+        ),
         (&["run", "--business-date", "yesterday"], "YYYY-MM-DD"),
-        (&["run", "--business-date", "2026-10-31", "--shard", "3", "--shards", "3"], "shard.index"),
-        (&["run", "--business-date", "2026-10-31", "--shards", "0"], "shard.count"),
+        (
+            &[
+                "run",
+                "--business-date",
+                "2026-10-31",
+                "--shard",
+                "3",
+                "--shards",
+                "3",
+            ],
+            "shard.index",
+        ),
+        (
+            &["run", "--business-date", "2026-10-31", "--shards", "0"],
+            "shard.count",
+        ),
         (&["run", "--shard", "-1"], "-1"),
         (&["status", "--shards", "0"], "shards"),
+        (&["run", "--business-date", "2999-12-31"], "not over yet"),
         (&["frobnicate"], "frobnicate"),
     ];
     for (args, needle) in cases {
@@ -111,10 +200,23 @@ async fn bad_configuration_exits_2_with_one_line_naming_the_key() {
     let cases: &[(&str, &str, &str)] = &[
         ("SETTLEMENTD__LEASE__TTL_SECS", "20", "lease.ttl_secs"),
         ("SETTLEMENTD__SHARD__INDEX", "7", "shard.index"),
-        ("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus", "schedule.timezone"),
-        ("SETTLEMENTD__SCHEDULE__CRON", "every monday", "schedule.cron"),
+        (
+            "SETTLEMENTD__SCHEDULE__TIMEZONE",
+            "Mars/Olympus",
+            "schedule.timezone",
+        ),
+        (
+            "SETTLEMENTD__SCHEDULE__CRON",
+            "every monday",
+            "schedule.cron",
+        ),
         ("SETTLEMENTD__BATCH__SIZE", "lots", "size"),
         ("SETTLEMENTD__FINE__MAX_CENTS", "-5", "fine.max_cents"),
+        (
+            "SETTLEMENTD__FINE__DAILY_RATE_CENTS",
+            "99999999999",
+            "fine.daily_rate_cents",
+        ),
     ];
     for (key, value, needle) in cases {
         let out = settlementd(Some(UNREACHABLE))
@@ -124,7 +226,10 @@ async fn bad_configuration_exits_2_with_one_line_naming_the_key() {
             .unwrap();
         assert_invalid(&out, needle);
     }
-    let out = settlementd(Some(UNREACHABLE)).args(["--config", "/nonexistent.toml", "run"]).output().unwrap();
+    let out = settlementd(Some(UNREACHABLE))
+        .args(["--config", "/nonexistent.toml", "run"])
+        .output()
+        .unwrap();
     assert_invalid(&out, "/nonexistent.toml");
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), "[shard]\nindex = \"two\"\n").unwrap();
@@ -133,8 +238,23 @@ async fn bad_configuration_exits_2_with_one_line_naming_the_key() {
         .output()
         .unwrap();
     assert_invalid(&out, "index");
-    let out = settlementd(None).args(["run", "--business-date", "2026-10-31"]).output().unwrap();
+    let out = settlementd(None)
+        .args(["run", "--business-date", "2026-10-31"])
+        .output()
+        .unwrap();
     assert_invalid(&out, "DATABASE_URL");
+}
+
+#[tokio::test]
+async fn running_against_an_unmigrated_database_says_to_migrate() {
+    let (_name, url) = empty_db().await;
+    let out = settlementd(Some(&url))
+        .args(["run", "--business-date", "2026-10-31"])
+        .output()
+        .unwrap();
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("settlementd migrate"), "{err}");
 }
 
 #[tokio::test]
@@ -155,16 +275,33 @@ async fn a_config_file_sits_between_the_defaults_and_the_environment() {
     let db = test_db().await;
     seed_month(&db.pool, bd("2026-10-31"), 200, 1).await;
     let file = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(file.path(), "[shard]\nindex = 1\ncount = 2\n[fine]\ndaily_rate_cents = 7\n").unwrap();
+    std::fs::write(
+        file.path(),
+        "[shard]\nindex = 1\ncount = 2\n[fine]\ndaily_rate_cents = 7\n",
+    )
+    .unwrap();
     let out = settlementd(Some(&db.url))
         .env("SETTLEMENTD__SHARD__INDEX", "0")
-        .args(["--config", file.path().to_str().unwrap(), "run", "--business-date", "2026-10-31", "--json"])
+        .args([
+            "--config",
+            file.path().to_str().unwrap(),
+            "run",
+            "--business-date",
+            "2026-10-31",
+            "--json",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!((v["shard"].as_u64(), v["shards"].as_u64()), (Some(0), Some(2)));
-    let max_fine: i64 = sqlx::query_scalar("SELECT max(fine_cents) FROM loans").fetch_one(&db.pool).await.unwrap();
+    assert_eq!(
+        (v["shard"].as_u64(), v["shards"].as_u64()),
+        (Some(0), Some(2))
+    );
+    let max_fine: i64 = sqlx::query_scalar("SELECT max(fine_cents) FROM loans")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(max_fine % 7, 0, "the file's fine rate applied");
     assert!(max_fine > 0);
 }
@@ -173,7 +310,13 @@ async fn a_config_file_sits_between_the_defaults_and_the_environment() {
 async fn migrations_are_safe_when_replicas_apply_them_at_once() {
     let (_name, url) = empty_db().await;
     let children: Vec<_> = (0..4)
-        .map(|_| settlementd(Some(&url)).arg("migrate").stderr(std::process::Stdio::piped()).spawn().unwrap())
+        .map(|_| {
+            settlementd(Some(&url))
+                .arg("migrate")
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
         .collect();
     for child in children {
         let out = child.wait_with_output().unwrap();
@@ -181,7 +324,10 @@ async fn migrations_are_safe_when_replicas_apply_them_at_once() {
     }
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     assert!(settlementd::db::schema_is_current(&pool).await.unwrap());
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations").fetch_one(&pool).await.unwrap();
+    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     assert_eq!(applied as usize, settlementd::db::MIGRATOR.iter().count());
 }
 
@@ -197,10 +343,12 @@ async fn migrating_an_existing_libraryd_table_only_adds_what_it_lacks() {
     .execute(&pool)
     .await
     .unwrap();
-    sqlx::query("INSERT INTO loans VALUES (1, 1, 1, '2026-09-01', '2026-09-15', '2026-10-02', 'kept')")
-        .execute(&pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "INSERT INTO loans VALUES (1, 1, 1, '2026-09-01', '2026-09-15', '2026-10-02', 'kept')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     let out = settlementd(Some(&url)).arg("migrate").output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let (note, fine, settled): (String, i64, Option<chrono::DateTime<chrono::Utc>>) =
@@ -216,7 +364,9 @@ fn help_prints_and_exits_0() {
     let out = settlementd(None).arg("--help").output().unwrap();
     assert_eq!(out.status.code(), Some(0));
     let text = String::from_utf8_lossy(&out.stdout);
-    for command in ["migrate", "run", "status", "serve", "schedule", "seed", "demo"] {
+    for command in [
+        "migrate", "run", "status", "serve", "schedule", "seed", "demo",
+    ] {
         assert!(text.contains(command), "{text}");
     }
 }
