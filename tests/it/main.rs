@@ -8,5 +8,6 @@ mod claim;
 mod cli;
 mod daemon;
 mod demo;
+mod fault;
 mod schema;
 mod settle;
