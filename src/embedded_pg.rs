@@ -295,7 +295,7 @@ pub fn find_bindir() -> Result<PathBuf> {
         .flatten()
         .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
         .collect();
-    versions.sort_by(|a, b| b.0.cmp(&a.0));
+    versions.sort_by_key(|v| std::cmp::Reverse(v.0));
     candidates.extend(versions.into_iter().map(|(_, dir)| dir));
     candidates
         .into_iter()
