@@ -136,7 +136,7 @@ async fn success_blocks_a_rerun_unless_forced() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
     assert!(claim::record_batch(
-        &mut *db.pool.acquire().await.unwrap(),
+        &mut db.pool.acquire().await.unwrap(),
         &first,
         &Batch {
             last_id: Some(42),
@@ -175,7 +175,7 @@ async fn a_takeover_resumes_after_committed_progress() {
         done: false,
     };
     assert!(
-        claim::record_batch(&mut *db.pool.acquire().await.unwrap(), &first, &batch)
+        claim::record_batch(&mut db.pool.acquire().await.unwrap(), &first, &batch)
             .await
             .unwrap()
     );
@@ -199,7 +199,7 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
         done: false,
     };
     assert!(
-        !claim::record_batch(&mut *db.pool.acquire().await.unwrap(), &zombie, &batch)
+        !claim::record_batch(&mut db.pool.acquire().await.unwrap(), &zombie, &batch)
             .await
             .unwrap()
     );
