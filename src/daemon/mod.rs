@@ -1,10 +1,200 @@
-//! `settlementd serve`: the long-running replica. (Being built: see issue 3.)
+//! `settlementd serve`: the long-running replica of one shard.
+//!
+//! Start-up: the configuration was validated by the binary before anything here runs; `serve`
+//! starts the HTTP endpoints, applies migrations when `database.migrate_on_start`, runs one
+//! catch-up tick, then loops: tick on every cron wake-up, on a timer of at most one lease
+//! heartbeat, and when a retry is due — until shutdown.
+//!
+//! The cron library (tokio-cron-scheduler) is only a wake-up: its callback is one line that
+//! notifies the loop. Which month is due is always recomputed from the injected [`Clock`] by
+//! [`replica::Replica::tick`]. This guards against the scheduler's known time-zone problems
+//! (it keeps the zone's UTC offset from job creation, so after a DST change it fires an hour
+//! early or late — tokio-cron-scheduler issue #107) and against missed or repeated fires.
+//!
+//! Shutdown (SIGTERM/SIGINT, or the token passed to [`serve`]): nothing new is claimed; a run in
+//! progress lets its batch commit, is marked FAILED `interrupted: shutdown` so a peer takes over
+//! at once, and `serve` returns within `shutdown.grace_secs` even if the run does not stop.
 
+pub mod http;
+pub mod metrics;
+pub mod replica;
 pub mod schedule;
 
-use crate::cli::{AppError, Result};
+use crate::cli::{self, AppError, Database, Result};
+use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
+use crate::db;
+use replica::{Replica, TickOutcome};
+use sqlx::PgPool;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio_cron_scheduler::{Job, JobScheduler};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
-pub async fn serve_command(_settings: Settings, _embedded: bool) -> Result<()> {
-    Err(AppError::Invalid("serve is not implemented yet".into()))
+/// `settlementd serve`: opens the database, binds `http.listen`, serves until SIGTERM/SIGINT.
+pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
+    let database = Database::open(&settings, embedded).await?;
+    if database.embedded.is_some() && !settings.database.migrate_on_start {
+        db::migrate(&database.pool).await?;
+    }
+    let listener = match TcpListener::bind(settings.http.listen).await {
+        Ok(listener) => listener,
+        Err(e) => {
+            database.close().await;
+            return Err(AppError::Failed(format!(
+                "cannot listen on {}: {e}",
+                settings.http.listen
+            )));
+        }
+    };
+    let shutdown = cli::shutdown_on_signals();
+    let result = serve(
+        settings,
+        database.pool.clone(),
+        listener,
+        Arc::new(SystemClock),
+        shutdown,
+    )
+    .await;
+    if tokio::time::timeout(Duration::from_secs(5), database.close())
+        .await
+        .is_err()
+    {
+        tracing::warn!("database did not close in time");
+    }
+    result
+}
+
+/// Runs a replica until `shutdown` is cancelled: HTTP on `listener`, migrations (when
+/// configured), catch-up, cron wake-ups, retries. Returns `Ok` after a graceful shutdown.
+pub async fn serve(
+    settings: Settings,
+    pool: PgPool,
+    listener: TcpListener,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let metrics_handle = metrics::handle();
+    metrics::describe();
+
+    let http_stop = CancellationToken::new();
+    let local = listener.local_addr().ok();
+    let http = tokio::spawn(http::run(
+        listener,
+        pool.clone(),
+        metrics_handle,
+        http_stop.clone().cancelled_owned(),
+    ));
+    tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics");
+
+    let result = run_replica(&settings, pool, clock, shutdown).await;
+
+    http_stop.cancel();
+    match tokio::time::timeout(Duration::from_secs(2), http).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server stopped with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "HTTP server task failed"),
+        Err(_) => tracing::warn!("HTTP server did not stop in time"),
+    }
+    result
+}
+
+async fn run_replica(
+    settings: &Settings,
+    pool: PgPool,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> Result<()> {
+    if settings.database.migrate_on_start {
+        tokio::select! {
+            migrated = db::migrate(&pool) => migrated?,
+            _ = shutdown.cancelled() => return Ok(()),
+        }
+        tracing::info!("migrations applied");
+    }
+
+    let wake = Arc::new(Notify::new());
+    let mut scheduler = start_wakeups(settings, wake.clone()).await;
+    let replica = Replica::new(pool, settings, clock, shutdown.clone());
+    let span = replica.span().clone();
+    span.in_scope(|| {
+        tracing::info!(
+            cron = %settings.schedule.cron.pattern,
+            timezone = %settings.schedule.timezone,
+            catch_up = settings.schedule.catch_up,
+            "replica started"
+        )
+    });
+    let mut worker = tokio::spawn(tick_loop(replica, wake, shutdown.clone()).instrument(span));
+
+    let grace = Duration::from_secs(settings.shutdown.grace_secs);
+    tokio::select! {
+        _ = &mut worker => {}
+        _ = shutdown.cancelled() => {
+            tracing::info!(grace_secs = grace.as_secs(), "shutting down: no new claims; waiting for the run in progress");
+            if tokio::time::timeout(grace, &mut worker).await.is_err() {
+                tracing::warn!("the run did not stop within shutdown.grace_secs; exiting anyway (its lease will expire)");
+                worker.abort();
+            }
+        }
+    }
+    if let Some(scheduler) = scheduler.as_mut() {
+        if tokio::time::timeout(Duration::from_secs(1), scheduler.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("cron scheduler did not stop in time");
+        }
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Tick at start-up (catch-up), then on every wake-up, until shutdown.
+async fn tick_loop(mut replica: Replica, wake: Arc<Notify>, shutdown: CancellationToken) {
+    loop {
+        let outcome = replica.tick().await;
+        match &outcome {
+            TickOutcome::Interrupted { .. } | TickOutcome::ShuttingDown => return,
+            TickOutcome::Settled { slot, .. } => {
+                tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month settled")
+            }
+            other => tracing::debug!(outcome = ?other, "tick"),
+        }
+        if shutdown.is_cancelled() {
+            return;
+        }
+        let wait = replica.next_wake();
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = wake.notified() => tracing::debug!("cron wake-up"),
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// Starts tokio-cron-scheduler as a wake-up source. A failure here is logged, not fatal: the tick
+/// loop's own timer still wakes at every fire time.
+async fn start_wakeups(settings: &Settings, wake: Arc<Notify>) -> Option<JobScheduler> {
+    let pattern = settings.schedule.cron.pattern.to_string();
+    let started = async {
+        let scheduler = JobScheduler::new().await?;
+        let job = Job::new_tz(pattern.as_str(), settings.schedule.timezone, move |_, _| {
+            wake.notify_one()
+        })?;
+        scheduler.add(job).await?;
+        scheduler.start().await?;
+        Ok::<_, tokio_cron_scheduler::JobSchedulerError>(scheduler)
+    }
+    .await;
+    match started {
+        Ok(scheduler) => Some(scheduler),
+        Err(e) => {
+            tracing::warn!(error = %e, cron = %pattern, "cron scheduler did not start; relying on the tick timer");
+            None
+        }
+    }
 }

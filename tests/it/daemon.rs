@@ -1,1 +1,861 @@
-//! Tests: daemon.
+//! `serve` and `schedule`: the replica's tick against real PostgreSQL with a manual clock, the
+//! serve loop with its HTTP endpoints, and the binary's exit codes.
+
+use crate::helpers::*;
+use chrono::{DateTime, TimeZone, Utc};
+use chrono_tz::Asia::Shanghai;
+use settlementd::calendar::BusinessDate;
+use settlementd::clock::{ManualClock, SystemClock};
+use settlementd::config::{Settings, ShardSpec};
+use settlementd::daemon::replica::{Replica, TickOutcome};
+use settlementd::daemon::schedule::{latest_slot_at_or_before, Slot};
+use settlementd::daemon::{self, http, metrics};
+use settlementd::jobs::{self, claim, ClaimOutcome, JobKey, Owner};
+use settlementd::settlement;
+use sqlx::PgPool;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+/// Settings as the binary would load them, with `overrides` as environment variables.
+fn settings(overrides: &[(&str, &str)]) -> Settings {
+    let env = overrides
+        .iter()
+        .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
+    Settings::load_from(None, env).expect("valid test settings")
+}
+
+/// Instant of a wall-clock time in Shanghai (the default zone).
+fn shanghai(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> DateTime<Utc> {
+    Shanghai
+        .with_ymd_and_hms(y, mo, d, h, mi, s)
+        .unwrap()
+        .with_timezone(&Utc)
+}
+
+fn replica(pool: &PgPool, s: &Settings, clock: &ManualClock) -> Replica {
+    Replica::new(
+        pool.clone(),
+        s,
+        Arc::new(clock.clone()),
+        CancellationToken::new(),
+    )
+}
+
+fn key_of(month: &str, s: &Settings) -> JobKey {
+    settlement::key(bd(month), s.shard)
+}
+
+/// (business date, status, attempt, last_error) of every settlement row, by date.
+async fn runs(pool: &PgPool) -> Vec<(String, String, i32, Option<String>)> {
+    sqlx::query_as(
+        "SELECT business_date::text, status, attempt, last_error FROM job_runs
+          WHERE job_name = $1 ORDER BY business_date, shard",
+    )
+    .bind(settlement::JOB_NAME)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+async fn settled_in(pool: &PgPool, month: &str) -> i64 {
+    settlement::month_totals(pool, bd(month))
+        .await
+        .unwrap()
+        .settled_rows
+}
+
+fn settled(outcome: TickOutcome) -> (Slot, jobs::RunReport) {
+    match outcome {
+        TickOutcome::Settled { slot, report } => (slot, report),
+        other => panic!("expected the tick to settle a month, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_year_of_monthly_ticks_gives_twelve_runs_with_the_right_business_dates() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-02-28"), 300, 1).await;
+    seed_month(&db.pool, bd("2027-11-30"), 300, 10_000).await;
+    let s = settings(&[("SCHEDULE__CATCH_UP", "false")]);
+    // Start just before the first fire of 2027 (02:30 on the 1st, Shanghai).
+    let clock = ManualClock::new(shanghai(2027, 1, 1, 2, 29, 59));
+    let mut r = replica(&db.pool, &s, &clock);
+    assert!(matches!(r.tick().await, TickOutcome::Idle));
+
+    let mut dates = Vec::new();
+    for month in 1..=12 {
+        clock.set(shanghai(2027, month, 1, 2, 30, 1));
+        let (slot, report) = settled(r.tick().await);
+        assert_eq!(report.attempt, Some(1));
+        dates.push(slot.business_date.to_string());
+        // Later wake-ups within the same month change nothing.
+        assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+        clock.advance(chrono::TimeDelta::days(20));
+        assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+    }
+    let expected: Vec<String> = [
+        "2026-12-31",
+        "2027-01-31",
+        "2027-02-28",
+        "2027-03-31",
+        "2027-04-30",
+        "2027-05-31",
+        "2027-06-30",
+        "2027-07-31",
+        "2027-08-31",
+        "2027-09-30",
+        "2027-10-31",
+        "2027-11-30",
+    ]
+    .map(String::from)
+    .to_vec();
+    assert_eq!(dates, expected);
+    let rows = runs(&db.pool).await;
+    assert_eq!(rows.len(), 12);
+    assert!(
+        rows.iter().all(|r| r.1 == "SUCCESS" && r.2 == 1),
+        "{rows:?}"
+    );
+    assert_eq!(
+        rows.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),
+        expected
+    );
+    for month in ["2027-02-28", "2027-11-30"] {
+        assert_eq!(
+            settled_in(&db.pool, month).await,
+            eligible(&db.pool, bd(month)).await
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_fire_missed_while_down_is_caught_up_at_start_up() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    // The replica was down over 2027-03-01 02:30 and starts four days later.
+    let clock = ManualClock::new(shanghai(2027, 3, 5, 9, 0, 0));
+
+    let mut no_catch_up = replica(
+        &db.pool,
+        &settings(&[("SCHEDULE__CATCH_UP", "false")]),
+        &clock,
+    );
+    assert!(matches!(no_catch_up.tick().await, TickOutcome::Idle));
+    assert!(runs(&db.pool).await.is_empty());
+
+    let mut r = replica(&db.pool, &settings(&[]), &clock);
+    let (slot, _) = settled(r.tick().await);
+    assert_eq!(slot.business_date, bd("2027-02-28"));
+    assert_eq!(
+        slot.fire_at.to_rfc3339(),
+        "2027-03-01T02:30:00+08:00",
+        "the business date comes from the slot, not from when the run starts"
+    );
+    assert_eq!(
+        settled_in(&db.pool, "2027-02-28").await,
+        eligible(&db.pool, bd("2027-02-28")).await
+    );
+}
+
+#[tokio::test]
+async fn a_pod_restarted_a_minute_before_the_fire_settles_the_previous_month_first() {
+    let db = test_db().await;
+    let clock = ManualClock::new(shanghai(2027, 3, 1, 2, 29, 0));
+    let mut r = replica(&db.pool, &settings(&[]), &clock);
+    let (slot, _) = settled(r.tick().await);
+    assert_eq!(slot.business_date, bd("2027-01-31"));
+    clock.set(shanghai(2027, 3, 1, 2, 30, 0));
+    let (slot, _) = settled(r.tick().await);
+    assert_eq!(slot.business_date, bd("2027-02-28"));
+}
+
+/// Makes the first `n` UPDATE statements on loans fail (a sequence is not rolled back with them).
+async fn fail_first_updates(pool: &PgPool, n: i64) {
+    for sql in [
+        "CREATE SEQUENCE injected_failures".to_string(),
+        format!(
+            "CREATE FUNCTION fail_first() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF nextval('injected_failures') <= {n} THEN
+                 RAISE EXCEPTION 'injected failure';
+               END IF;
+               RETURN NULL;
+             END $$"
+        ),
+        "CREATE TRIGGER fail_first BEFORE UPDATE ON loans
+           FOR EACH STATEMENT EXECUTE FUNCTION fail_first()"
+            .to_string(),
+    ] {
+        sqlx::query(&sql).execute(pool).await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_failed_run_is_retried_with_growing_backoff_until_success() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    fail_first_updates(&db.pool, 2).await;
+    let s = settings(&[("RETRY__INITIAL_SECS", "8"), ("RETRY__MAX_SECS", "300")]);
+    let clock = ManualClock::new(shanghai(2027, 3, 1, 2, 30, 5));
+    let mut r = replica(&db.pool, &s, &clock);
+
+    let first = match r.tick().await {
+        TickOutcome::RetryScheduled {
+            failures: 1,
+            after,
+            error,
+            ..
+        } => {
+            assert!(error.contains("injected failure"), "{error}");
+            after
+        }
+        other => panic!("expected a retry, got {other:?}"),
+    };
+    assert!((4.0..=8.0).contains(&first.as_secs_f64()), "{first:?}");
+    let rows = runs(&db.pool).await;
+    assert_eq!(rows[0].1, "FAILED");
+    assert!(rows[0]
+        .3
+        .as_deref()
+        .unwrap_or("")
+        .contains("injected failure"));
+
+    // Not before the backoff has passed on the replica's clock.
+    clock.advance(
+        chrono::TimeDelta::from_std(first).unwrap() - chrono::TimeDelta::milliseconds(100),
+    );
+    assert!(matches!(r.tick().await, TickOutcome::BackingOff { .. }));
+    assert!(r.next_wake() <= Duration::from_millis(150));
+    clock.advance(chrono::TimeDelta::milliseconds(100));
+
+    let second = match r.tick().await {
+        TickOutcome::RetryScheduled {
+            failures: 2, after, ..
+        } => after,
+        other => panic!("expected a second retry, got {other:?}"),
+    };
+    assert!((8.0..=16.0).contains(&second.as_secs_f64()), "{second:?}");
+    clock.advance(chrono::TimeDelta::from_std(second).unwrap());
+
+    let (_, report) = settled(r.tick().await);
+    assert_eq!(report.attempt, Some(3));
+    assert!(report.took_over);
+    assert_eq!(runs(&db.pool).await[0].1, "SUCCESS");
+    assert_eq!(
+        settled_in(&db.pool, "2027-02-28").await,
+        eligible(&db.pool, bd("2027-02-28")).await
+    );
+}
+
+#[tokio::test]
+async fn a_second_replica_waits_for_a_live_claim_then_takes_over_once_its_heartbeat_is_stale() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    let s = settings(&[]);
+    // The first replica claimed the month and then hung: its lease is live but not renewed.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let first = claim::claim(
+        &mut conn,
+        &key_of("2027-02-28", &s),
+        &Owner("replica-0-hung".into()),
+        Duration::from_secs(s.lease.ttl_secs),
+        false,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(first, claim::ClaimOutcome::Won(_)));
+    drop(conn);
+
+    let clock = ManualClock::new(shanghai(2027, 3, 1, 2, 30, 0));
+    let mut second = replica(&db.pool, &s, &clock);
+    for _ in 0..3 {
+        assert!(matches!(second.tick().await, TickOutcome::Watching { .. }));
+        // It keeps watching about once per heartbeat.
+        assert!(second.next_wake() <= Duration::from_secs(s.lease.heartbeat_secs));
+    }
+    assert_eq!(settled_in(&db.pool, "2027-02-28").await, 0);
+
+    age_heartbeat(
+        &db.pool,
+        bd("2027-02-28"),
+        1,
+        0,
+        s.lease.ttl_secs as i64 + 1,
+    )
+    .await;
+    let (_, report) = settled(second.tick().await);
+    assert!(report.took_over);
+    assert_eq!(report.attempt, Some(2));
+    let owner: String = sqlx::query_scalar("SELECT owner FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(owner, second.owner().0);
+    // Once SUCCESS it stops: further ticks run nothing.
+    assert!(matches!(
+        second.tick().await,
+        TickOutcome::AlreadyDone { .. }
+    ));
+    assert_eq!(runs(&db.pool).await[0].2, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn shutdown_mid_run_leaves_a_failed_row_a_peer_takes_over_at_once_with_the_same_loans_as_one_clean_run(
+) {
+    let month = bd("2027-02-28");
+    let (db, clean) = (test_db().await, test_db().await);
+    seed_month(&db.pool, month, 600, 1).await;
+    seed_month(&clean.pool, month, 600, 1).await;
+    // Slow every batch down so the shutdown lands mid-run.
+    for sql in [
+        "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(0.03); RETURN NULL; END $$",
+        "CREATE TRIGGER slow BEFORE UPDATE ON loans FOR EACH STATEMENT EXECUTE FUNCTION slow()",
+    ] {
+        sqlx::query(sql).execute(&db.pool).await.unwrap();
+    }
+    let s = settings(&[("BATCH__SIZE", "10")]);
+    let clock = ManualClock::new(shanghai(2027, 3, 1, 2, 30, 0));
+
+    let stop = CancellationToken::new();
+    let mut first = Replica::new(db.pool.clone(), &s, Arc::new(clock.clone()), stop.clone());
+    let run = tokio::spawn(async move { first.tick().await });
+    // Wait for committed progress, then send the "SIGTERM".
+    let mut scanned = 0i64;
+    for _ in 0..200 {
+        scanned = sqlx::query_scalar("SELECT COALESCE(max(scanned), 0) FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        if scanned > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(scanned > 0, "the run never committed a batch");
+    stop.cancel();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("the run stops soon after shutdown")
+        .unwrap();
+    assert!(
+        matches!(outcome, TickOutcome::Interrupted { .. }),
+        "{outcome:?}"
+    );
+    let (status, err, scanned): (String, Option<String>, i64) =
+        sqlx::query_as("SELECT status, last_error, scanned FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(status, "FAILED");
+    assert_eq!(err.as_deref(), Some("interrupted: shutdown"));
+    let total: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE returned_on BETWEEN '2027-02-01' AND '2027-02-28'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        scanned > 0 && scanned < total,
+        "interrupted mid-run: {scanned}/{total}"
+    );
+
+    // A peer takes over at once: no heartbeat aging, no waiting for the lease.
+    sqlx::query("DROP TRIGGER slow ON loans")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut peer = replica(&db.pool, &s, &clock);
+    let (_, report) = settled(peer.tick().await);
+    assert!(report.took_over);
+    assert_eq!(report.attempt, Some(2));
+
+    let mut single = replica(&clean.pool, &s, &clock);
+    settled(single.tick().await);
+    let fines = |rows: Vec<(i64, i64, Option<DateTime<Utc>>)>| {
+        rows.into_iter()
+            .map(|(id, cents, at)| (id, cents, at.is_some()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        fines(loans_snapshot(&db.pool).await),
+        fines(loans_snapshot(&clean.pool).await)
+    );
+    assert_eq!(
+        settlement::month_totals(&db.pool, month).await.unwrap(),
+        settlement::month_totals(&clean.pool, month).await.unwrap()
+    );
+}
+
+#[tokio::test]
+async fn shutdown_requested_before_a_tick_claims_nothing() {
+    let db = test_db().await;
+    let stop = CancellationToken::new();
+    stop.cancel();
+    let clock = ManualClock::new(shanghai(2027, 3, 2, 0, 0, 0));
+    let mut r = Replica::new(db.pool.clone(), &settings(&[]), Arc::new(clock), stop);
+    assert!(matches!(r.tick().await, TickOutcome::ShuttingDown));
+    assert!(runs(&db.pool).await.is_empty());
+}
+
+/// A raw HTTP/1.1 GET: (status, body).
+async fn get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await?;
+    let status = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok((status, body.to_string()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_catches_up_at_start_up_answers_probes_and_exits_cleanly_on_shutdown() {
+    let db = test_db().await;
+    let s = settings(&[("SHUTDOWN__GRACE_SECS", "5")]);
+    // What is due right now on the real clock: serve must settle it without any cron fire.
+    let due = Slot::new(
+        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
+    );
+    seed_month(&db.pool, due.business_date, 200, 1).await;
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(daemon::serve(
+        s,
+        db.pool.clone(),
+        listener,
+        Arc::new(SystemClock),
+        stop.clone(),
+    ));
+
+    let mut status = String::new();
+    for _ in 0..400 {
+        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
+            .bind(due.business_date.date())
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        if status == "SUCCESS" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(status, "SUCCESS");
+    assert_eq!(
+        settled_in(&db.pool, &due.business_date.to_string()).await,
+        eligible(&db.pool, due.business_date).await
+    );
+
+    assert_eq!(get(addr, "/healthz").await.unwrap().0, 200);
+    assert_eq!(get(addr, "/readyz").await.unwrap().0, 200);
+    let (code, body) = get(addr, "/metrics").await.unwrap();
+    assert_eq!(code, 200);
+    for needle in [
+        "settlementd_runs_total{outcome=\"settled\"}",
+        "settlementd_runs_total{outcome=\"lease_lost\"}",
+        "settlementd_run_duration_seconds_bucket",
+        "settlementd_last_success_timestamp_seconds",
+        "settlementd_next_fire_timestamp_seconds",
+        "settlementd_last_run_lateness_seconds",
+        "settlementd_claims_total{result=\"won\"}",
+        "settlementd_takeovers_total",
+        "settlementd_fencing_rejections_total",
+        "settlementd_rows_scanned_total",
+        "settlementd_rows_updated_total",
+    ] {
+        assert!(body.contains(needle), "/metrics lacks {needle}:\n{body}");
+    }
+    let settled_count: f64 = body
+        .lines()
+        .find(|l| l.starts_with("settlementd_runs_total{outcome=\"settled\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(settled_count >= 1.0);
+
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(7), server)
+        .await
+        .expect("serve returns within shutdown.grace_secs")
+        .unwrap()
+        .expect("a graceful shutdown is a success");
+    assert!(
+        get(addr, "/healthz").await.is_err(),
+        "the listener is closed"
+    );
+}
+
+#[tokio::test]
+async fn readyz_is_503_until_the_schema_is_migrated() {
+    let (_name, url) = empty_db().await;
+    let pool = PgPool::connect(&url).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(http::run(
+        listener,
+        pool.clone(),
+        metrics::handle(),
+        stop.clone().cancelled_owned(),
+    ));
+    assert_eq!(get(addr, "/healthz").await.unwrap().0, 200);
+    let (code, body) = get(addr, "/readyz").await.unwrap();
+    assert_eq!(code, 503, "{body}");
+    settlementd::db::migrate(&pool).await.unwrap();
+    assert_eq!(get(addr, "/readyz").await.unwrap().0, 200);
+    stop.cancel();
+    server.await.unwrap().unwrap();
+}
+
+/// An address nothing listens on: reaching it would fail with exit 1, not 2.
+const UNREACHABLE: &str = "postgres://u@127.0.0.1:1/x";
+
+fn exit_and_stderr(cmd: &mut std::process::Command) -> (i32, String) {
+    let out = cmd.output().expect("run settlementd");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn serve_rejects_invalid_configuration_with_exit_2_before_touching_the_database() {
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (
+            &[("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus")],
+            "schedule.timezone",
+        ),
+        (
+            &[("SETTLEMENTD__SCHEDULE__CRON", "0 30 2 1 *")],
+            "schedule.cron",
+        ),
+        (
+            &[
+                ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "10"),
+                ("SETTLEMENTD__LEASE__TTL_SECS", "29"),
+            ],
+            "lease.ttl_secs",
+        ),
+        (
+            &[
+                ("SETTLEMENTD__SHARD__INDEX", "3"),
+                ("SETTLEMENTD__SHARD__COUNT", "3"),
+            ],
+            "shard.index",
+        ),
+    ];
+    for (env, needle) in cases {
+        let mut cmd = settlementd(Some(UNREACHABLE));
+        cmd.arg("serve").envs(env.iter().copied());
+        let (code, stderr) = exit_and_stderr(&mut cmd);
+        assert_eq!(code, 2, "{env:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{env:?}: {stderr}");
+        assert!(stderr.contains(needle), "{env:?}: {stderr}");
+        assert!(!stderr.contains("connect"), "{env:?}: {stderr}");
+    }
+    // The same database with a valid configuration is reached, and fails as a failure (exit 1):
+    // so the exit 2 above came from validation, before any connection.
+    let mut cmd = settlementd(Some(UNREACHABLE));
+    cmd.args(["serve"])
+        .env("SETTLEMENTD__DATABASE__ACQUIRE_TIMEOUT_SECS", "1")
+        .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0");
+    let (code, stderr) = exit_and_stderr(&mut cmd);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("cannot connect"), "{stderr}");
+}
+
+#[test]
+fn serve_without_a_database_is_a_configuration_error() {
+    let (code, stderr) = exit_and_stderr(settlementd(None).arg("serve"));
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("no database configured"), "{stderr}");
+}
+
+#[test]
+fn schedule_prints_the_next_fire_times_with_their_business_dates_as_json_lines() {
+    let out = settlementd(None)
+        .args(["schedule", "--next", "3", "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    let mut previous: Option<DateTime<chrono::FixedOffset>> = None;
+    for line in &lines {
+        let fire_at = line["fire_at"].as_str().unwrap();
+        assert!(fire_at.ends_with("T02:30:00+08:00"), "{fire_at}");
+        let parsed = DateTime::parse_from_rfc3339(fire_at).unwrap();
+        assert!(parsed > Utc::now());
+        let business = BusinessDate::parse(line["business_date"].as_str().unwrap()).unwrap();
+        assert_eq!(business, BusinessDate::for_instant(&parsed));
+        if let Some(p) = previous {
+            assert!(parsed > p);
+        }
+        previous = Some(parsed);
+    }
+}
+
+#[test]
+fn schedule_uses_the_configured_zone_and_needs_no_database() {
+    let out = settlementd(Some(UNREACHABLE))
+        .args(["schedule", "--next", "12"])
+        .env("SETTLEMENTD__SCHEDULE__TIMEZONE", "America/New_York")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(text.lines().count(), 12);
+    // A year of New York fires shows both offsets, each still at 02:30 local time.
+    assert!(text.contains("T02:30:00-05:00"), "{text}");
+    assert!(text.contains("T02:30:00-04:00"), "{text}");
+}
+
+#[test]
+fn schedule_rejects_an_invalid_zone_or_cron_with_exit_2_and_one_line() {
+    for (key, value) in [
+        ("SETTLEMENTD__SCHEDULE__TIMEZONE", "Mars/Olympus"),
+        ("SETTLEMENTD__SCHEDULE__CRON", "61 * * * * *"),
+        ("SETTLEMENTD__SCHEDULE__CRON", "0 30 2 1 *"),
+    ] {
+        let (code, stderr) = exit_and_stderr(settlementd(None).arg("schedule").env(key, value));
+        assert_eq!(code, 2, "{key}={value}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    }
+}
+
+#[tokio::test]
+async fn shard_keys_follow_the_configured_shard() {
+    // The replica settles only its own shard: shard 1 of 2 leaves shard 0's rows alone.
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    let s = settings(&[("SHARD__INDEX", "1"), ("SHARD__COUNT", "2")]);
+    assert_eq!(s.shard, ShardSpec { index: 1, count: 2 });
+    let clock = ManualClock::new(shanghai(2027, 3, 1, 3, 0, 0));
+    settled(replica(&db.pool, &s, &clock).tick().await);
+    let (odd_unsettled, even_settled): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE id % 2 = 1 AND fine_settled_at IS NULL),
+                count(*) FILTER (WHERE id % 2 = 0 AND fine_settled_at IS NOT NULL)
+           FROM loans WHERE returned_on BETWEEN '2027-02-01' AND '2027-02-28'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((odd_unsettled, even_settled), (0, 0));
+    assert_eq!(runs(&db.pool).await.len(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_settles_the_due_month_logs_json_with_run_fields_and_exits_0_on_sigterm() {
+    let db = test_db().await;
+    let s = settings(&[]);
+    let due = Slot::new(
+        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
+    );
+    seed_month(&db.pool, due.business_date, 100, 1).await;
+    let child = settlementd(Some(&db.url))
+        .arg("serve")
+        .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
+        .env("SETTLEMENTD__LOG__FORMAT", "json")
+        .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "5")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut status = String::new();
+    for _ in 0..400 {
+        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
+            .bind(due.business_date.date())
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        if status == "SUCCESS" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(status, "SUCCESS");
+    // SAFETY: kill(2) on our own child's pid; no memory is involved.
+    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(rc, 0);
+    let started = std::time::Instant::now();
+    let exit = tokio::task::spawn_blocking(move || child.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(6));
+    let stderr = String::from_utf8_lossy(&exit.stderr);
+    assert_eq!(exit.status.code(), Some(0), "{stderr}");
+    let success: serde_json::Value = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["message"] == "SUCCESS")
+        .unwrap_or_else(|| panic!("no SUCCESS log line in:\n{stderr}"));
+    let span = &success["span"];
+    assert_eq!(span["business_date"], due.business_date.to_string());
+    assert_eq!(span["job"], settlement::JOB_NAME);
+    for field in ["shard", "shards", "attempt", "owner"] {
+        assert!(!span[field].is_null(), "{field} missing in {success}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_exits_within_the_grace_period_even_when_a_batch_does_not_stop() {
+    let db = test_db().await;
+    let s = settings(&[("SHUTDOWN__GRACE_SECS", "1")]);
+    let due = Slot::new(
+        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
+    );
+    seed_month(&db.pool, due.business_date, 50, 1).await;
+    // A batch that would take a minute: shutdown cannot wait for it.
+    for sql in [
+        "CREATE FUNCTION stuck() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN PERFORM pg_sleep(60); RETURN NULL; END $$",
+        "CREATE TRIGGER stuck BEFORE UPDATE ON loans FOR EACH STATEMENT EXECUTE FUNCTION stuck()",
+    ] {
+        sqlx::query(sql).execute(&db.pool).await.unwrap();
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stop = CancellationToken::new();
+    let server = tokio::spawn(daemon::serve(
+        s,
+        db.pool.clone(),
+        listener,
+        Arc::new(SystemClock),
+        stop.clone(),
+    ));
+    let mut claimed = false;
+    for _ in 0..400 {
+        claimed = !runs(&db.pool).await.is_empty();
+        if claimed {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(claimed, "the run never claimed");
+    let started = std::time::Instant::now();
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(4), server)
+        .await
+        .expect("serve returns soon after shutdown.grace_secs")
+        .unwrap()
+        .unwrap();
+    assert!(started.elapsed() >= Duration::from_millis(900));
+    // The batch never committed; the claim is left to expire (RUNNING, nothing settled).
+    assert_eq!(runs(&db.pool).await[0].1, "RUNNING");
+    assert_eq!(
+        settled_in(&db.pool, &due.business_date.to_string()).await,
+        0
+    );
+}
+
+#[tokio::test]
+async fn a_month_still_failed_when_the_next_fire_arrives_is_settled_before_the_new_one() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    seed_month(&db.pool, bd("2027-03-31"), 200, 1_000).await;
+    let s = settings(&[]);
+    // February's run was claimed in March and left FAILED (say, retries ran out with the pod).
+    let feb = key_of("2027-02-28", &s);
+    let mut conn = db.pool.acquire().await.unwrap();
+    let ClaimOutcome::Won(c) = claim::claim(
+        &mut conn,
+        &feb,
+        &Owner("old-pod".into()),
+        Duration::from_secs(60),
+        false,
+    )
+    .await
+    .unwrap() else {
+        panic!("claim February")
+    };
+    assert!(claim::mark_failed(&db.pool, &c, "database restarted")
+        .await
+        .unwrap());
+    drop(conn);
+
+    let clock = ManualClock::new(shanghai(2027, 4, 1, 2, 30, 5));
+    let mut r = replica(&db.pool, &s, &clock);
+    let (first, _) = settled(r.tick().await);
+    assert_eq!(
+        first.business_date,
+        bd("2027-02-28"),
+        "the older month first"
+    );
+    assert_eq!(
+        first.fire_at.with_timezone(&Utc),
+        shanghai(2027, 3, 1, 2, 30, 0)
+    );
+    let (second, _) = settled(r.tick().await);
+    assert_eq!(second.business_date, bd("2027-03-31"));
+    assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+    for month in ["2027-02-28", "2027-03-31"] {
+        assert_eq!(
+            settled_in(&db.pool, month).await,
+            eligible(&db.pool, bd(month)).await
+        );
+    }
+}
+
+#[tokio::test]
+async fn months_missed_by_an_outage_over_several_fires_are_settled_oldest_first() {
+    let db = test_db().await;
+    for (i, month) in ["2027-01-31", "2027-02-28", "2027-03-31", "2027-04-30"]
+        .iter()
+        .enumerate()
+    {
+        seed_month(&db.pool, bd(month), 100, 1 + 1_000 * i as i64).await;
+    }
+    let s = settings(&[]);
+    let clock = ManualClock::new(shanghai(2027, 2, 1, 2, 30, 1));
+    let (jan, _) = settled(replica(&db.pool, &s, &clock).tick().await);
+    assert_eq!(jan.business_date, bd("2027-01-31"));
+
+    // Down from February to May: three fires missed.
+    clock.set(shanghai(2027, 5, 2, 8, 0, 0));
+    let mut r = replica(&db.pool, &s, &clock);
+    let mut order = Vec::new();
+    for _ in 0..3 {
+        order.push(settled(r.tick().await).0.business_date.to_string());
+    }
+    assert_eq!(order, ["2027-02-28", "2027-03-31", "2027-04-30"]);
+    assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+}
+
+#[tokio::test]
+async fn months_before_the_first_claim_of_a_deployment_are_left_alone() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2027-03-31"), 100, 1).await;
+    seed_month(&db.pool, bd("2027-04-30"), 100, 1_000).await;
+    let s = settings(&[]);
+    let clock = ManualClock::new(shanghai(2027, 5, 1, 2, 30, 1));
+    let mut r = replica(&db.pool, &s, &clock);
+    let (slot, _) = settled(r.tick().await);
+    assert_eq!(slot.business_date, bd("2027-04-30"));
+    assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+    assert_eq!(settled_in(&db.pool, "2027-03-31").await, 0);
+}

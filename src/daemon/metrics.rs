@@ -1,0 +1,121 @@
+//! The Prometheus recorder and the daemon's own metrics.
+//!
+//! One recorder per process, installed on first use: `metrics` allows a single global recorder,
+//! and tests start `serve` many times in one process. The recorder never opens a listener of its
+//! own; `/metrics` renders it (see [`super::http`]).
+//!
+//! Metrics emitted by the job layer: `settlementd_claims_total{result=won|lost|done}`,
+//! `settlementd_takeovers_total`, `settlementd_fencing_rejections_total`,
+//! `settlementd_rows_scanned_total`, `settlementd_rows_updated_total`. Emitted here: the rest.
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use std::sync::OnceLock;
+
+/// Runs by outcome: `settled`, `skipped` (already SUCCESS or held by a live peer), `failed`,
+/// `lease_lost`.
+pub const RUNS_TOTAL: &str = "settlementd_runs_total";
+/// Seconds from claim to SUCCESS or failure, for runs that claimed.
+pub const RUN_DURATION_SECONDS: &str = "settlementd_run_duration_seconds";
+/// Unix time (replica clock) of the last SUCCESS this replica saw for its shard.
+pub const LAST_SUCCESS_TIMESTAMP: &str = "settlementd_last_success_timestamp_seconds";
+/// Unix time of the next scheduled fire.
+pub const NEXT_FIRE_TIMESTAMP: &str = "settlementd_next_fire_timestamp_seconds";
+/// How many seconds after its slot's fire time the last claimed run started.
+pub const LAST_RUN_LATENESS_SECONDS: &str = "settlementd_last_run_lateness_seconds";
+
+const DURATION_BUCKETS: &[f64] = &[
+    0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0,
+];
+
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// The process's recorder handle, installing the recorder the first time.
+///
+/// If some other recorder was installed first, returns a handle to a detached recorder (it renders
+/// nothing) rather than failing: metrics are an aid, not a reason to stop settling.
+pub fn handle() -> PrometheusHandle {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new();
+            let builder = match builder.set_buckets_for_metric(
+                Matcher::Full(RUN_DURATION_SECONDS.to_string()),
+                DURATION_BUCKETS,
+            ) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics: default histogram buckets");
+                    PrometheusBuilder::new()
+                }
+            };
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            if let Err(e) = metrics::set_global_recorder(recorder) {
+                tracing::warn!(error = %e, "metrics: another recorder is installed; /metrics will be empty");
+            }
+            handle
+        })
+        .clone()
+}
+
+/// Declares every metric at start-up so `/metrics` lists them before the first run.
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        RUNS_TOTAL,
+        "Runs by outcome: settled, skipped, failed, lease_lost"
+    );
+    describe_histogram!(
+        RUN_DURATION_SECONDS,
+        Unit::Seconds,
+        "Duration of runs that claimed"
+    );
+    describe_gauge!(
+        LAST_SUCCESS_TIMESTAMP,
+        Unit::Seconds,
+        "Unix time of the last SUCCESS"
+    );
+    describe_gauge!(
+        NEXT_FIRE_TIMESTAMP,
+        Unit::Seconds,
+        "Unix time of the next scheduled fire"
+    );
+    describe_gauge!(
+        LAST_RUN_LATENESS_SECONDS,
+        Unit::Seconds,
+        "Seconds between the slot's fire time and the start of its last claimed run"
+    );
+    describe_counter!(
+        "settlementd_claims_total",
+        "Claim attempts by result: won, lost, done"
+    );
+    describe_counter!(
+        "settlementd_takeovers_total",
+        "Claims that replaced a FAILED or stale run"
+    );
+    describe_counter!(
+        "settlementd_fencing_rejections_total",
+        "Writes refused because the claim was taken over"
+    );
+    describe_counter!(
+        "settlementd_rows_scanned_total",
+        "Loans read by settlement batches"
+    );
+    describe_counter!(
+        "settlementd_rows_updated_total",
+        "Loans settled by settlement batches"
+    );
+    for outcome in ["settled", "skipped", "failed", "lease_lost"] {
+        metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
+    }
+    for result in ["won", "lost", "done"] {
+        metrics::counter!("settlementd_claims_total", "result" => result).increment(0);
+    }
+    for name in [
+        "settlementd_takeovers_total",
+        "settlementd_fencing_rejections_total",
+        "settlementd_rows_scanned_total",
+        "settlementd_rows_updated_total",
+    ] {
+        metrics::counter!(name).increment(0);
+    }
+}

@@ -1,0 +1,374 @@
+//! One replica of one shard, one decision at a time.
+//!
+//! [`Replica::tick`] is the whole scheduling policy: read "now" from the injected [`Clock`], find
+//! the latest slot at or before it, and — unless that slot's month is known SUCCESS or a retry is
+//! not yet due — call [`jobs::run_once`] for it. The serve loop calls `tick` at start-up, on every
+//! cron wake-up and on a timer; tests call it directly with a [`crate::clock::ManualClock`].
+//!
+//! Invariants:
+//! - the month worked on comes only from the clock and the schedule, never from which wake-up
+//!   fired, so a late, early, missed or doubled scheduler fire cannot pick a wrong month or skip
+//!   one; a doubled fire is harmless because `run_once` is idempotent;
+//! - whether a month is done is decided in SQL by the claim; the in-process `settled` memo only
+//!   saves a round-trip until the next slot;
+//! - once shutdown is requested, nothing new is claimed.
+
+use super::metrics as m;
+use super::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
+use crate::calendar::BusinessDate;
+use crate::clock::Clock;
+use crate::config::{RetrySettings, Settings, ShardSpec};
+use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
+use crate::settlement::{self, FineSettlement};
+use chrono::{DateTime, TimeDelta, Utc};
+use chrono_tz::Tz;
+use croner::Cron;
+use sqlx::PgPool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+/// The shortest pause between two ticks, so a timer that wakes a hair early never spins.
+const MIN_WAIT: Duration = Duration::from_millis(50);
+
+/// What one tick did.
+#[derive(Debug)]
+pub enum TickOutcome {
+    /// No slot is due: the schedule never fired yet, or (without catch-up) its latest fire
+    /// predates this replica.
+    Idle,
+    /// This tick ran the slot's month to SUCCESS.
+    Settled { slot: Slot, report: RunReport },
+    /// The slot's month is already SUCCESS (by this replica or a peer).
+    AlreadyDone { slot: Slot },
+    /// Another live replica holds the claim: check again in about a heartbeat, take over once
+    /// its lease is stale.
+    Watching { slot: Slot, reason: &'static str },
+    /// The run failed with a retryable error (the row is FAILED); the next try is due after `after`.
+    RetryScheduled {
+        slot: Slot,
+        failures: u32,
+        after: Duration,
+        error: String,
+    },
+    /// A retry is scheduled and not yet due.
+    BackingOff { slot: Slot, until: DateTime<Utc> },
+    /// Shutdown stopped the run between batches; it is marked FAILED `interrupted: shutdown`.
+    Interrupted { slot: Slot },
+    /// Shutdown was requested before this tick: nothing was claimed.
+    ShuttingDown,
+}
+
+/// A pending retry of one month.
+#[derive(Debug, Clone, Copy)]
+struct Retry {
+    business_date: BusinessDate,
+    /// Consecutive failures of this month, for the backoff exponent.
+    failures: u32,
+    /// Clock time before which the month is not tried again.
+    not_before: DateTime<Utc>,
+}
+
+pub struct Replica {
+    pool: PgPool,
+    job: FineSettlement,
+    cron: Cron,
+    tz: Tz,
+    catch_up: bool,
+    retry: RetrySettings,
+    shard: ShardSpec,
+    /// Owner, lease and heartbeat of every run this replica starts.
+    opts: RunOptions,
+    clock: Arc<dyn Clock>,
+    /// Stops claiming and interrupts a run between batches.
+    shutdown: CancellationToken,
+    /// Clock time at start: without catch-up, slots that fired before it are not run.
+    started_at: DateTime<Utc>,
+    /// The month last seen SUCCESS: a shortcut until the next slot, never the source of truth.
+    settled: Option<BusinessDate>,
+    pending_retry: Option<Retry>,
+    /// Every log line of this replica carries shard, shards and owner.
+    span: tracing::Span,
+}
+
+impl Replica {
+    pub fn new(
+        pool: PgPool,
+        settings: &Settings,
+        clock: Arc<dyn Clock>,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let opts = crate::cli::run_options(settings, false, false);
+        let span = tracing::info_span!(
+            "replica",
+            shard = settings.shard.index,
+            shards = settings.shard.count,
+            owner = %opts.owner,
+        );
+        Self {
+            pool,
+            job: crate::cli::settlement_job(settings),
+            cron: settings.schedule.cron.clone(),
+            tz: settings.schedule.timezone,
+            catch_up: settings.schedule.catch_up,
+            retry: settings.retry,
+            shard: settings.shard,
+            started_at: clock.now(),
+            opts,
+            clock,
+            shutdown,
+            settled: None,
+            pending_retry: None,
+            span,
+        }
+    }
+
+    pub fn owner(&self) -> &Owner {
+        &self.opts.owner
+    }
+
+    pub fn span(&self) -> &tracing::Span {
+        &self.span
+    }
+
+    /// Decides what is due now and does it (at most one run).
+    pub async fn tick(&mut self) -> TickOutcome {
+        let span = self.span.clone();
+        self.tick_inner().instrument(span).await
+    }
+
+    /// How long the serve loop may sleep before the next tick: at most one lease heartbeat (the
+    /// periodic check that guards against a missed scheduler fire), less when the next fire or a
+    /// retry is due sooner.
+    pub fn next_wake(&self) -> Duration {
+        let now = self.clock.now();
+        let until = |t: DateTime<Utc>| (t - now).to_std().unwrap_or(Duration::ZERO);
+        let mut wait = self.opts.heartbeat_every;
+        if let Some(next) = next_slot_after(&self.cron, self.tz, now) {
+            wait = wait.min(until(next.with_timezone(&Utc)));
+        }
+        if let Some(retry) = &self.pending_retry {
+            if now < retry.not_before {
+                wait = wait.min(until(retry.not_before));
+            }
+        }
+        wait.max(MIN_WAIT)
+    }
+
+    async fn tick_inner(&mut self) -> TickOutcome {
+        let now = self.clock.now();
+        if let Some(next) = next_slot_after(&self.cron, self.tz, now) {
+            metrics::gauge!(m::NEXT_FIRE_TIMESTAMP).set(next.timestamp() as f64);
+        }
+        if self.shutdown.is_cancelled() {
+            return TickOutcome::ShuttingDown;
+        }
+        let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, now) else {
+            return TickOutcome::Idle;
+        };
+        let mut slot = Slot::new(fire_at);
+        if !self.catch_up && fire_at.with_timezone(&Utc) < self.started_at {
+            return TickOutcome::Idle;
+        }
+        if self.catch_up {
+            // A month this shard's deployment started but never finished comes before the latest
+            // slot, oldest first: a month still failing when the next fire arrives, or months
+            // missed by an outage spanning several fires, are never abandoned.
+            match self.oldest_unfinished_before(slot.business_date).await {
+                Ok(Some(older)) => {
+                    slot = self.slot_of(older).unwrap_or(Slot {
+                        fire_at,
+                        business_date: older,
+                    })
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!(error = %e, "cannot look for unfinished months"),
+            }
+        }
+        if self.settled == Some(slot.business_date) {
+            return TickOutcome::AlreadyDone { slot };
+        }
+        if let Some(retry) = self.pending_retry {
+            if retry.business_date != slot.business_date {
+                // A new slot: the old month's retries are over (its row stays FAILED and is
+                // caught up only if it is the latest slot again, which it is not).
+                self.pending_retry = None;
+            } else if now < retry.not_before {
+                return TickOutcome::BackingOff {
+                    slot,
+                    until: retry.not_before,
+                };
+            }
+        }
+
+        let key = settlement::key(slot.business_date, self.shard);
+        let started = Instant::now();
+        let result = jobs::run_once(
+            &self.pool,
+            &self.job,
+            key,
+            &self.opts,
+            &self.shutdown,
+            &|_| {},
+        )
+        .await;
+        let claimed = !matches!(&result, Ok(r) if r.skipped.is_some());
+        if claimed {
+            metrics::histogram!(m::RUN_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
+            let late = (now - fire_at.with_timezone(&Utc)).as_seconds_f64();
+            metrics::gauge!(m::LAST_RUN_LATENESS_SECONDS).set(late.max(0.0));
+        }
+        match result {
+            Ok(report) => match report.skipped {
+                None => {
+                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "settled").increment(1);
+                    metrics::gauge!(m::LAST_SUCCESS_TIMESTAMP)
+                        .set(self.clock.now().timestamp() as f64);
+                    self.settled = Some(slot.business_date);
+                    self.pending_retry = None;
+                    TickOutcome::Settled { slot, report }
+                }
+                Some(SkipReason::AlreadyDone) => {
+                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
+                    self.settled = Some(slot.business_date);
+                    self.pending_retry = None;
+                    TickOutcome::AlreadyDone { slot }
+                }
+                Some(SkipReason::Held) => {
+                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
+                    tracing::info!(business_date = %slot.business_date, "a live peer holds the claim; watching it");
+                    TickOutcome::Watching {
+                        slot,
+                        reason: "held by a live peer",
+                    }
+                }
+            },
+            Err(JobError::Interrupted) => {
+                metrics::counter!(m::RUNS_TOTAL, "outcome" => "failed").increment(1);
+                TickOutcome::Interrupted { slot }
+            }
+            Err(e @ JobError::LeaseLost { .. }) => {
+                metrics::counter!(m::RUNS_TOTAL, "outcome" => "lease_lost").increment(1);
+                tracing::warn!(error = %e, "lost the claim to a peer; watching it");
+                TickOutcome::Watching {
+                    slot,
+                    reason: "taken over by a peer",
+                }
+            }
+            Err(e) => {
+                metrics::counter!(m::RUNS_TOTAL, "outcome" => "failed").increment(1);
+                let failures = match self.pending_retry {
+                    Some(r) if r.business_date == slot.business_date => r.failures + 1,
+                    _ => 1,
+                };
+                let after = backoff(
+                    failures,
+                    self.retry.initial_secs,
+                    self.retry.max_secs,
+                    rand::random::<f64>(),
+                );
+                let not_before =
+                    self.clock.now() + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+                self.pending_retry = Some(Retry {
+                    business_date: slot.business_date,
+                    failures,
+                    not_before,
+                });
+                let retryable = e.is_retryable();
+                tracing::warn!(
+                    error = %e,
+                    retryable,
+                    failures,
+                    retry_in_secs = after.as_secs_f64(),
+                    business_date = %slot.business_date,
+                    "run failed; retrying with backoff"
+                );
+                TickOutcome::RetryScheduled {
+                    slot,
+                    failures,
+                    after,
+                    error: e.to_string(),
+                }
+            }
+        }
+    }
+}
+
+impl Replica {
+    /// The oldest month before `latest` with no SUCCESS row for this shard, counting only months
+    /// since this shard count's first claim (months before the deployment are not its business).
+    async fn oldest_unfinished_before(
+        &self,
+        latest: BusinessDate,
+    ) -> sqlx::Result<Option<BusinessDate>> {
+        let month: Option<chrono::NaiveDate> = sqlx::query_scalar(
+            "SELECT (m + interval '1 month' - interval '1 day')::date
+               FROM generate_series(
+                      (SELECT date_trunc('month', min(business_date)::timestamp) FROM job_runs
+                        WHERE job_name = $1 AND shards = $2 AND shard = $3),
+                      date_trunc('month', $4::date::timestamp) - interval '1 month',
+                      interval '1 month') AS m
+              WHERE NOT EXISTS (
+                      SELECT 1 FROM job_runs j
+                       WHERE j.job_name = $1 AND j.shards = $2 AND j.shard = $3
+                         AND j.business_date = (m + interval '1 month' - interval '1 day')::date
+                         AND j.status = 'SUCCESS')
+              ORDER BY 1
+              LIMIT 1",
+        )
+        .bind(settlement::JOB_NAME)
+        .bind(self.shard.count as i32)
+        .bind(self.shard.index as i32)
+        .bind(latest.date())
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(month.and_then(|d| BusinessDate::new(d).ok()))
+    }
+
+    /// The slot that settles `month`: the first fire at or after the start of the next month.
+    fn slot_of(&self, month: BusinessDate) -> Option<Slot> {
+        use chrono::TimeZone;
+        let next_month = month.date().succ_opt()?.and_hms_opt(0, 0, 0)?;
+        let start = self.tz.from_local_datetime(&next_month).earliest()?;
+        let slot = Slot::new(self.cron.find_next_occurrence(&start, true).ok()?);
+        (slot.business_date == month).then_some(slot)
+    }
+}
+
+/// The pause before retry number `failures` (1-based): `initial` doubling per failure up to
+/// `max`, then jittered down by up to half (`jitter` in [0, 1)) so replicas that failed together
+/// do not retry in lockstep.
+pub fn backoff(failures: u32, initial_secs: u64, max_secs: u64, jitter: f64) -> Duration {
+    let exp = failures.saturating_sub(1).min(32);
+    let base = initial_secs
+        .saturating_mul(1u64 << exp)
+        .min(max_secs)
+        .max(1) as f64;
+    let jitter = if jitter.is_finite() {
+        jitter.clamp(0.0, 1.0)
+    } else {
+        0.0
+    };
+    Duration::from_secs_f64(base * (1.0 - jitter / 2.0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_from_initial_up_to_max() {
+        let no_jitter: Vec<u64> = (1..=8).map(|n| backoff(n, 5, 300, 0.0).as_secs()).collect();
+        assert_eq!(no_jitter, [5, 10, 20, 40, 80, 160, 300, 300]);
+        assert_eq!(backoff(u32::MAX, 5, 300, 0.0).as_secs(), 300);
+    }
+
+    #[test]
+    fn jitter_shortens_a_pause_by_at_most_half() {
+        for j in [0.0, 0.25, 0.5, 0.999, 1.0, -3.0, 7.0, f64::NAN] {
+            let d = backoff(3, 5, 300, j).as_secs_f64();
+            assert!((10.0..=20.0).contains(&d), "jitter {j}: {d}");
+        }
+    }
+}
