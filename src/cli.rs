@@ -295,7 +295,7 @@ impl Database {
 
     /// Closes the pool, then stops a private cluster cleanly.
     pub async fn close(self) {
-        self.pool.close().await;
+        db::close(&self.pool).await;
         if let Some(pg) = self.embedded {
             let _ = tokio::task::spawn_blocking(move || pg.stop()).await;
         }

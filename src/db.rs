@@ -56,6 +56,18 @@ pub async fn connect_with(
         })
 }
 
+/// Closes `pool` until it is really empty (at most 2 s). `PgPool::close` can return while a
+/// connection released a moment earlier is still on its way back (sqlx pings it first); stopping an
+/// embedded server right then turns that ping into a logged warning.
+pub async fn close(pool: &PgPool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    pool.close().await;
+    while pool.size() > 0 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        pool.close().await;
+    }
+}
+
 pub async fn migrate(pool: &PgPool) -> Result<()> {
     MIGRATOR.run(pool).await?;
     Ok(())

@@ -1,8 +1,353 @@
-//! `settlementd demo`. (Being built: see issue 4.)
+//! `settlementd demo`: the seed chapter's experiment in one command, on a private temporary
+//! PostgreSQL that is stopped and removed afterwards (also on Ctrl-C and on error).
+//!
+//! The story, printed so a person can follow it:
+//! 1. the job layer — two owners claim one key: `first acquire=1`, `second acquire=0`;
+//! 2. the seed's trap — `fine_cents = 0` as the "not settled" marker, run twice inside a transaction
+//!    that is rolled back: the second run settles every zero-fine loan again;
+//! 3. the real thing — three replicas (shards 0..2 of 3) at once, then two duplicates of every shard,
+//!    then a forced re-run, with the month's settled digest after each round: identical every time.
+//!
+//! Everything but the `ms` column is reproducible: the month, the seed and the data are fixed.
 
-use crate::cli::{AppError, Result};
-use crate::config::Settings;
+use crate::calendar::BusinessDate;
+use crate::cli::{self, AppError, Result};
+use crate::config::{Settings, ShardSpec};
+use crate::db;
+use crate::embedded_pg::{EmbeddedOptions, EmbeddedPg};
+use crate::jobs::{self, claim, ClaimOutcome, JobKey, Owner, RunReport, SkipReason};
+use crate::seed::{self, SeedSpec};
+use crate::settlement::{self, FineSettlement, MonthTotals};
+use sqlx::PgPool;
+use std::io::Write;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
 
-pub async fn run(_settings: Settings) -> Result<()> {
-    Err(AppError::Invalid("demo is not implemented yet".into()))
+/// The month the demo settles (business date 2026-10-31).
+pub const MONTH: &str = "2026-10";
+/// Loans seeded, as in the seed chapter.
+pub const LOANS: u64 = 6000;
+/// The generator's seed: fixed, so the output is the same on every machine.
+pub const SEED: u64 = 42;
+/// Replicas in the demo's deployment.
+pub const SHARDS: u32 = 3;
+/// The claim demonstration uses its own job name so it never touches the settlement's claims.
+const CLAIM_DEMO_JOB: &str = "demo-claim";
+
+/// Runs the demo on stdout until done or until SIGINT/SIGTERM.
+pub async fn run(settings: Settings) -> Result<()> {
+    let shutdown = cli::shutdown_on_signals();
+    run_until(&settings, &mut std::io::stdout(), shutdown).await
+}
+
+/// Runs the demo, writing the story to `out`. Cancelling `shutdown` stops it, stops the cluster and
+/// returns `AppError::Failed("interrupted")`.
+pub async fn run_until(
+    settings: &Settings,
+    out: &mut (dyn Write + Send),
+    shutdown: CancellationToken,
+) -> Result<()> {
+    let started = Instant::now();
+    // Blocking (initdb, then waiting for the server): off the async workers. A signal during start-up
+    // is noticed right after it.
+    let pg = tokio::task::spawn_blocking(|| EmbeddedPg::start(EmbeddedOptions::default()))
+        .await
+        .map_err(|e| AppError::Failed(format!("embedded PostgreSQL: {e}")))??;
+    let outcome = if shutdown.is_cancelled() {
+        Err(interrupted())
+    } else {
+        tokio::select! {
+            result = story(settings, &pg, out, &shutdown) => result,
+            _ = shutdown.cancelled() => Err(interrupted()),
+        }
+    };
+    // The story's pool is gone here (closed, or dropped with the cancelled future).
+    tokio::task::spawn_blocking(move || pg.stop())
+        .await
+        .map_err(|e| AppError::Failed(format!("stopping embedded PostgreSQL: {e}")))?;
+    outcome?;
+    say(
+        out,
+        format_args!(
+            "\ndemo finished in {:.1} s; the temporary cluster is stopped and its directory removed.",
+            started.elapsed().as_secs_f64()
+        ),
+    )
+}
+
+fn interrupted() -> AppError {
+    AppError::Failed("interrupted".into())
+}
+
+fn say(out: &mut (dyn Write + Send), line: std::fmt::Arguments<'_>) -> Result<()> {
+    writeln!(out, "{line}")
+        .and_then(|()| out.flush())
+        .map_err(|e| AppError::Failed(format!("cannot write the demo's output: {e}")))
+}
+
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => { say($out, format_args!($($arg)*))? };
+}
+
+async fn story(
+    settings: &Settings,
+    pg: &EmbeddedPg,
+    out: &mut (dyn Write + Send),
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    let month = BusinessDate::from_month(MONTH)?;
+    let mut database = settings.database.clone();
+    // Round 2 runs six replicas at once, each with a batch transaction and a heartbeat.
+    database.max_connections = database.max_connections.max(16);
+    let pool = db::connect(&pg.url("postgres"), &database).await?;
+    let result = chapters(settings, &pool, pg.version(), month, out, shutdown).await;
+    db::close(&pool).await;
+    result
+}
+
+async fn chapters(
+    settings: &Settings,
+    pool: &PgPool,
+    pg_version: &str,
+    month: BusinessDate,
+    out: &mut (dyn Write + Send),
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    db::migrate(pool).await?;
+    let seeded = seed::seed_loans(pool, &SeedSpec::new(LOANS, month, SEED), |_| {}).await?;
+    say!(
+        out,
+        "settlementd demo on a private PostgreSQL {pg_version} (temporary data directory, Unix \
+         socket only)"
+    );
+    say!(
+        out,
+        "seeded {} loans for {MONTH} (seed {SEED}): {} returned in the month, {} of them on time \
+         (fine 0), {} still out",
+        seeded.loans,
+        seeded.returned,
+        seeded.on_time,
+        seeded.loans - seeded.returned
+    );
+
+    say!(out, "\n== 1. The job layer: one key, two claimers ==");
+    say!(
+        out,
+        "A run owns the row (job, business date, shard count, shard) in job_runs, inserted with\n\
+         INSERT ... ON CONFLICT DO NOTHING. Two owners claim the same key:"
+    );
+    claim_twice(settings, pool, month, out).await?;
+
+    say!(
+        out,
+        "\n== 2. The seed's trap: fine_cents = 0 as the \"not settled\" marker =="
+    );
+    say!(
+        out,
+        "UPDATE loans SET fine_cents = <fine> WHERE returned_on in {MONTH} AND fine_cents = 0,\n\
+         run twice in a transaction that is then rolled back:"
+    );
+    let (first, second) = naive_marker_twice(settings, pool, month).await?;
+    say!(out, "naive marker first={first} second={second}");
+    say!(
+        out,
+        "The second run settled {second} loans again: a zero fine is a result, not a marker.\n\
+         With \"fine_cents = fine_cents + <fine>\" they would have been billed twice."
+    );
+
+    say!(
+        out,
+        "\n== 3. The real thing: fine_settled_at is the marker, every write is fenced =="
+    );
+    say!(
+        out,
+        "Each batch: UPDATE ... WHERE id IN (batch) AND fine_settled_at IS NULL, committed with\n\
+         job_runs progress WHERE attempt = <this run's attempt>."
+    );
+    let job = cli::settlement_job(settings);
+    let all: Vec<u32> = (0..SHARDS).collect();
+    let twice: Vec<u32> = all.iter().flat_map(|&s| [s, s]).collect();
+
+    say!(
+        out,
+        "\nround 1: three replicas at once (shards 0, 1, 2 of {SHARDS})"
+    );
+    let round1 = round(settings, pool, &job, month, &all, false, shutdown).await?;
+    print_table(out, &round1)?;
+    let totals1 = settlement::month_totals(pool, month).await?;
+    print_totals(out, month, &totals1, None)?;
+
+    say!(
+        out,
+        "\nround 2: every replica twice more, at once ({} runs): the claims are SUCCESS",
+        twice.len()
+    );
+    let round2 = round(settings, pool, &job, month, &twice, false, shutdown).await?;
+    print_table(out, &round2)?;
+    let totals2 = settlement::month_totals(pool, month).await?;
+    print_totals(out, month, &totals2, Some(&totals1))?;
+
+    say!(
+        out,
+        "\nround 3: a forced re-run of every shard (run --force): new attempts, nothing left to do"
+    );
+    let round3 = round(settings, pool, &job, month, &all, true, shutdown).await?;
+    print_table(out, &round3)?;
+    let totals3 = settlement::month_totals(pool, month).await?;
+    print_totals(out, month, &totals3, Some(&totals1))?;
+
+    let updated_first: u64 = round1.iter().map(|r| r.updated).sum();
+    let updated_forced: u64 = round3.iter().map(|r| r.updated).sum();
+    say!(
+        out,
+        "\nforced rerun first={updated_first} second={updated_forced} totalFirst={} totalSecond={}",
+        totals1.fine_cents_sum,
+        totals3.fine_cents_sum
+    );
+    if updated_forced != 0 || totals1 != totals2 || totals1 != totals3 {
+        return Err(AppError::Failed(
+            "the re-runs changed the month: settlement is not idempotent".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Two owners claim one key on the job layer; the winner then marks it SUCCESS.
+async fn claim_twice(
+    settings: &Settings,
+    pool: &PgPool,
+    month: BusinessDate,
+    out: &mut (dyn Write + Send),
+) -> Result<()> {
+    let key = JobKey {
+        job_name: CLAIM_DEMO_JOB.into(),
+        business_date: month.date(),
+        shards: 1,
+        shard: 0,
+    };
+    let ttl = Duration::from_secs(settings.lease.ttl_secs);
+    let mut conn = pool.acquire().await?;
+    let first = claim::claim(&mut conn, &key, &Owner::for_process(), ttl, false).await?;
+    let second = claim::claim(&mut conn, &key, &Owner::for_process(), ttl, false).await?;
+    let acquired = |o: &ClaimOutcome| u8::from(matches!(o, ClaimOutcome::Won(_)));
+    say!(out, "first acquire={}", acquired(&first));
+    say!(out, "second acquire={}", acquired(&second));
+    if let ClaimOutcome::Won(won) = &first {
+        say!(
+            out,
+            "The loser skips: the row is RUNNING with a live heartbeat (attempt {}).",
+            won.attempt
+        );
+        // Release the demo key the normal way: a fenced SUCCESS, which also blocks re-runs.
+        claim::mark_success(&mut *conn, won).await?;
+        let third = claim::claim(&mut conn, &key, &Owner::for_process(), ttl, false).await?;
+        say!(
+            out,
+            "After the winner marks SUCCESS, a third claim also gets acquire={}: a done month \
+             stays done.",
+            acquired(&third)
+        );
+    }
+    Ok(())
+}
+
+/// The seed's broken settlement, twice, on data that is rolled back afterwards so the real
+/// settlement starts from unsettled loans. Returns the rows each run processed.
+async fn naive_marker_twice(
+    settings: &Settings,
+    pool: &PgPool,
+    month: BusinessDate,
+) -> Result<(u64, u64)> {
+    let mut tx = pool.begin().await?;
+    let first = settlement::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
+    let second = settlement::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
+    tx.rollback().await?;
+    Ok((first, second))
+}
+
+/// Runs one replica per entry of `shards` (of [`SHARDS`]) concurrently, each with its own owner,
+/// and returns their reports by shard.
+async fn round(
+    settings: &Settings,
+    pool: &PgPool,
+    job: &FineSettlement,
+    month: BusinessDate,
+    shards: &[u32],
+    force: bool,
+    shutdown: &CancellationToken,
+) -> Result<Vec<RunReport>> {
+    let mut replicas = tokio::task::JoinSet::new();
+    for &shard in shards {
+        let key = settlement::key(month, ShardSpec::new(shard, SHARDS)?);
+        let opts = cli::run_options(settings, force, false);
+        let (pool, job, shutdown) = (pool.clone(), job.clone(), shutdown.clone());
+        replicas.spawn(
+            async move { jobs::run_once(&pool, &job, key, &opts, &shutdown, &|_| {}).await },
+        );
+    }
+    let mut reports = Vec::with_capacity(shards.len());
+    while let Some(joined) = replicas.join_next().await {
+        let report = joined.map_err(|e| AppError::Failed(format!("replica task: {e}")))??;
+        reports.push(report);
+    }
+    // By shard, workers before skippers: stable output whatever order they finished in.
+    reports.sort_by_key(|r| (r.key.shard, r.skipped.is_some()));
+    Ok(reports)
+}
+
+fn print_table(out: &mut (dyn Write + Send), reports: &[RunReport]) -> Result<()> {
+    say!(
+        out,
+        "  {:<6} {:>8} {:>8}  {:<16} {:>7} {:>6}",
+        "shard",
+        "scanned",
+        "updated",
+        "skipped",
+        "attempt",
+        "ms"
+    );
+    for r in reports {
+        let skipped = match r.skipped {
+            None => "no",
+            Some(SkipReason::AlreadyDone) => "already SUCCESS",
+            Some(SkipReason::Held) => "held by a peer",
+        };
+        let attempt = r
+            .attempt
+            .map(|a| a.to_string())
+            .unwrap_or_else(|| "-".into());
+        say!(
+            out,
+            "  {:<6} {:>8} {:>8}  {:<16} {:>7} {:>6}",
+            format!("{}/{}", r.key.shard, r.key.shards),
+            r.scanned,
+            r.updated,
+            skipped,
+            attempt,
+            r.elapsed.as_millis()
+        );
+    }
+    Ok(())
+}
+
+fn print_totals(
+    out: &mut (dyn Write + Send),
+    month: BusinessDate,
+    totals: &MonthTotals,
+    compared_to: Option<&MonthTotals>,
+) -> Result<()> {
+    let verdict = match compared_to {
+        None => "",
+        Some(first) if first == totals => "  (identical to round 1)",
+        Some(_) => "  (CHANGED since round 1!)",
+    };
+    say!(
+        out,
+        "  settled {}: rows={} fine_cents_sum={} digest={}{verdict}",
+        month.first_day().format("%Y-%m"),
+        totals.settled_rows,
+        totals.fine_cents_sum,
+        totals.digest
+    );
+    Ok(())
 }

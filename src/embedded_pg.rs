@@ -29,6 +29,9 @@ pub enum EmbeddedError {
          /usr/lib/postgresql/*/bin): install the server package, e.g. `apt-get install postgresql`"
     )]
     NoBinaries,
+    /// A set-up problem the operator must fix (a wrong bin directory, an unreachable data directory).
+    #[error("embedded PostgreSQL: {0}")]
+    Setup(String),
     #[error("embedded PostgreSQL: {0}")]
     Io(String),
     #[error("embedded PostgreSQL failed to start: {0}")]
@@ -38,7 +41,7 @@ pub enum EmbeddedError {
 impl EmbeddedError {
     /// Missing binaries is a set-up problem (exit 2); the rest are failures (exit 1).
     pub fn is_config(&self) -> bool {
-        matches!(self, EmbeddedError::NoBinaries)
+        matches!(self, EmbeddedError::NoBinaries | EmbeddedError::Setup(_))
     }
 }
 
@@ -87,6 +90,9 @@ impl EmbeddedPg {
         for dir in [&socket_dir, &data_dir] {
             fs::create_dir_all(dir).map_err(io("create a directory"))?;
             chown(dir, as_user)?;
+        }
+        if let Some(user) = as_user {
+            check_reachable(&data_dir, user)?;
         }
         fs::set_permissions(&data_dir, fs::Permissions::from_mode(0o700)).map_err(io("chmod"))?;
 
@@ -270,7 +276,7 @@ pub fn find_bindir() -> Result<PathBuf> {
         return if has_server(&dir) {
             Ok(dir)
         } else {
-            Err(EmbeddedError::Start(format!(
+            Err(EmbeddedError::Setup(format!(
                 "{BINDIR_ENV}={} has no postgres and initdb",
                 dir.display()
             )))
@@ -340,6 +346,34 @@ fn server_command(program: &Path, user: Option<OsUser>, cwd: &Path) -> Command {
         command.uid(user.uid).gid(user.gid);
     }
     command
+}
+
+/// The server runs as `user`: every ancestor of its data directory must let it through.
+fn check_reachable(data_dir: &Path, user: OsUser) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    for dir in data_dir.ancestors().skip(1) {
+        let Ok(meta) = fs::metadata(dir) else {
+            continue;
+        };
+        let mode = meta.mode();
+        let searchable = if meta.uid() == user.uid {
+            mode & 0o100 != 0
+        } else if meta.gid() == user.gid {
+            mode & 0o010 != 0
+        } else {
+            mode & 0o001 != 0
+        };
+        if !searchable {
+            return Err(EmbeddedError::Setup(format!(
+                "data directory {} is not reachable by the unprivileged OS user the server runs as \
+                 (uid {}): {} is not searchable; chmod o+x it or choose another directory",
+                data_dir.display(),
+                user.uid,
+                dir.display()
+            )));
+        }
+    }
+    Ok(())
 }
 
 fn chown(path: &Path, user: Option<OsUser>) -> Result<()> {

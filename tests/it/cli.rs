@@ -370,3 +370,31 @@ fn help_prints_and_exits_0() {
         assert!(text.contains(command), "{text}");
     }
 }
+
+#[test]
+fn a_wrong_server_bin_directory_is_a_set_up_error_with_exit_2() {
+    let out = settlementd(None)
+        .env("SETTLEMENTD_PG_BINDIR", "/nonexistent/bin")
+        .arg("demo")
+        .output()
+        .unwrap();
+    assert_invalid(&out, "SETTLEMENTD_PG_BINDIR=/nonexistent/bin");
+}
+
+#[test]
+fn an_embedded_data_directory_the_server_user_cannot_reach_is_exit_2() {
+    // Only meaningful as root, where the server runs as an unprivileged OS user.
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    let private = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(private.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    let data = private.path().join("data");
+    let out = settlementd(None)
+        .env("SETTLEMENTD__DATABASE__EMBEDDED_DIR", &data)
+        .args(["migrate", "--embedded-db"])
+        .output()
+        .unwrap();
+    assert_invalid(&out, "not searchable");
+}
