@@ -29,19 +29,17 @@ const UNREACHABLE: &str = "postgres://settle:hunter2@127.0.0.1:1/libraryd";
 async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
     let db = test_db().await;
     seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
-    let out = settlementd(Some(&db.url))
-        .args([
-            "run",
-            "--business-date",
-            "2026-10-31",
-            "--shard",
-            "1",
-            "--shards",
-            "2",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    const ARGS: [&str; 8] = [
+        "run",
+        "--business-date",
+        "2026-10-31",
+        "--shard",
+        "1",
+        "--shards",
+        "2",
+        "--json",
+    ];
+    let out = settlementd(Some(&db.url)).args(ARGS).output().unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert_eq!(stdout.trim_end().lines().count(), 1, "{stdout}");
@@ -79,19 +77,7 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
     assert_eq!(v["updated"].as_i64(), Some(expected));
 
     // The same run again is skipped, still exit 0, still one object.
-    let again = settlementd(Some(&db.url))
-        .args([
-            "run",
-            "--business-date",
-            "2026-10-31",
-            "--shard",
-            "1",
-            "--shards",
-            "2",
-            "--json",
-        ])
-        .output()
-        .unwrap();
+    let again = settlementd(Some(&db.url)).args(ARGS).output().unwrap();
     assert_eq!(again.status.code(), Some(0));
     let v: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(

@@ -66,6 +66,24 @@ async fn settled_in(pool: &PgPool, month: &str) -> i64 {
         .settled_rows
 }
 
+/// Polls the month's claim until it is SUCCESS (at most 10 s); returns the last status seen.
+async fn wait_for_success(pool: &PgPool, month: BusinessDate) -> String {
+    let mut status = String::new();
+    for _ in 0..400 {
+        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
+            .bind(month.date())
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        if status == "SUCCESS" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    status
+}
+
 fn settled(outcome: TickOutcome) -> (Slot, jobs::RunReport) {
     match outcome {
         TickOutcome::Settled { slot, report } => (slot, report),
@@ -440,20 +458,10 @@ async fn serve_catches_up_at_start_up_answers_probes_and_exits_cleanly_on_shutdo
         stop.clone(),
     ));
 
-    let mut status = String::new();
-    for _ in 0..400 {
-        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
-            .bind(due.business_date.date())
-            .fetch_optional(&db.pool)
-            .await
-            .unwrap()
-            .unwrap_or_default();
-        if status == "SUCCESS" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert_eq!(status, "SUCCESS");
+    assert_eq!(
+        wait_for_success(&db.pool, due.business_date).await,
+        "SUCCESS"
+    );
     assert_eq!(
         settled_in(&db.pool, &due.business_date.to_string()).await,
         eligible(&db.pool, due.business_date).await
@@ -685,20 +693,10 @@ async fn the_binary_settles_the_due_month_logs_json_with_run_fields_and_exits_0_
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut status = String::new();
-    for _ in 0..400 {
-        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
-            .bind(due.business_date.date())
-            .fetch_optional(&db.pool)
-            .await
-            .unwrap()
-            .unwrap_or_default();
-        if status == "SUCCESS" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    assert_eq!(status, "SUCCESS");
+    assert_eq!(
+        wait_for_success(&db.pool, due.business_date).await,
+        "SUCCESS"
+    );
     // SAFETY: kill(2) on our own child's pid; no memory is involved.
     let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     assert_eq!(rc, 0);
