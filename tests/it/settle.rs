@@ -506,3 +506,29 @@ async fn a_heartbeat_that_finds_its_claim_taken_over_reports_the_loss() {
         .expect("the heartbeat notices the lost claim");
     heartbeat.stop().await;
 }
+
+#[tokio::test]
+async fn negative_ids_belong_to_exactly_one_shard() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 300, 1).await;
+    sqlx::query("UPDATE loans SET id = -id WHERE id % 2 = 0")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let negative: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE id < 0 AND returned_on BETWEEN $1 AND $2",
+    )
+    .bind(oct.first_day())
+    .bind(oct.date())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(negative > 100);
+    let mut updated = 0;
+    for i in 0..3 {
+        updated += run(&db.pool, oct, shard(i, 3), false).await.updated;
+    }
+    assert_eq!(updated as i64, eligible(&db.pool, oct).await);
+    assert_eq!(settled_count(&db.pool).await, eligible(&db.pool, oct).await);
+}
