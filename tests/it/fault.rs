@@ -4,13 +4,9 @@
 
 use crate::helpers::*;
 use rand::{Rng, SeedableRng};
-use settlementd::config::ShardSpec;
-use settlementd::fine::FineRule;
-use settlementd::jobs::{self, Owner, RunOptions};
-use settlementd::settlement::{self, FineSettlement};
+use settlementd::settlement;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 const MONTH: &str = "2026-10-31";
 const SHARDS: u32 = 3;
@@ -49,30 +45,7 @@ async fn fault_killed_restarted_and_duplicated_replicas_end_as_one_clean_run() {
     for db in [&clean, &chaos] {
         seed_month(&db.pool, month, 150_000, 1).await;
     }
-    let job = FineSettlement {
-        rule: FineRule::default(),
-        batch_size: 500,
-    };
-    for shard in 0..SHARDS {
-        let opts = RunOptions {
-            owner: Owner::for_process(),
-            lease_ttl: Duration::from_secs(60),
-            heartbeat_every: Duration::from_secs(10),
-            force: false,
-            estimate: false,
-        };
-        let key = settlement::key(month, ShardSpec::new(shard, SHARDS).unwrap());
-        jobs::run_once(
-            &clean.pool,
-            &job,
-            key,
-            &opts,
-            &CancellationToken::new(),
-            &|_| {},
-        )
-        .await
-        .unwrap();
-    }
+    settle_shards(&clean.pool, month, SHARDS, 500).await;
 
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let deadline = Instant::now() + Duration::from_secs(240);

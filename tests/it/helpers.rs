@@ -202,3 +202,45 @@ pub fn settlementd(url: Option<&str>) -> std::process::Command {
     }
     cmd
 }
+
+/// Run options for tests: a fresh owner, a 60 s lease renewed every 10 s.
+pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions {
+    settlementd::jobs::RunOptions {
+        owner: settlementd::jobs::Owner::for_process(),
+        lease_ttl: std::time::Duration::from_secs(60),
+        heartbeat_every: std::time::Duration::from_secs(10),
+        force,
+        estimate,
+    }
+}
+
+/// Settles `month` cleanly: one run per shard of `shards`, in batches of `batch_size`.
+/// Returns the rows updated.
+pub async fn settle_shards(
+    pool: &PgPool,
+    month: BusinessDate,
+    shards: u32,
+    batch_size: u32,
+) -> u64 {
+    let job = settlementd::settlement::FineSettlement {
+        rule: settlementd::fine::FineRule::default(),
+        batch_size,
+    };
+    let mut updated = 0;
+    for shard in 0..shards {
+        let spec = settlementd::config::ShardSpec::new(shard, shards).unwrap();
+        let key = settlementd::settlement::key(month, spec);
+        let report = settlementd::jobs::run_once(
+            pool,
+            &job,
+            key,
+            &run_options(false, false),
+            &tokio_util::sync::CancellationToken::new(),
+            &|_| {},
+        )
+        .await
+        .unwrap();
+        updated += report.updated;
+    }
+    updated
+}

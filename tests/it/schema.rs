@@ -1,34 +1,18 @@
 //! Tests: schema. The loans indexes keep "unsettled and returned in month M" cheap, and a re-run
 //! over a settled month reads nothing, checked on real plans (EXPLAIN ANALYZE, BUFFERS).
 
-use crate::helpers::{bd, seed_month, test_db};
+use crate::helpers::{bd, run_options, seed_month, settle_shards, test_db};
 use serde_json::Value;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::fine::FineRule;
-use settlementd::jobs::{self, Owner, RunOptions};
+use settlementd::jobs;
 use settlementd::settlement::{self, FineSettlement};
 use sqlx::PgPool;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 async fn settle(pool: &PgPool, month: BusinessDate) {
-    let job = FineSettlement {
-        rule: FineRule::default(),
-        batch_size: 500,
-    };
-    let opts = RunOptions {
-        owner: Owner::for_process(),
-        lease_ttl: Duration::from_secs(60),
-        heartbeat_every: Duration::from_secs(10),
-        force: false,
-        estimate: false,
-    };
-    let key = settlement::key(month, ShardSpec::new(0, 1).unwrap());
-    let report = jobs::run_once(pool, &job, key, &opts, &CancellationToken::new(), &|_| {})
-        .await
-        .unwrap();
-    assert!(report.updated > 0);
+    assert!(settle_shards(pool, month, 1, 500).await > 0);
 }
 
 /// The plan of the month's "unsettled" question, as the settlement asks it, with its buffers.
@@ -170,13 +154,7 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
         rule: FineRule::default(),
         batch_size: 500,
     };
-    let opts = RunOptions {
-        owner: Owner::for_process(),
-        lease_ttl: Duration::from_secs(60),
-        heartbeat_every: Duration::from_secs(10),
-        force: true,
-        estimate: true,
-    };
+    let opts = run_options(true, true);
     let key = settlement::key(oct, ShardSpec::new(0, 1).unwrap());
     let report = jobs::run_once(
         &db.pool,

@@ -4,7 +4,7 @@ use crate::helpers::*;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::fine::FineRule;
-use settlementd::jobs::{self, claim, Batch, Job, JobError, JobKey, Owner, RunOptions, RunReport};
+use settlementd::jobs::{self, claim, Batch, Job, JobError, JobKey, Owner, RunReport};
 use settlementd::settlement::{self, FineSettlement, MonthPlan};
 use sqlx::{PgConnection, PgPool};
 use std::sync::Arc;
@@ -18,16 +18,6 @@ fn job(batch_size: u32) -> FineSettlement {
     FineSettlement {
         rule: FineRule::default(),
         batch_size,
-    }
-}
-
-fn opts(force: bool) -> RunOptions {
-    RunOptions {
-        owner: Owner::for_process(),
-        lease_ttl: Duration::from_secs(60),
-        heartbeat_every: Duration::from_secs(10),
-        force,
-        estimate: false,
     }
 }
 
@@ -50,7 +40,7 @@ async fn run_job<J: Job>(
         pool,
         job,
         settlement::key(month, s),
-        &opts(force),
+        &run_options(force, false),
         &CancellationToken::new(),
         &|_| {},
     )
@@ -394,7 +384,7 @@ async fn an_interrupted_run_is_marked_failed_and_the_next_run_resumes_after_its_
         &db.pool,
         &job(100),
         key,
-        &opts(false),
+        &run_options(false, false),
         &shutdown,
         &stop_after_first_batch,
     )
