@@ -37,21 +37,13 @@ pub async fn connect(url: &str, settings: &DatabaseSettings) -> Result<PgPool> {
         url: redact_url(url),
         source,
     })?;
-    connect_with(options, settings, &redact_url(url)).await
-}
-
-pub async fn connect_with(
-    options: PgConnectOptions,
-    settings: &DatabaseSettings,
-    shown: &str,
-) -> Result<PgPool> {
     PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(Duration::from_secs(settings.acquire_timeout_secs))
         .connect_with(options.application_name("settlementd"))
         .await
         .map_err(|source| DbError::Connect {
-            url: shown.to_string(),
+            url: redact_url(url),
             source,
         })
 }

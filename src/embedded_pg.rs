@@ -203,10 +203,6 @@ impl EmbeddedPg {
         )
     }
 
-    pub fn data_dir(&self) -> &Path {
-        &self.data_dir
-    }
-
     /// The server's major version (`PG_VERSION`).
     pub fn version(&self) -> &str {
         &self.version

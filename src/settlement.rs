@@ -49,10 +49,6 @@ pub struct MonthPlan {
 impl Job for FineSettlement {
     type Plan = MonthPlan;
 
-    fn name(&self) -> &str {
-        JOB_NAME
-    }
-
     async fn plan(
         &self,
         pool: &PgPool,

@@ -81,8 +81,6 @@ pub trait Job: Sync {
     /// Per-run state computed once after the claim (bounds, parameters).
     type Plan: Send + Sync;
 
-    fn name(&self) -> &str;
-
     /// Prepares a run of `key` that resumes after `resume_after`. With `estimate`, also returns
     /// how many items remain, for progress display only.
     fn plan(

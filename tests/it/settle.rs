@@ -276,9 +276,6 @@ struct PausedFirstBatch {
 
 impl Job for PausedFirstBatch {
     type Plan = MonthPlan;
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
     async fn plan(
         &self,
         pool: &PgPool,
