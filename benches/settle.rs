@@ -23,6 +23,7 @@ use chrono::NaiveDate;
 use settlementd::calendar::BusinessDate;
 use settlementd::embedded_pg::{EmbeddedOptions, EmbeddedPg};
 use settlementd::fine::FineRule;
+use settlementd::seed::{self, SeedSpec};
 use settlementd::settlement::{self, MonthTotals};
 use sqlx::{Connection, PgConnection};
 use std::io::Read;
@@ -123,7 +124,7 @@ async fn bench(
         .await?;
     let month = BusinessDate::parse(MONTHS[TARGET])?;
     let t = Instant::now();
-    let expected = generate(&mut db, loans).await?;
+    let expected = generate(&mut db, url, loans).await?;
     println!(
         "PostgreSQL {} (temporary cluster: fsync=off, synchronous_commit=off, full_page_writes=off), \
          {} cores; {loans} loans over four months, {expected} to settle in {}; generated in {:.1} s",
@@ -235,46 +236,27 @@ fn check_noop(s: &Sample) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Four months of loans with contiguous ids per month (an append-only table), like the tests'
-/// `seed_month`: one in ten never returned, lateness from 15 days early to 45 days late. The two
-/// months before the target are already settled; the month after it is not (still open).
-/// Keeps a pristine copy to reset from. Returns how many loans the target month settles.
-async fn generate(db: &mut PgConnection, loans: i64) -> Result<u64, BoxError> {
-    let per_month = (loans / MONTHS.len() as i64).max(1);
-    let rule = FineRule::default();
+/// Four months of loans from the product's own generator (`settlementd seed`: COPY, ids appended
+/// per month, so they are contiguous per month as in an append-only table; 90 % returned within the
+/// month, 28 % of those on time). The two months before the target are settled by a set-based
+/// UPDATE; the month after it stays open. Keeps a pristine copy to reset from. Returns how many
+/// loans the target month settles.
+async fn generate(db: &mut PgConnection, url: &str, loans: i64) -> Result<u64, BoxError> {
+    let per_month = (loans / MONTHS.len() as i64).max(1) as u64;
+    let pool = sqlx::PgPool::connect(url).await?;
     for (m, date) in MONTHS.iter().enumerate() {
         let month = BusinessDate::parse(date)?;
-        let days = (month.date() - month.first_day()).num_days() + 1;
-        let first_id = 1 + m as i64 * per_month;
-        sqlx::query(
-            "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
-             SELECT i, i % 997, i % 1543, r - (((i * 7919) % 61) - 15)::int - 14,
-                    r - (((i * 7919) % 61) - 15)::int,
-                    CASE WHEN i % 10 = 0 THEN NULL ELSE r END
-               FROM (SELECT i, $2::date + ((i * 37) % $3)::int AS r
-                       FROM generate_series($4::bigint, $4::bigint + $1 - 1) AS i) s",
+        seed::seed_loans(
+            &pool,
+            &SeedSpec::new(per_month, month, 42 + m as u64),
+            |_| {},
         )
-        .bind(per_month)
-        .bind(month.first_day())
-        .bind(days)
-        .bind(first_id)
-        .execute(&mut *db)
         .await?;
         if m < TARGET {
-            sqlx::query(&format!(
-                "UPDATE loans l SET fine_cents = {}, fine_settled_at = now()
-                  WHERE returned_on BETWEEN $1 AND $2",
-                FineRule::SQL_EXPR
-                    .replace("$grace", &rule.grace_days.to_string())
-                    .replace("$rate", &rule.daily_rate_cents.to_string())
-                    .replace("$max", &rule.max_cents.to_string())
-            ))
-            .bind(month.first_day())
-            .bind(month.date())
-            .execute(&mut *db)
-            .await?;
+            set_based(&mut *db, month).await?;
         }
     }
+    pool.close().await;
     sqlx::query("DROP TABLE IF EXISTS loans_pristine")
         .execute(&mut *db)
         .await?;
