@@ -84,6 +84,17 @@ async fn wait_for_success(pool: &PgPool, month: BusinessDate) -> String {
     status
 }
 
+/// Every eligible loan of each month is settled.
+async fn assert_fully_settled(pool: &PgPool, months: &[&str]) {
+    for month in months {
+        assert_eq!(
+            settled_in(pool, month).await,
+            eligible(pool, bd(month)).await,
+            "{month}"
+        );
+    }
+}
+
 fn settled(outcome: TickOutcome) -> (Slot, jobs::RunReport) {
     match outcome {
         TickOutcome::Settled { slot, report } => (slot, report),
@@ -140,12 +151,7 @@ async fn a_year_of_monthly_ticks_gives_twelve_runs_with_the_right_business_dates
         rows.iter().map(|r| r.0.clone()).collect::<Vec<_>>(),
         expected
     );
-    for month in ["2027-02-28", "2027-11-30"] {
-        assert_eq!(
-            settled_in(&db.pool, month).await,
-            eligible(&db.pool, bd(month)).await
-        );
-    }
+    assert_fully_settled(&db.pool, &["2027-02-28", "2027-11-30"]).await;
 }
 
 #[tokio::test]
@@ -811,12 +817,7 @@ async fn a_month_still_failed_when_the_next_fire_arrives_is_settled_before_the_n
     let (second, _) = settled(r.tick().await);
     assert_eq!(second.business_date, bd("2027-03-31"));
     assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
-    for month in ["2027-02-28", "2027-03-31"] {
-        assert_eq!(
-            settled_in(&db.pool, month).await,
-            eligible(&db.pool, bd(month)).await
-        );
-    }
+    assert_fully_settled(&db.pool, &["2027-02-28", "2027-03-31"]).await;
 }
 
 #[tokio::test]
