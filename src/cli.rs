@@ -1,20 +1,19 @@
 //! The command line: argument types, the commands that are thin wrappers over the library, and the
 //! mapping of every error to an exit code (0 done or skipped, 1 failed, 2 invalid input/config).
 
-use crate::calendar::{BusinessDate, CalendarError};
-use crate::clock::{Clock, SystemClock};
-use crate::config::{ConfigError, LogFormat, Settings, ShardSpec};
-use crate::db::{self, DbError};
-use crate::embedded_pg::{EmbeddedError, EmbeddedOptions, EmbeddedPg};
-use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
-use crate::settlement::{self, FineSettlement};
+use crate::app::{
+    business_date_or_default, ensure_month_is_over, run_options, settlement_job,
+    shutdown_on_signals, AppError, Database, Result,
+};
+use crate::clock::SystemClock;
+use crate::config::{Settings, ShardSpec};
+use crate::db;
+use crate::jobs::{self, RunReport, SkipReason};
+use crate::settlement;
 use clap::{Args, Parser, Subcommand};
-use sqlx::PgPool;
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -114,80 +113,6 @@ pub struct SeedArgs {
     pub db: DbArgs,
 }
 
-/// Every failure a command can end with, by exit code.
-#[derive(Debug, thiserror::Error)]
-pub enum AppError {
-    /// Exit 2: bad input or configuration; nothing was done.
-    #[error("{0}")]
-    Invalid(String),
-    /// Exit 1: the work failed (database error, lost lease, interruption).
-    #[error("{0}")]
-    Failed(String),
-}
-
-impl AppError {
-    pub fn exit_code(&self) -> ExitCode {
-        match self {
-            AppError::Invalid(_) => ExitCode::from(2),
-            AppError::Failed(_) => ExitCode::from(1),
-        }
-    }
-}
-
-impl From<ConfigError> for AppError {
-    fn from(e: ConfigError) -> Self {
-        AppError::Invalid(e.to_string())
-    }
-}
-impl From<CalendarError> for AppError {
-    fn from(e: CalendarError) -> Self {
-        AppError::Invalid(e.to_string())
-    }
-}
-impl From<DbError> for AppError {
-    fn from(e: DbError) -> Self {
-        if e.is_config() {
-            AppError::Invalid(e.to_string())
-        } else {
-            AppError::Failed(e.to_string())
-        }
-    }
-}
-impl From<JobError> for AppError {
-    fn from(e: JobError) -> Self {
-        AppError::Failed(with_hint(e.to_string(), undefined_table(&e)))
-    }
-}
-
-/// Missing tables mean the database was never migrated: say how to fix it.
-fn undefined_table(e: &JobError) -> bool {
-    matches!(e, JobError::Db(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01"))
-}
-
-fn with_hint(message: String, missing_schema: bool) -> String {
-    if missing_schema {
-        format!("{message} (run `settlementd migrate` first)")
-    } else {
-        message
-    }
-}
-impl From<EmbeddedError> for AppError {
-    fn from(e: EmbeddedError) -> Self {
-        if e.is_config() {
-            AppError::Invalid(e.to_string())
-        } else {
-            AppError::Failed(e.to_string())
-        }
-    }
-}
-impl From<sqlx::Error> for AppError {
-    fn from(e: sqlx::Error) -> Self {
-        AppError::from(JobError::Db(e))
-    }
-}
-
-pub type Result<T, E = AppError> = std::result::Result<T, E>;
-
 /// Parses the command line; help and version print and exit 0, anything else invalid is one line
 /// on stderr and exit 2.
 pub fn parse() -> std::result::Result<Cli, ExitCode> {
@@ -211,129 +136,6 @@ pub fn parse() -> std::result::Result<Cli, ExitCode> {
     })
 }
 
-/// Sets up logging on stderr (stdout is for command output).
-pub fn init_logging(format: LogFormat, default_level: &str) {
-    use tracing_subscriber::EnvFilter;
-    let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    let json = match format {
-        LogFormat::Json => true,
-        LogFormat::Text => false,
-        LogFormat::Auto => !std::io::stdout().is_terminal(),
-    };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = if json {
-        builder
-            .json()
-            .flatten_event(true)
-            .with_current_span(true)
-            .with_span_list(false)
-            .try_init()
-    } else {
-        builder
-            .with_ansi(std::io::stderr().is_terminal())
-            .try_init()
-    };
-}
-
-/// Cancelled on SIGINT or SIGTERM.
-pub fn shutdown_on_signals() -> CancellationToken {
-    let token = CancellationToken::new();
-    let cancel = token.clone();
-    tokio::spawn(async move {
-        let mut term =
-            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                    let _ = tokio::signal::ctrl_c().await;
-                    cancel.cancel();
-                    return;
-                }
-            };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutdown requested");
-        cancel.cancel();
-    });
-    token
-}
-
-/// The database a command works on: the configured URL, or a private cluster when asked for.
-pub struct Database {
-    pub pool: PgPool,
-    /// Kept alive as long as the pool; stopped on drop.
-    pub embedded: Option<EmbeddedPg>,
-}
-
-impl Database {
-    pub async fn open(settings: &Settings, embedded: bool) -> Result<Self> {
-        if embedded || settings.database.embedded {
-            let opts = EmbeddedOptions {
-                data_dir: Some(settings.database.embedded_dir.clone()),
-                bindir: None,
-            };
-            let pg = tokio::task::spawn_blocking(move || EmbeddedPg::start(opts))
-                .await
-                .map_err(|e| AppError::Failed(format!("embedded PostgreSQL: {e}")))??;
-            let pool = db::connect(&pg.url("postgres"), &settings.database).await?;
-            return Ok(Self {
-                pool,
-                embedded: Some(pg),
-            });
-        }
-        let pool = db::connect(settings.database_url()?, &settings.database).await?;
-        Ok(Self {
-            pool,
-            embedded: None,
-        })
-    }
-
-    /// Closes the pool, then stops a private cluster cleanly.
-    pub async fn close(self) {
-        db::close(&self.pool).await;
-        if let Some(pg) = self.embedded {
-            let _ = tokio::task::spawn_blocking(move || pg.stop()).await;
-        }
-    }
-}
-
-/// The business date given on the command line, or last month's end in the configured zone.
-pub fn business_date_or_default(
-    given: Option<&str>,
-    settings: &Settings,
-    clock: &dyn Clock,
-) -> Result<BusinessDate> {
-    match given {
-        Some(text) => Ok(BusinessDate::parse(text)?),
-        None => Ok(BusinessDate::for_instant(
-            &clock.now().with_timezone(&settings.schedule.timezone),
-        )),
-    }
-}
-
-/// Refuses a month that has not ended yet in the configured zone: a SUCCESS claim for it would make
-/// the scheduled run skip every loan returned after this moment.
-pub fn ensure_month_is_over(
-    business_date: BusinessDate,
-    settings: &Settings,
-    clock: &dyn Clock,
-) -> Result<()> {
-    let zone = settings.schedule.timezone;
-    let today = clock.now().with_timezone(&zone).date_naive();
-    if business_date.date() >= today {
-        return Err(AppError::Invalid(format!(
-            "business date {business_date} is not over yet in {zone} (today is {today}): settling it now \
-             would skip loans returned later in the month"
-        )));
-    }
-    Ok(())
-}
-
 /// Runs one parsed command to completion.
 pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
     match cli.command {
@@ -353,24 +155,6 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         }
         Command::Seed(args) => crate::seed::seed_command(args, settings).await,
         Command::Demo => crate::demo::run(settings).await,
-    }
-}
-
-/// The job options a run of `settings` uses.
-pub fn run_options(settings: &Settings, force: bool, estimate: bool) -> RunOptions {
-    RunOptions {
-        owner: Owner::for_process(),
-        lease_ttl: Duration::from_secs(settings.lease.ttl_secs),
-        heartbeat_every: Duration::from_secs(settings.lease.heartbeat_secs),
-        force,
-        estimate,
-    }
-}
-
-pub fn settlement_job(settings: &Settings) -> FineSettlement {
-    FineSettlement {
-        rule: settings.fine,
-        batch_size: settings.batch.size,
     }
 }
 

@@ -10,8 +10,8 @@
 //!
 //! Everything but the `ms` column is reproducible: the month, the seed and the data are fixed.
 
+use crate::app::{self, AppError, Result};
 use crate::calendar::BusinessDate;
-use crate::cli::{self, AppError, Result};
 use crate::config::{Settings, ShardSpec};
 use crate::db;
 use crate::embedded_pg::{EmbeddedOptions, EmbeddedPg};
@@ -36,7 +36,7 @@ const CLAIM_DEMO_JOB: &str = "demo-claim";
 
 /// Runs the demo on stdout until done or until SIGINT/SIGTERM.
 pub async fn run(settings: Settings) -> Result<()> {
-    let shutdown = cli::shutdown_on_signals();
+    let shutdown = app::shutdown_on_signals();
     run_until(&settings, &mut std::io::stdout(), shutdown).await
 }
 
@@ -164,7 +164,7 @@ async fn chapters(
         "Each batch: UPDATE ... WHERE id IN (batch) AND fine_settled_at IS NULL, committed with\n\
          job_runs progress WHERE attempt = <this run's attempt>."
     );
-    let job = cli::settlement_job(settings);
+    let job = app::settlement_job(settings);
     let all: Vec<u32> = (0..SHARDS).collect();
     let twice: Vec<u32> = all.iter().flat_map(|&s| [s, s]).collect();
 
@@ -279,7 +279,7 @@ async fn round(
     let mut replicas = tokio::task::JoinSet::new();
     for &shard in shards {
         let key = settlement::key(month, ShardSpec::new(shard, SHARDS)?);
-        let opts = cli::run_options(settings, force, false);
+        let opts = app::run_options(settings, force, false);
         let (pool, job, shutdown) = (pool.clone(), job.clone(), shutdown.clone());
         replicas.spawn(
             async move { jobs::run_once(&pool, &job, key, &opts, &shutdown, &|_| {}).await },

@@ -17,6 +17,7 @@
 //! Arrows point inward: `cli`, `daemon` and `demo` use `jobs` and `settlement`; `jobs` knows nothing
 //! of loans; `calendar` and `fine` are pure.
 
+pub mod app;
 pub mod calendar;
 pub mod cli;
 pub mod clock;

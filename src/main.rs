@@ -30,7 +30,7 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
-        cli::init_logging(settings.log.format, level);
+        settlementd::app::init_logging(settings.log.format, level);
         match cli::execute(cli, settings).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

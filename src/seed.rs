@@ -12,8 +12,9 @@
 //!   so seeding twice appends and never collides;
 //! - the load is one transaction: a failed seed leaves nothing behind.
 
+use crate::app::{self, AppError, Result};
 use crate::calendar::BusinessDate;
-use crate::cli::{self, AppError, Result, SeedArgs};
+use crate::cli::SeedArgs;
 use crate::clock::SystemClock;
 use crate::config::Settings;
 use crate::db;
@@ -273,12 +274,12 @@ fn write_row(out: &mut Vec<u8>, id: i64, loan: &Loan) {
 pub async fn seed_command(args: SeedArgs, settings: Settings) -> Result<()> {
     let month = match args.month.as_deref() {
         Some(text) => BusinessDate::from_month(text)?,
-        None => cli::business_date_or_default(None, &settings, &SystemClock)?,
+        None => app::business_date_or_default(None, &settings, &SystemClock)?,
     };
     let spec = SeedSpec::new(args.loans, month, args.seed);
     spec.validate().map_err(AppError::Invalid)?;
 
-    let database = cli::Database::open(&settings, args.db.embedded_db).await?;
+    let database = app::Database::open(&settings, args.db.embedded_db).await?;
     let bar = indicatif::ProgressBar::hidden();
     if std::io::stderr().is_terminal() {
         bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());

@@ -20,7 +20,7 @@ pub mod metrics;
 pub mod replica;
 pub mod schedule;
 
-use crate::cli::{self, AppError, Database, Result};
+use crate::app::{self, AppError, Database, Result};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
 use crate::db;
@@ -50,7 +50,7 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
             )));
         }
     };
-    let shutdown = cli::shutdown_on_signals();
+    let shutdown = app::shutdown_on_signals();
     let result = serve(
         settings,
         database.pool.clone(),

@@ -99,7 +99,7 @@ impl Replica {
         clock: Arc<dyn Clock>,
         shutdown: CancellationToken,
     ) -> Self {
-        let opts = crate::cli::run_options(settings, false, false);
+        let opts = crate::app::run_options(settings, false, false);
         let span = tracing::info_span!(
             "replica",
             shard = settings.shard.index,
@@ -108,7 +108,7 @@ impl Replica {
         );
         Self {
             pool,
-            job: crate::cli::settlement_job(settings),
+            job: crate::app::settlement_job(settings),
             cron: settings.schedule.cron.clone(),
             tz: settings.schedule.timezone,
             catch_up: settings.schedule.catch_up,

@@ -13,8 +13,8 @@
 //!
 //! The business date of a slot is the month end before the slot's date *in the zone*.
 
+use crate::app::Result;
 use crate::calendar::BusinessDate;
-use crate::cli::Result;
 use crate::clock::Clock;
 use crate::config::Settings;
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
