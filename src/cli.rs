@@ -1,15 +1,12 @@
-//! The command line: argument types, the commands that are thin wrappers over the library, and the
-//! mapping of every error to an exit code (0 done or skipped, 1 failed, 2 invalid input/config).
+//! The command line, on top of everything: clap types, parsing (a bad command line is one line on
+//! stderr and exit 2), dispatch to [`crate::commands`], `daemon` and `demo`, and printing what they
+//! return. Nothing imports this module but the binary.
 
-use crate::app::{
-    business_date_or_default, ensure_month_is_over, run_options, settlement_job,
-    shutdown_on_signals, AppError, Database, Result,
-};
+use crate::app::Result;
 use crate::clock::SystemClock;
-use crate::config::{Settings, ShardSpec};
-use crate::db;
-use crate::jobs::{self, RunReport, SkipReason};
-use crate::settlement;
+use crate::commands::{self, run::RunRequest, seed::SeedRequest, status::StatusRequest};
+use crate::config::Settings;
+use crate::jobs::Progress;
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -136,185 +133,92 @@ pub fn parse() -> std::result::Result<Cli, ExitCode> {
     })
 }
 
-/// Runs one parsed command to completion.
+/// Runs one parsed command to completion and prints what it produced on stdout.
 pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
     match cli.command {
         Command::Migrate(args) => {
-            let database = Database::open(&settings, args.embedded_db).await?;
-            let result = db::migrate(&database.pool).await;
-            database.close().await;
-            result?;
+            commands::migrate::migrate(&settings, args.embedded_db).await?;
             println!("migrations applied");
-            Ok(())
         }
-        Command::Run(args) => run_command(args, settings).await,
-        Command::Status(args) => status_command(args, settings).await,
-        Command::Serve(args) => crate::daemon::serve_command(settings, args.embedded_db).await,
+        Command::Run(args) => {
+            let show_bar = !args.json && std::io::stderr().is_terminal();
+            let request = RunRequest {
+                business_date: args.business_date,
+                shard: args.shard,
+                shards: args.shards,
+                force: args.force,
+                estimate: show_bar,
+                embedded_db: args.db.embedded_db,
+            };
+            let bar = progress_bar(show_bar, "{bar:40} {pos}/{len} rows {per_sec} {msg}");
+            let on_progress = |p: Progress| {
+                if let Some(total) = p.total {
+                    bar.set_length(total);
+                }
+                bar.set_position(p.scanned);
+            };
+            let result = commands::run::run(&settings, &request, &on_progress).await;
+            bar.finish_and_clear();
+            let report = result?;
+            if args.json {
+                println!("{}", commands::run::report_json(&report));
+            } else {
+                println!("{}", commands::run::report_line(&report));
+            }
+        }
+        Command::Status(args) => {
+            let request = StatusRequest {
+                business_date: args.business_date,
+                shards: args.shards,
+                embedded_db: args.db.embedded_db,
+            };
+            let status = commands::status::status(&settings, &request).await?;
+            if args.json {
+                println!("{}", status.to_json());
+            } else {
+                print!("{}", status.to_text());
+            }
+        }
+        Command::Serve(args) => crate::daemon::serve_command(settings, args.embedded_db).await?,
         Command::Schedule(args) => {
-            crate::daemon::schedule::print_next(&settings, &SystemClock, args.next, args.json)
+            for slot in commands::schedule::next(&settings, &SystemClock, args.next) {
+                if args.json {
+                    println!("{}", slot.to_json());
+                } else {
+                    println!("{}", commands::schedule::slot_line(&slot));
+                }
+            }
         }
-        Command::Seed(args) => crate::seed::seed_command(args, settings).await,
-        Command::Demo => crate::demo::run(settings).await,
+        Command::Seed(args) => {
+            let request = SeedRequest {
+                loans: args.loans,
+                month: args.month,
+                seed: args.seed,
+                embedded_db: args.db.embedded_db,
+            };
+            let bar = progress_bar(
+                std::io::stderr().is_terminal(),
+                "{bar:40} {pos}/{len} loans {per_sec} {eta}",
+            );
+            bar.set_length(args.loans);
+            let result = commands::seed::seed(&settings, &request, |n| bar.set_position(n)).await;
+            bar.finish_and_clear();
+            println!("{}", result?.line());
+        }
+        Command::Demo => crate::demo::run(settings).await?,
     }
+    Ok(())
 }
 
-async fn run_command(args: RunArgs, settings: Settings) -> Result<()> {
-    let shard = ShardSpec::new(
-        args.shard.unwrap_or(settings.shard.index),
-        args.shards.unwrap_or(settings.shard.count),
-    )?;
-    let business_date =
-        business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
-    ensure_month_is_over(business_date, &settings, &SystemClock)?;
-    let database = Database::open(&settings, args.db.embedded_db).await?;
-    if database.embedded.is_some() {
-        db::migrate(&database.pool).await?;
-    }
-    let shutdown = shutdown_on_signals();
-    let show_bar = !args.json && std::io::stderr().is_terminal();
+/// A progress bar on stderr when `visible`, else one that draws nothing.
+fn progress_bar(visible: bool, template: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::hidden();
-    if show_bar {
+    if visible {
         bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
         bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} rows {per_sec} {msg}")
+            indicatif::ProgressStyle::with_template(template)
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
     }
-    let on_progress = |p: jobs::Progress| {
-        if let Some(total) = p.total {
-            bar.set_length(total);
-        }
-        bar.set_position(p.scanned);
-    };
-    let result = jobs::run_once(
-        &database.pool,
-        &settlement_job(&settings),
-        settlement::key(business_date, shard),
-        &run_options(&settings, args.force, show_bar),
-        &shutdown,
-        &on_progress,
-    )
-    .await;
-    bar.finish_and_clear();
-    database.close().await;
-    let report = result?;
-    if args.json {
-        println!("{}", report_json(&report));
-    } else {
-        println!("{}", report_line(&report));
-    }
-    Ok(())
-}
-
-/// The `run --json` object.
-pub fn report_json(report: &RunReport) -> serde_json::Value {
-    serde_json::json!({
-        "business_date": report.key.business_date.to_string(),
-        "shard": report.key.shard,
-        "shards": report.key.shards,
-        "skipped": report.skipped.is_some(),
-        "scanned": report.scanned,
-        "updated": report.updated,
-        "attempt": report.attempt,
-        "elapsed_ms": report.elapsed.as_millis() as u64,
-    })
-}
-
-pub fn report_line(report: &RunReport) -> String {
-    let head = format!("{}", report.key);
-    let ms = report.elapsed.as_millis();
-    match report.skipped {
-        Some(SkipReason::AlreadyDone) => {
-            format!("{head}: skipped, already SUCCESS (use --force to re-run) [{ms} ms]")
-        }
-        Some(SkipReason::Held) => {
-            format!("{head}: skipped, another replica holds a live claim [{ms} ms]")
-        }
-        None => format!(
-            "{head}: SUCCESS attempt {}{}: scanned {}, updated {} in {ms} ms",
-            report.attempt.unwrap_or_default(),
-            if report.took_over { " (took over)" } else { "" },
-            report.scanned,
-            report.updated
-        ),
-    }
-}
-
-async fn status_command(args: StatusArgs, settings: Settings) -> Result<()> {
-    let business_date =
-        business_date_or_default(args.business_date.as_deref(), &settings, &SystemClock)?;
-    let shards = args.shards.unwrap_or(settings.shard.count);
-    if shards < 1 {
-        return Err(AppError::Invalid("--shards must be >= 1".into()));
-    }
-    let database = Database::open(&settings, args.db.embedded_db).await?;
-    let result = async {
-        let rows = jobs::claim::rows_for(
-            &database.pool,
-            settlement::JOB_NAME,
-            business_date.date(),
-            shards,
-        )
-        .await?;
-        let totals = settlement::month_totals(&database.pool, business_date).await?;
-        Ok::<_, AppError>((rows, totals))
-    }
-    .await;
-    database.close().await;
-    let (rows, totals) = result?;
-    if args.json {
-        let shard_list: Vec<serde_json::Value> = (0..shards as i32)
-            .map(|s| match rows.iter().find(|r| r.shard == s) {
-                Some(row) => serde_json::to_value(row).unwrap_or_default(),
-                None => serde_json::json!({ "shard": s, "status": "missing" }),
-            })
-            .collect();
-        println!(
-            "{}",
-            serde_json::json!({
-                "job": settlement::JOB_NAME,
-                "business_date": business_date.to_string(),
-                "shards": shards,
-                "runs": shard_list,
-                "totals": totals,
-            })
-        );
-        return Ok(());
-    }
-    println!(
-        "{} {} with {shards} shard(s)",
-        settlement::JOB_NAME,
-        business_date
-    );
-    println!(
-        "{:<6} {:<8} {:>7} {:<28} {:>10} {:>12} {:>10} {:>10}  last_error",
-        "shard", "status", "attempt", "owner", "heartbeat", "last_id", "scanned", "updated"
-    );
-    for s in 0..shards as i32 {
-        match rows.iter().find(|r| r.shard == s) {
-            Some(r) => println!(
-                "{:<6} {:<8} {:>7} {:<28} {:>9.1}s {:>12} {:>10} {:>10}  {}",
-                s,
-                r.status,
-                r.attempt,
-                r.owner,
-                r.heartbeat_age_secs,
-                r.last_id
-                    .map(|i| i.to_string())
-                    .unwrap_or_else(|| "-".into()),
-                r.scanned,
-                r.updated,
-                r.last_error.as_deref().unwrap_or("")
-            ),
-            None => println!("{s:<6} missing"),
-        }
-    }
-    println!(
-        "settled in {}: rows={} fine_cents_sum={} digest={}",
-        business_date.first_day().format("%Y-%m"),
-        totals.settled_rows,
-        totals.fine_cents_sum,
-        totals.digest
-    );
-    Ok(())
+    bar
 }

@@ -21,6 +21,7 @@ pub mod app;
 pub mod calendar;
 pub mod cli;
 pub mod clock;
+pub mod commands;
 pub mod config;
 pub mod daemon;
 pub mod db;

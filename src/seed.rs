@@ -12,17 +12,12 @@
 //!   so seeding twice appends and never collides;
 //! - the load is one transaction: a failed seed leaves nothing behind.
 
-use crate::app::{self, AppError, Result};
 use crate::calendar::BusinessDate;
-use crate::cli::SeedArgs;
-use crate::clock::SystemClock;
-use crate::config::Settings;
-use crate::db;
 use chrono::{Datelike, NaiveDate};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use sqlx::PgPool;
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 /// More than this in one call is almost certainly a typo (and would take hours).
@@ -268,44 +263,6 @@ fn write_row(out: &mut Vec<u8>, id: i64, loan: &Loan) {
         }
         None => out.extend_from_slice(b"\\N\n"),
     }
-}
-
-/// `settlementd seed`: validate, connect (migrating a fresh database), load, print one line.
-pub async fn seed_command(args: SeedArgs, settings: Settings) -> Result<()> {
-    let month = match args.month.as_deref() {
-        Some(text) => BusinessDate::from_month(text)?,
-        None => app::business_date_or_default(None, &settings, &SystemClock)?,
-    };
-    let spec = SeedSpec::new(args.loans, month, args.seed);
-    spec.validate().map_err(AppError::Invalid)?;
-
-    let database = app::Database::open(&settings, args.db.embedded_db).await?;
-    let bar = indicatif::ProgressBar::hidden();
-    if std::io::stderr().is_terminal() {
-        bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
-        bar.set_length(spec.loans);
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} loans {per_sec} {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-    }
-    let result = async {
-        db::migrate(&database.pool).await?;
-        Ok::<_, AppError>(seed_loans(&database.pool, &spec, |n| bar.set_position(n)).await?)
-    }
-    .await;
-    bar.finish_and_clear();
-    database.close().await;
-    let summary = result?;
-    println!(
-        "seeded {} loans for {} (ids {}..{}) in {} ms",
-        summary.loans,
-        month.first_day().format("%Y-%m"),
-        summary.first_id,
-        summary.last_id,
-        summary.elapsed.as_millis()
-    );
-    Ok(())
 }
 
 #[cfg(test)]

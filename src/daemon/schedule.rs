@@ -13,10 +13,7 @@
 //!
 //! The business date of a slot is the month end before the slot's date *in the zone*.
 
-use crate::app::Result;
 use crate::calendar::BusinessDate;
-use crate::clock::Clock;
-use crate::config::Settings;
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
@@ -99,23 +96,6 @@ pub fn next_slots(cron: &Cron, tz: Tz, now: DateTime<Utc>, n: usize) -> Vec<Slot
         cursor = fire_at.with_timezone(&Utc);
     }
     slots
-}
-
-/// `settlementd schedule`: prints the next `n` fire times after now with their business dates.
-pub fn print_next(settings: &Settings, clock: &dyn Clock, n: usize, json: bool) -> Result<()> {
-    let (cron, tz) = (&settings.schedule.cron, settings.schedule.timezone);
-    for slot in next_slots(cron, tz, clock.now(), n) {
-        if json {
-            println!("{}", slot.to_json());
-        } else {
-            println!(
-                "{}  settles {}",
-                slot.fire_at.to_rfc3339_opts(SecondsFormat::Secs, false),
-                slot.business_date
-            );
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,25 @@
+//! `settlementd schedule`: the next fire times and the months they settle (no database).
+
+use crate::clock::Clock;
+use crate::config::Settings;
+use crate::daemon::schedule::{next_slots, Slot};
+use chrono::SecondsFormat;
+
+/// The next `n` slots after the clock's now.
+pub fn next(settings: &Settings, clock: &dyn Clock, n: usize) -> Vec<Slot> {
+    next_slots(
+        &settings.schedule.cron,
+        settings.schedule.timezone,
+        clock.now(),
+        n,
+    )
+}
+
+/// `<fire time with the zone's offset>  settles <business date>`.
+pub fn slot_line(slot: &Slot) -> String {
+    format!(
+        "{}  settles {}",
+        slot.fire_at.to_rfc3339_opts(SecondsFormat::Secs, false),
+        slot.business_date
+    )
+}
