@@ -29,5 +29,6 @@ pub mod demo;
 pub mod embedded_pg;
 pub mod fine;
 pub mod jobs;
+pub mod schedule;
 pub mod seed;
 pub mod settlement;

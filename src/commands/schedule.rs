@@ -2,7 +2,7 @@
 
 use crate::clock::Clock;
 use crate::config::Settings;
-use crate::daemon::schedule::{next_slots, Slot};
+use crate::schedule::{next_slots, Slot};
 use chrono::SecondsFormat;
 
 /// The next `n` slots after the clock's now.

@@ -18,7 +18,6 @@
 pub mod http;
 pub mod metrics;
 pub mod replica;
-pub mod schedule;
 
 use crate::app::{self, AppError, Database, Result};
 use crate::clock::{Clock, SystemClock};

@@ -14,11 +14,11 @@
 //! - once shutdown is requested, nothing new is claimed.
 
 use super::metrics as m;
-use super::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
 use crate::calendar::BusinessDate;
 use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
+use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
 use crate::settlement::{self, FineSettlement};
 use chrono::{DateTime, TimeDelta, Utc};
 use chrono_tz::Tz;

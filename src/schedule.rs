@@ -1,7 +1,7 @@
 //! Fire times and their business dates: pure functions of (cron, zone, now).
 //!
 //! These decide *which month* a replica works on, so they never read the wall clock: callers pass
-//! `now` from an injected [`Clock`]. The slots of a schedule are the sequence croner's forward
+//! `now` from an injected [`crate::clock::Clock`]. The slots of a schedule are the sequence croner's forward
 //! search produces in the configured zone; [`latest_slot_at_or_before`] is defined on that same
 //! sequence, so "the slot that is due" and "the next fire time" can never disagree.
 //!
