@@ -3,6 +3,7 @@
 use crate::helpers::*;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
+use settlementd::demo::zero_fine_marker;
 use settlementd::fine::FineRule;
 use settlementd::jobs::{self, claim, Batch, Job, JobError, JobKey, Owner, RunReport};
 use settlementd::settlement::{self, FineSettlement, MonthPlan};
@@ -157,7 +158,7 @@ async fn the_zero_fine_marker_of_the_seed_rescans_every_zero_fine_row() {
     let oct = bd(OCT);
     seed_month(&db.pool, oct, 1000, 1).await;
     let rule = FineRule::default();
-    let first = settlement::settle_with_zero_fine_marker(&db.pool, oct, rule)
+    let first = zero_fine_marker::settle_with_zero_fine_marker(&db.pool, oct, rule)
         .await
         .unwrap();
     let zero_fines: i64 = sqlx::query_scalar(
@@ -168,7 +169,7 @@ async fn the_zero_fine_marker_of_the_seed_rescans_every_zero_fine_row() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    let second = settlement::settle_with_zero_fine_marker(&db.pool, oct, rule)
+    let second = zero_fine_marker::settle_with_zero_fine_marker(&db.pool, oct, rule)
         .await
         .unwrap();
     assert_eq!(first as i64, eligible(&db.pool, oct).await);

@@ -10,6 +10,8 @@
 //!
 //! Everything but the `ms` column is reproducible: the month, the seed and the data are fixed.
 
+pub mod zero_fine_marker;
+
 use crate::app::{self, AppError, Result};
 use crate::calendar::BusinessDate;
 use crate::config::{Settings, ShardSpec};
@@ -259,8 +261,10 @@ async fn naive_marker_twice(
     month: BusinessDate,
 ) -> Result<(u64, u64)> {
     let mut tx = pool.begin().await?;
-    let first = settlement::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
-    let second = settlement::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
+    let first =
+        zero_fine_marker::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
+    let second =
+        zero_fine_marker::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
     tx.rollback().await?;
     Ok((first, second))
 }
