@@ -14,8 +14,19 @@
 //!   month's end relative to the *scheduled fire time* ([`calendar`]), read from an injected
 //!   [`clock::Clock`]; missed slots are caught up and failures retried.
 //!
-//! Arrows point inward: `cli`, `daemon` and `demo` use `jobs` and `settlement`; `jobs` knows nothing
-//! of loans; `calendar` and `fine` are pure.
+//! Layers, top to bottom; a module may use only the rows below its own (nothing imports `cli`, and
+//! no two modules import each other):
+//!
+//! | layer | modules | owns |
+//! |---|---|---|
+//! | command line | [`cli`] | clap types, parsing, dispatch, printing |
+//! | commands and front ends | [`commands`], [`daemon`], [`demo`] | one file per command; `serve` (the schedule loop, HTTP); the demo |
+//! | shared by every command | [`app`] | error and exit codes, the database (configured or embedded), logging, shutdown signal, run options, default business date |
+//! | the job's data and tools | [`settlement`], [`seed`], [`db`], [`embedded_pg`] | the loans SQL; synthetic loans; connect and migrate; a private PostgreSQL |
+//! | generic layers | [`jobs`], [`config`] | claim, lease, fencing, `run_once` (knows nothing of loans); typed, validated settings |
+//! | pure | [`calendar`], [`fine`], [`clock`], [`schedule`] | business dates, the fine rule, injected time, cron slots (`schedule` uses `calendar`; the others use nothing) |
+//!
+//! `python3 ../shared/tools/modcycles.py src` checks the "no cycles, nothing imports `cli`" part.
 
 pub mod app;
 pub mod calendar;

@@ -9,5 +9,6 @@ mod cli;
 mod daemon;
 mod demo;
 mod fault;
+mod layers;
 mod schema;
 mod settle;
