@@ -42,6 +42,8 @@ pub struct RunReport {
     pub took_over: bool,
     pub scanned: u64,
     pub updated: u64,
+    /// Batch transactions this run committed (0 when skipped).
+    pub batches: u64,
     pub elapsed: Duration,
 }
 
@@ -51,6 +53,7 @@ pub struct Progress {
     pub total: Option<u64>,
     pub scanned: u64,
     pub updated: u64,
+    pub batches: u64,
 }
 
 /// Runs `job` for `key` once, idempotently. `shutdown` stops the run between batches (the batch in
@@ -125,12 +128,17 @@ async fn run_in_span<J: Job>(
     heartbeat.stop().await;
 
     let failure = match worked {
-        Ok((scanned, updated)) => {
+        Ok(Progress {
+            scanned,
+            updated,
+            batches,
+            ..
+        }) => {
             if !claim::mark_success(pool, &claim).await? {
                 metrics::counter!("settlementd_fencing_rejections_total").increment(1);
                 return Err(lease_lost(&claim));
             }
-            tracing::info!(scanned, updated, "SUCCESS");
+            tracing::info!(scanned, updated, batches, "SUCCESS");
             return Ok(RunReport {
                 key,
                 skipped: None,
@@ -138,6 +146,7 @@ async fn run_in_span<J: Job>(
                 took_over: claim.took_over,
                 scanned,
                 updated,
+                batches,
                 elapsed: started.elapsed(),
             });
         }
@@ -165,7 +174,7 @@ async fn work<J: Job>(
     lost: &CancellationToken,
     shutdown: &CancellationToken,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
-) -> Result<(u64, u64)> {
+) -> Result<Progress> {
     let (plan, total) = job
         .plan(pool, &claim.key, claim.resume_after, estimate)
         .await?;
@@ -192,12 +201,13 @@ async fn work<J: Job>(
         tx.commit().await?;
         progress.scanned += batch.scanned;
         progress.updated += batch.updated;
+        progress.batches += 1;
         metrics::counter!("settlementd_rows_scanned_total").increment(batch.scanned);
         metrics::counter!("settlementd_rows_updated_total").increment(batch.updated);
         on_progress(progress);
         after = batch.last_id.or(after);
         if batch.done {
-            return Ok((progress.scanned, progress.updated));
+            return Ok(progress);
         }
     }
 }
@@ -217,6 +227,7 @@ fn skipped(key: JobKey, reason: SkipReason, started: Instant) -> RunReport {
         took_over: false,
         scanned: 0,
         updated: 0,
+        batches: 0,
         elapsed: started.elapsed(),
     }
 }

@@ -1,5 +1,6 @@
-//! Tests: schema. The loans indexes keep "unsettled and returned in month M" cheap, and a re-run
-//! over a settled month reads nothing, checked on real plans (EXPLAIN ANALYZE, BUFFERS).
+//! Tests: schema and plans. A batch reads only the month's entries of `loans_unsettled_by_month`
+//! whatever the statistics say, and a re-run over a settled month reads nothing, checked on the
+//! engine's real statement (EXPLAIN ANALYZE, BUFFERS, in a transaction that is rolled back).
 
 use crate::helpers::{bd, run_options, seed_month, settle_shards, test_db};
 use serde_json::Value;
@@ -15,16 +16,41 @@ async fn settle(pool: &PgPool, month: BusinessDate) {
     assert!(settle_shards(pool, month, 1, 500).await > 0);
 }
 
-/// The plan of the month's "unsettled" question, as the settlement asks it, with its buffers.
-async fn explain_unsettled(pool: &PgPool, month: BusinessDate) -> Value {
+/// The plan of one batch of shard `shard` of `shards` after `after`, exactly as the engine runs
+/// it (plan pinned, same statement, same parameters), executed and rolled back.
+async fn explain_batch(
+    pool: &PgPool,
+    month: BusinessDate,
+    (shard, shards): (i64, i64),
+    after: i64,
+    batch: i64,
+) -> Value {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query(settlement::PIN_PLAN)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let rule = FineRule::default();
     let sql = format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
-         SELECT id FROM loans
-          WHERE returned_on BETWEEN '{}' AND '{}' AND fine_settled_at IS NULL",
-        month.first_day(),
-        month.date()
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+        settlement::batch_sql()
     );
-    let plan: Value = sqlx::query_scalar(&sql).fetch_one(pool).await.unwrap();
+    let plan: Value = sqlx::query_scalar(&sql)
+        .persistent(false)
+        .bind(month.first_day().and_time(chrono::NaiveTime::MIN))
+        .bind(after)
+        .bind(shards)
+        .bind(shard)
+        .bind(batch)
+        .bind(month.first_day())
+        .bind(month.date())
+        .bind(rule.grace_days)
+        .bind(rule.daily_rate_cents)
+        .bind(rule.max_cents)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
     plan[0]["Plan"].clone()
 }
 
@@ -39,26 +65,31 @@ fn nodes(plan: &Value) -> Vec<&Value> {
     out
 }
 
-/// The plan of the question a run asks first (`FineSettlement::plan`): where do the month's
-/// unsettled loans start and end? Two probes of the partial index per day of the month.
-async fn explain_month_bounds(pool: &PgPool, month: BusinessDate) -> Value {
-    let sql = format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
-         SELECT min(lo.id), max(hi.id)
-           FROM generate_series('{}'::date, '{}'::date, interval '1 day') AS d(day)
-          CROSS JOIN LATERAL (
-                SELECT id FROM loans
-                 WHERE returned_on = d.day::date AND fine_settled_at IS NULL
-                 ORDER BY id LIMIT 1) lo
-          CROSS JOIN LATERAL (
-                SELECT id FROM loans
-                 WHERE returned_on = d.day::date AND fine_settled_at IS NULL
-                 ORDER BY id DESC LIMIT 1) hi",
-        month.first_day(),
-        month.date()
-    );
-    let plan: Value = sqlx::query_scalar(&sql).fetch_one(pool).await.unwrap();
-    plan[0]["Plan"].clone()
+/// Every scan of `loans` is an index scan of the month index; returns the index entries they
+/// read in all (rows returned plus rows of other shards filtered out).
+fn assert_month_index_only(plan: &Value) -> i64 {
+    // Every node that reads a table or an index (ModifyTable names `loans` but reads nothing);
+    // the update's TID scan fetches exactly the rows the index scan found and is counted there.
+    let scans: Vec<&Value> = nodes(plan)
+        .into_iter()
+        .filter(|n| n["Node Type"].as_str().is_some_and(|t| t.ends_with("Scan")))
+        .filter(|n| n["Relation Name"].as_str() == Some("loans") || n["Index Name"].is_string())
+        .filter(|n| n["Node Type"].as_str() != Some("Tid Scan"))
+        .collect();
+    assert!(!scans.is_empty(), "{plan:#}");
+    let mut read = 0;
+    for scan in scans {
+        assert_eq!(
+            (scan["Node Type"].as_str(), scan["Index Name"].as_str()),
+            (Some("Index Scan"), Some("loans_unsettled_by_month")),
+            "only the month index is read: {plan:#}"
+        );
+        let loops = scan["Actual Loops"].as_i64().unwrap_or(1);
+        read += loops
+            * (scan["Actual Rows"].as_i64().unwrap_or(0)
+                + scan["Rows Removed by Filter"].as_i64().unwrap_or(0));
+    }
+    read
 }
 
 fn blocks(plan: &Value) -> i64 {
@@ -71,6 +102,73 @@ async fn loans_pages(pool: &PgPool) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap()
+}
+
+/// `n` loans returned from `month`'s first day on, ids 37 apart, interleaved in id order with
+/// `n` loans returned twenty days earlier (mostly the month before), as a real table has them.
+async fn seed_interleaved(pool: &PgPool, month: BusinessDate, first: i64, n: i64) {
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT i * 37, 1, 1, d - 30, d - 10, d
+           FROM (SELECT i, CASE WHEN (i / 3) % 2 = 0 THEN $1::date ELSE $1::date - 20 END
+                           + (i % 28)::int AS d
+                   FROM generate_series($2::bigint, $2::bigint + 2 * $3 - 1) AS i) s",
+    )
+    .bind(month.first_day())
+    .bind(first)
+    .bind(n)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn month_rows(pool: &PgPool, month: BusinessDate) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM loans WHERE returned_on BETWEEN $1 AND $2")
+        .bind(month.first_day())
+        .bind(month.date())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_batch_reads_only_its_share_of_the_month_index_with_fresh_missing_or_stale_statistics() {
+    let db = test_db().await;
+    let (sep, oct) = (bd("2026-09-30"), bd("2026-10-31"));
+    let (batch, shards) = (100, 2);
+    // Stale: statistics taken when only September's loans existed.
+    seed_interleaved(&db.pool, sep, 1, 1000).await;
+    sqlx::query("ANALYZE loans")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    seed_interleaved(&db.pool, oct, 10_000, 4000).await;
+    let rows = month_rows(&db.pool, oct).await;
+    assert!(rows > 10 * batch * shards, "{rows}");
+    let bound = 2 * shards * batch + 2 * shards;
+    for stats in ["stale", "fresh", "missing"] {
+        match stats {
+            "fresh" => sqlx::query("ANALYZE loans")
+                .execute(&db.pool)
+                .await
+                .map(drop),
+            "missing" => sqlx::query("DELETE FROM pg_statistic WHERE starelid = 'loans'::regclass")
+                .execute(&db.pool)
+                .await
+                .map(drop),
+            _ => Ok(()),
+        }
+        .unwrap();
+        for after in [i64::MIN, 37 * 14_000] {
+            let plan = explain_batch(&db.pool, oct, (1, shards), after, batch).await;
+            let read = assert_month_index_only(&plan);
+            assert!(
+                read <= bound,
+                "{stats} statistics, after {after}: read {read} index entries for a batch of \
+                 {batch} (the month has {rows}): {plan:#}"
+            );
+        }
+    }
 }
 
 #[tokio::test]
@@ -87,26 +185,17 @@ async fn unsettled_loans_of_a_month_are_found_through_the_partial_index_not_the_
         .await
         .unwrap();
 
-    let plan = explain_unsettled(&db.pool, oct).await;
-    let rows: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM loans WHERE returned_on BETWEEN $1 AND $2")
-            .bind(oct.first_day())
-            .bind(oct.date())
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-    assert_eq!(plan["Actual Rows"].as_i64(), Some(rows));
-    let all = nodes(&plan);
-    assert!(
-        all.iter()
-            .any(|n| n["Index Name"].as_str() == Some("loans_unsettled_by_return")),
-        "the month is read through the partial index: {plan:#}"
-    );
-    assert!(
-        !all.iter()
-            .any(|n| n["Node Type"].as_str() == Some("Seq Scan")),
-        "no sequential scan of loans: {plan:#}"
-    );
+    let rows = month_rows(&db.pool, oct).await;
+    // One batch as large as the month: the page reads the month's entries, and the update fetches
+    // exactly those rows by ctid.
+    let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 1_000_000).await;
+    assert_eq!(assert_month_index_only(&plan), rows, "{plan:#}");
+    let tid_scans: Vec<i64> = nodes(&plan)
+        .iter()
+        .filter(|n| n["Node Type"].as_str() == Some("Tid Scan"))
+        .map(|n| n["Actual Rows"].as_i64().unwrap_or(-1))
+        .collect();
+    assert_eq!(tid_scans, [rows], "{plan:#}");
 }
 
 #[tokio::test]
@@ -120,26 +209,13 @@ async fn a_rerun_over_a_settled_month_reads_no_row_and_no_table_page() {
         .await
         .unwrap();
 
-    let plan = explain_month_bounds(&db.pool, oct).await;
-    let all = nodes(&plan);
-    let scans: Vec<_> = all
-        .iter()
-        .filter(|n| n["Relation Name"].as_str() == Some("loans"))
-        .collect();
-    assert!(!scans.is_empty());
-    for scan in &scans {
-        assert_eq!(
-            scan["Index Name"].as_str(),
-            Some("loans_unsettled_by_return"),
-            "only the partial index is read: {plan:#}"
-        );
-        assert_eq!(scan["Actual Rows"].as_i64(), Some(0), "{plan:#}");
-    }
-    // 62 probes of an empty index range: about one leaf page each, and not one table page.
+    let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 500).await;
+    assert_eq!(assert_month_index_only(&plan), 0, "{plan:#}");
+    // One probe of an empty index range: a page or two of the index, and not one table page.
     let read = blocks(&plan);
     let pages = loans_pages(&db.pool).await;
     assert!(
-        read <= 2 * 62,
+        read <= 4,
         "read {read} buffers (the table has {pages} pages): {plan:#}"
     );
 }
@@ -167,7 +243,7 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
     .await
     .unwrap();
     assert_eq!((report.scanned, report.updated), (0, 0));
-    // Without VACUUM the dead index entries are still there; the month's plan still finds no row.
-    let plan = explain_unsettled(&db.pool, oct).await;
-    assert_eq!(plan["Actual Rows"].as_i64(), Some(0), "{plan:#}");
+    // Without VACUUM the dead index entries are still there; the batch still finds no row.
+    let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 500).await;
+    assert_eq!(assert_month_index_only(&plan), 0, "{plan:#}");
 }

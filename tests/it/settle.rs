@@ -520,3 +520,206 @@ async fn negative_ids_belong_to_exactly_one_shard() {
     assert_eq!(updated as i64, eligible(&db.pool, oct).await);
     assert_eq!(settled_count(&db.pool).await, eligible(&db.pool, oct).await);
 }
+
+/// Loans as a library hands them out: ids in borrow order, `gap` apart, one borrowed every
+/// `per_day`-th of a day from `from` on, returned 5 to 70 days later (every 50th one 200 to 700
+/// days late), still out when that is after `today`.
+async fn seed_history(pool: &PgPool, loans: i64, gap: i64, from: &str, today: &str) {
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT i * $2, 1 + i % 97, 1 + i % 89, b, b + 21, CASE WHEN r <= $4::date THEN r END
+           FROM (SELECT i, b, b + CASE WHEN i % 50 = 0 THEN 200 + ((i * 7919) % 500)::int
+                                       ELSE 5 + ((i * 7919) % 66)::int END AS r
+                   FROM (SELECT i, $3::date + (i / 40)::int AS b
+                           FROM generate_series(1, $1::bigint) AS i) s) t",
+    )
+    .bind(loans)
+    .bind(gap)
+    .bind(from)
+    .bind(today)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Rows of `month` that are unsettled, or settled with a fine other than the rule's.
+async fn wrongly_settled(pool: &PgPool, month: BusinessDate) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM loans l WHERE l.returned_on BETWEEN $1 AND $2
+            AND (l.fine_settled_at IS NULL OR l.fine_cents <> {})",
+        FineRule::SQL_EXPR
+            .replace("$grace", "0")
+            .replace("$rate", "50")
+            .replace("$max", "10000")
+    );
+    sqlx::query_scalar(&sql)
+        .bind(month.first_day())
+        .bind(month.date())
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+async fn settled_outside(pool: &PgPool, month: BusinessDate) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL
+            AND (returned_on IS NULL OR returned_on NOT BETWEEN $1 AND $2)",
+    )
+    .bind(month.first_day())
+    .bind(month.date())
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_sparse_unanalyzed_table_settles_completely_in_a_bounded_number_of_batches() {
+    let db = test_db().await;
+    // Never analyzed: autovacuum must not give the table statistics behind the test's back.
+    sqlx::query("ALTER TABLE loans SET (autovacuum_enabled = false)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let oct = bd(OCT);
+    // Ids 65,536 apart over two years, plus the two most extreme ids PostgreSQL allows.
+    seed_history(&db.pool, 30_000, 65_536, "2025-01-01", "2026-11-20").await;
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (-9223372036854775808, 1, 1, '2026-09-01', '2026-09-22', '2026-10-05'),
+                (9223372036854775807, 1, 1, '2026-09-01', '2026-09-22', '2026-10-31')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let analyzed: Option<chrono::DateTime<chrono::Utc>> = sqlx::query_scalar(
+        "SELECT greatest(last_analyze, last_autoanalyze) FROM pg_stat_user_tables WHERE relname = 'loans'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(analyzed, None, "the table has no statistics");
+    let rows = eligible(&db.pool, oct).await;
+    assert!(rows > 1000, "{rows}");
+
+    let batch_size = 50;
+    let mut updated = 0;
+    for i in 0..2 {
+        let report = run_job(&db.pool, &job(batch_size), oct, shard(i, 2), false)
+            .await
+            .unwrap();
+        let shard_rows = report.scanned;
+        // Every batch but the last is full: the walk never comes back empty-handed.
+        let bound = shard_rows.div_ceil(u64::from(batch_size)) + 1;
+        assert!(
+            report.batches <= bound,
+            "shard {i}: {} batches for {shard_rows} rows of {batch_size}",
+            report.batches
+        );
+        updated += report.updated;
+    }
+    assert_eq!(updated as i64, rows);
+    assert_eq!(wrongly_settled(&db.pool, oct).await, 0);
+    assert_eq!(settled_outside(&db.pool, oct).await, 0);
+}
+
+#[tokio::test]
+async fn a_month_interleaved_with_years_of_other_months_settles_only_its_own_rows() {
+    let db = test_db().await;
+    let (sep, oct, nov) = (bd("2026-09-30"), bd(OCT), bd("2026-11-30"));
+    seed_history(&db.pool, 40_000, 1, "2024-06-01", "2026-12-20").await;
+    // The months around October are interleaved with it in id order (returns 5–70 days after
+    // borrowing), and the late tail reaches back to loans borrowed in 2025.
+    let late: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+            AND borrowed_on < '2026-06-01'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(late > 0, "October has long-overdue returns");
+    let (before, after) = (eligible(&db.pool, sep).await, eligible(&db.pool, nov).await);
+    assert!(before > 0 && after > 0);
+
+    let updated = settle_shards(&db.pool, oct, 3, 70).await;
+    assert_eq!(updated as i64, eligible(&db.pool, oct).await);
+    assert_eq!(wrongly_settled(&db.pool, oct).await, 0);
+    assert_eq!(settled_outside(&db.pool, oct).await, 0);
+    // Each shard's cursor ends at its month's largest id.
+    let cursors: Vec<(i32, Option<i64>, Option<i64>)> = sqlx::query_as(
+        "SELECT j.shard, j.last_id,
+                (SELECT max(id) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+                    AND id % 3 = j.shard)
+           FROM job_runs j ORDER BY shard",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    for (shard, cursor, max) in cursors {
+        assert_eq!(cursor, max, "shard {shard}");
+    }
+}
+
+#[tokio::test]
+async fn a_takeover_resumes_after_the_committed_cursor_of_the_month_walk() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_history(&db.pool, 20_000, 3, "2025-06-01", "2026-12-20").await;
+    let rows = eligible(&db.pool, oct).await;
+    // The first owner commits two batches of 60, then stops without marking anything: its lease
+    // goes stale as if it had been killed.
+    let shutdown = CancellationToken::new();
+    let stop = {
+        let shutdown = shutdown.clone();
+        move |p: jobs::Progress| {
+            if p.batches == 2 {
+                shutdown.cancel();
+            }
+        }
+    };
+    let key = settlement::key(oct, shard(0, 1));
+    let err = jobs::run_once(
+        &db.pool,
+        &job(60),
+        key,
+        &run_options(false, false),
+        &shutdown,
+        &stop,
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, JobError::Interrupted));
+    sqlx::query("UPDATE job_runs SET status = 'RUNNING'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
+
+    // The cursor means "every row of the month up to here is done, none after it".
+    let last_id: i64 = sqlx::query_scalar("SELECT last_id FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let (done_below, done_above, open_below): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE fine_settled_at IS NOT NULL AND id <= $1),
+                count(*) FILTER (WHERE fine_settled_at IS NOT NULL AND id > $1),
+                count(*) FILTER (WHERE fine_settled_at IS NULL AND id <= $1)
+           FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'",
+    )
+    .bind(last_id)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((done_below, done_above, open_below), (120, 0, 0));
+
+    let heir = run_job(&db.pool, &job(60), oct, shard(0, 1), false)
+        .await
+        .unwrap();
+    assert!(heir.took_over);
+    assert_eq!(heir.attempt, Some(2));
+    assert_eq!(
+        heir.scanned as i64,
+        rows - 120,
+        "resumed after id {last_id}"
+    );
+    assert_eq!(wrongly_settled(&db.pool, oct).await, 0);
+}
