@@ -106,6 +106,13 @@ pub struct SeedArgs {
     /// Random seed: the same seed gives the same loans.
     #[arg(long, value_name = "S", default_value_t = 42)]
     pub seed: u64,
+    /// Seed a library's history instead: loans borrowed over N years up to just after the month,
+    /// ids in borrow order, returns 5-70 days later (one in fifty 200-700).
+    #[arg(long, value_name = "N")]
+    pub years: Option<u32>,
+    /// With --years: the mean gap between consecutive ids (1 = dense).
+    #[arg(long, value_name = "G", default_value_t = 1)]
+    pub id_gap: u32,
     #[command(flatten)]
     pub db: DbArgs,
 }
@@ -194,6 +201,8 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 loans: args.loans,
                 month: args.month,
                 seed: args.seed,
+                years: args.years,
+                id_gap: args.id_gap,
                 embedded_db: args.db.embedded_db,
             };
             let bar = progress_bar(

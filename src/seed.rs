@@ -1,8 +1,13 @@
-//! Deterministic synthetic loans, shaped like the seed chapter's data, loaded with `COPY`.
+//! Deterministic synthetic loans, loaded with `COPY`, in two layouts ([`Layout`]):
 //!
-//! Shape (the defaults of [`SeedSpec::new`]): 90% of the loans are returned within the month, 28%
-//! of those on time or early (fine 0), the rest 1–60 days late with most a few days late (a
-//! geometric tail, mean about a week, like real returns); the other 10% are still out.
+//! - [`Layout::Month`] (the default of [`SeedSpec::new`]), the seed chapter's data: every loan
+//!   belongs to one month and the ids are one contiguous block. 90% of the loans are returned
+//!   within the month, 28% of those on time or early (fine 0), the rest 1–60 days late with most a
+//!   few days late (a geometric tail, mean about a week, like real returns); the other 10% are
+//!   still out.
+//! - [`Layout::History`], a library's table: loans borrowed evenly over years, ids handed out at
+//!   borrowing (optionally with gaps), returned days to weeks later and a few very late, so one
+//!   month's returns are spread over the ids of many months.
 //!
 //! Invariants:
 //! - the same seed gives the same rows: the generator is ChaCha8 seeded with [`SeedSpec::seed`]
@@ -22,6 +27,8 @@ use std::time::{Duration, Instant};
 
 /// More than this in one call is almost certainly a typo (and would take hours).
 pub const MAX_LOANS: u64 = 100_000_000;
+/// The largest mean id gap: with [`MAX_LOANS`] loans the ids stay far below `i64::MAX`.
+pub const MAX_ID_GAP: u32 = 1_000_000;
 
 /// `COPY` data is sent in chunks of about this many bytes.
 const CHUNK_BYTES: usize = 1 << 20;
@@ -45,7 +52,27 @@ pub struct SeedSpec {
     pub on_time_percent: u32,
     /// The latest a late loan comes back, in days after its due date (at least 1).
     pub max_days_late: u32,
+    /// Where ids and dates fall.
+    pub layout: Layout,
 }
+
+/// Where the seeded loans' ids and dates fall.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Every loan belongs to `month`; ids are one contiguous block (an append-only table holding
+    /// one month).
+    Month,
+    /// A library's history: loans borrowed evenly over `years` years up to [`HISTORY_TAIL_DAYS`]
+    /// after `month`, ids in borrow order `mean_id_gap` apart on average (1: dense; gaps vary
+    /// between 1 and twice the mean), each returned 5–70 days after borrowing, one in fifty
+    /// 200–700 days after, and still out when that is after the last borrow day. The returns of
+    /// `month` are spread over the ids of the months before it. `returned_percent`,
+    /// `on_time_percent` and `max_days_late` do not apply.
+    History { years: u32, mean_id_gap: u32 },
+}
+
+/// A history ends this many days after the month's last day ("today" for the generated table).
+pub const HISTORY_TAIL_DAYS: u64 = 20;
 
 impl SeedSpec {
     /// The seed chapter's shape: 90% returned, 28% of those on time, the rest 1–60 days late.
@@ -57,6 +84,21 @@ impl SeedSpec {
             returned_percent: 90,
             on_time_percent: 28,
             max_days_late: 60,
+            layout: Layout::Month,
+        }
+    }
+
+    /// A library's history of `years` years ending just after `month` ([`Layout::History`]).
+    pub fn history(
+        loans: u64,
+        month: BusinessDate,
+        seed: u64,
+        years: u32,
+        mean_id_gap: u32,
+    ) -> Self {
+        Self {
+            layout: Layout::History { years, mean_id_gap },
+            ..Self::new(loans, month, seed)
         }
     }
 
@@ -79,6 +121,16 @@ impl SeedSpec {
                 return Err(format!("{name} must be <= 100, got {value}"));
             }
         }
+        if let Layout::History { years, mean_id_gap } = self.layout {
+            if !(1..=100).contains(&years) {
+                return Err(format!("--years must be between 1 and 100, got {years}"));
+            }
+            if !(1..=MAX_ID_GAP).contains(&mean_id_gap) {
+                return Err(format!(
+                    "--id-gap must be between 1 and {MAX_ID_GAP}, got {mean_id_gap}"
+                ));
+            }
+        }
         if !(1..=3650).contains(&self.max_days_late) {
             return Err(format!(
                 "max_days_late must be between 1 and 3650, got {}",
@@ -96,7 +148,7 @@ pub struct SeedSummary {
     /// First and last id inserted (inclusive).
     pub first_id: i64,
     pub last_id: i64,
-    /// Loans returned within the month.
+    /// Loans returned within the month (the rows a settlement of the month settles).
     pub returned: u64,
     /// Returned loans that came back on time or early (fine 0).
     pub on_time: u64,
@@ -121,6 +173,11 @@ struct Generator {
     returned_percent: u64,
     on_time_percent: u64,
     max_days_late: u64,
+    layout: Layout,
+    /// History only: the first borrow day, how many days loans are borrowed over, how many loans.
+    history_start: NaiveDate,
+    history_days: u64,
+    loans: u64,
 }
 
 impl Generator {
@@ -133,6 +190,51 @@ impl Generator {
             returned_percent: spec.returned_percent.into(),
             on_time_percent: spec.on_time_percent.into(),
             max_days_late: spec.max_days_late.into(),
+            layout: spec.layout,
+            history_start: history_end(spec) - days(history_days(spec)),
+            history_days: history_days(spec),
+            loans: spec.loans,
+        }
+    }
+
+    /// How far the id after the previous one is: 1, or 1..=2×mean-1 (mean `mean_id_gap`).
+    fn id_step(&mut self) -> i64 {
+        match self.layout {
+            Layout::History { mean_id_gap, .. } if mean_id_gap > 1 => {
+                1 + self.below(2 * u64::from(mean_id_gap) - 1) as i64
+            }
+            _ => 1,
+        }
+    }
+
+    /// The `n`-th loan (0-based) of the spec's layout.
+    fn loan(&mut self, n: u64) -> Loan {
+        match self.layout {
+            Layout::Month => self.next_loan(),
+            Layout::History { .. } => self.history_loan(n),
+        }
+    }
+
+    fn history_loan(&mut self, n: u64) -> Loan {
+        let member_id = 1 + self.below(5_000);
+        let book_id = 1 + self.below(20_000);
+        // Borrow days advance with the id: ids are handed out at borrowing.
+        let offset =
+            (u128::from(n) * u128::from(self.history_days) / u128::from(self.loans.max(1))) as u64;
+        let borrowed_on = self.history_start + days(offset);
+        let kept = if self.below(50) == 0 {
+            200 + self.below(501)
+        } else {
+            5 + self.below(66)
+        };
+        let returned_on = borrowed_on + days(kept);
+        let today = self.history_start + days(self.history_days);
+        Loan {
+            member_id,
+            book_id,
+            borrowed_on,
+            due_on: borrowed_on + chrono::TimeDelta::days(LOAN_DAYS),
+            returned_on: (returned_on <= today).then_some(returned_on),
         }
     }
 
@@ -186,6 +288,19 @@ fn days(n: u64) -> chrono::TimeDelta {
     chrono::TimeDelta::days(n as i64)
 }
 
+/// The last borrow day of a history ("today" for the generated table).
+fn history_end(spec: &SeedSpec) -> NaiveDate {
+    spec.month.date() + days(HISTORY_TAIL_DAYS)
+}
+
+/// How many days a history spans (0 for the month layout).
+fn history_days(spec: &SeedSpec) -> u64 {
+    match spec.layout {
+        Layout::History { years, .. } => u64::from(years) * 365,
+        Layout::Month => 0,
+    }
+}
+
 /// Appends `spec.loans` loans after the current `max(id)` in one transaction, streaming them with
 /// `COPY`. `progress` is called with the number of loans sent so far after each chunk. An invalid
 /// spec ([`SeedSpec::validate`]) is refused as `sqlx::Error::Protocol` before any query.
@@ -205,6 +320,7 @@ pub async fn seed_loans(
         .fetch_one(&mut *tx)
         .await?;
     let first_id = max_id.unwrap_or(0) + 1;
+    let mut last_id = first_id;
 
     let mut generator = Generator::new(spec);
     let (mut returned, mut on_time) = (0u64, 0u64);
@@ -215,13 +331,17 @@ pub async fn seed_loans(
         .await?;
     let mut chunk = Vec::with_capacity(CHUNK_BYTES + 256);
     let mut sent = 0u64;
+    let month = spec.month.first_day()..=spec.month.date();
+    let mut id = first_id;
     for n in 0..spec.loans {
-        let loan = generator.next_loan();
-        if let Some(returned_on) = loan.returned_on {
+        let loan = generator.loan(n);
+        if let Some(returned_on) = loan.returned_on.filter(|r| month.contains(r)) {
             returned += 1;
             on_time += u64::from(returned_on <= loan.due_on);
         }
-        write_row(&mut chunk, first_id + n as i64, &loan);
+        write_row(&mut chunk, id, &loan);
+        last_id = id;
+        id += generator.id_step();
         if chunk.len() >= CHUNK_BYTES {
             copy.send(chunk.as_slice()).await?;
             chunk.clear();
@@ -242,7 +362,7 @@ pub async fn seed_loans(
     Ok(SeedSummary {
         loans: copied,
         first_id,
-        last_id: first_id + spec.loans as i64 - 1,
+        last_id,
         returned,
         on_time,
         elapsed: started.elapsed(),
@@ -318,9 +438,78 @@ mod tests {
     }
 
     #[test]
+    fn a_history_spreads_one_months_returns_over_the_ids_of_earlier_months() {
+        let spec = SeedSpec::history(
+            100_000,
+            BusinessDate::from_month("2026-10").unwrap(),
+            3,
+            2,
+            1,
+        );
+        let mut generator = Generator::new(&spec);
+        let loans: Vec<Loan> = (0..spec.loans).map(|n| generator.loan(n)).collect();
+        let month = spec.month.first_day()..=spec.month.date();
+        let returned_in_month: Vec<usize> = loans
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.returned_on.is_some_and(|r| month.contains(&r)))
+            .map(|(n, _)| n)
+            .collect();
+        // About a month's worth of two years' loans, borrowed over more than a year.
+        assert!(
+            (3_000..5_500).contains(&returned_in_month.len()),
+            "{}",
+            returned_in_month.len()
+        );
+        let span = loans[*returned_in_month.last().unwrap()].borrowed_on
+            - loans[returned_in_month[0]].borrowed_on;
+        assert!(span.num_days() > 365, "{span}");
+        for pair in loans.windows(2) {
+            assert!(
+                pair[0].borrowed_on <= pair[1].borrowed_on,
+                "ids in borrow order"
+            );
+        }
+        for loan in &loans {
+            if let Some(r) = loan.returned_on {
+                let kept = (r - loan.borrowed_on).num_days();
+                assert!(
+                    (5..=70).contains(&kept) || (200..=700).contains(&kept),
+                    "{kept}"
+                );
+                assert!(r <= history_end(&spec));
+            }
+        }
+    }
+
+    #[test]
+    fn history_ids_are_gapped_around_the_mean() {
+        let spec = SeedSpec::history(
+            20_000,
+            BusinessDate::from_month("2026-10").unwrap(),
+            3,
+            1,
+            300,
+        );
+        let mut generator = Generator::new(&spec);
+        let total: i64 = (0..spec.loans).map(|_| generator.id_step()).sum();
+        let mean = total as f64 / spec.loans as f64;
+        assert!((280.0..320.0).contains(&mean), "{mean}");
+        let dense = SeedSpec::history(10, spec.month, 3, 1, 1);
+        let mut generator = Generator::new(&dense);
+        assert!((0..10).all(|_| generator.id_step() == 1));
+    }
+
+    #[test]
     fn zero_and_absurd_counts_are_rejected() {
         assert!(spec(0, 1).validate().unwrap_err().contains("at least 1"));
         assert!(spec(MAX_LOANS + 1, 1).validate().is_err());
         assert!(spec(1, 1).validate().is_ok());
+        let month = BusinessDate::from_month("2026-10").unwrap();
+        assert!(SeedSpec::history(1, month, 1, 0, 1).validate().is_err());
+        assert!(SeedSpec::history(1, month, 1, 3, 0).validate().is_err());
+        assert!(SeedSpec::history(1, month, 1, 3, MAX_ID_GAP + 1)
+            .validate()
+            .is_err());
     }
 }

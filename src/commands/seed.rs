@@ -14,6 +14,10 @@ pub struct SeedRequest {
     pub month: Option<String>,
     /// The generator's seed: the same seed gives the same loans.
     pub seed: u64,
+    /// A library's history of this many years ending just after the month, instead of one month.
+    pub years: Option<u32>,
+    /// With `years`: the mean gap between consecutive ids (1: dense).
+    pub id_gap: u32,
     pub embedded_db: bool,
 }
 
@@ -34,7 +38,15 @@ pub async fn seed(
         Some(text) => BusinessDate::from_month(text)?,
         None => business_date_or_default(None, settings, &SystemClock)?,
     };
-    let spec = SeedSpec::new(request.loans, month, request.seed);
+    let spec = match request.years {
+        Some(years) => SeedSpec::history(request.loans, month, request.seed, years, request.id_gap),
+        None if request.id_gap != 1 => {
+            return Err(AppError::Invalid(
+                "--id-gap needs --years (a history)".into(),
+            ))
+        }
+        None => SeedSpec::new(request.loans, month, request.seed),
+    };
     spec.validate().map_err(AppError::Invalid)?;
 
     let database = Database::open(settings, request.embedded_db).await?;
