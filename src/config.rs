@@ -291,12 +291,8 @@ impl Settings {
 
 /// `source` names where the URL came from (a key, or a key and its file) for the error.
 fn check_url(url: &str, source: &str) -> Result<url::Url> {
-    let parsed = url::Url::parse(url).map_err(|e| {
-        ConfigError(format!(
-            "{source} '{}' is not a URL: {e}",
-            redact_url(url)
-        ))
-    })?;
+    let parsed = url::Url::parse(url)
+        .map_err(|e| ConfigError(format!("{source} '{}' is not a URL: {e}", redact_url(url))))?;
     if !matches!(parsed.scheme(), "postgres" | "postgresql") {
         return Err(ConfigError(format!(
             "{source} '{}' must start with postgres:// or postgresql://",
@@ -507,7 +503,10 @@ mod tests {
             assert_eq!(got, expect, "{key}");
             let parsed = url::Url::parse(got).unwrap();
             let query = format!("p={}", parsed.password().unwrap());
-            let decoded = url::form_urlencoded::parse(query.as_bytes()).next().unwrap().1;
+            let decoded = url::form_urlencoded::parse(query.as_bytes())
+                .next()
+                .unwrap()
+                .1;
             assert_eq!(decoded, "p@ss:w/rd%");
             assert!(!format!("{s:?}").contains("p%40ss"));
         }

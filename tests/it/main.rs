@@ -10,4 +10,5 @@ mod daemon;
 mod demo;
 mod fault;
 mod schema;
+mod server_fetch;
 mod settle;
