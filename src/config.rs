@@ -2,8 +2,10 @@
 //!
 //! Layers, later wins: `config/default.toml` (compiled in), the file given with `--config PATH`,
 //! then environment variables `SETTLEMENTD__SECTION__KEY`. `database.url` falls back to
-//! `DATABASE_URL`. The URL is a secret: it prints as `[REDACTED]` and errors show it with the
-//! password masked ([`redact_url`]).
+//! `database.url_file` (a file holding the URL), then to `DATABASE_URL`; `database.password_file`
+//! sets the URL's password from a file. Both files are read at load time, so a Kubernetes Secret or
+//! systemd credential mounted as a file never has to sit in an environment variable. The URL is a
+//! secret: it prints as `[REDACTED]` and errors show it with the password masked ([`redact_url`]).
 
 use crate::fine::FineRule;
 use chrono_tz::Tz;
@@ -43,6 +45,10 @@ pub struct Settings {
 pub struct DatabaseSettings {
     /// Connection URL; secret because it may carry a password.
     pub url: Option<SecretString>,
+    /// A file whose content is the connection URL (a mounted secret), used when `url` is unset.
+    pub url_file: Option<PathBuf>,
+    /// A file whose content becomes the URL's password, so the URL itself can be plain config.
+    pub password_file: Option<PathBuf>,
     pub max_connections: u32,
     /// Fail fast when the database is unreachable instead of sqlx's 30 s default.
     pub acquire_timeout_secs: u64,
@@ -217,11 +223,13 @@ impl Settings {
         let mut settings: Settings = raw
             .try_deserialize()
             .map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        settings.database.read_secret_files()?;
         if settings.database.url.is_none() {
             if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
                 settings.database.url = Some(SecretString::from(url.clone()));
             }
         }
+        settings.database.apply_password_file()?;
         settings.validate()?;
         Ok(settings)
     }
@@ -262,7 +270,7 @@ impl Settings {
             )));
         }
         if let Some(url) = &self.database.url {
-            check_url(url.expose_secret())?;
+            check_url(url.expose_secret(), "database.url")?;
         }
         Ok(())
     }
@@ -281,20 +289,74 @@ impl Settings {
     }
 }
 
-fn check_url(url: &str) -> Result<()> {
-    let parsed = url::Url::parse(url).map_err(|e| {
-        ConfigError(format!(
-            "database.url '{}' is not a URL: {e}",
-            redact_url(url)
-        ))
-    })?;
+/// `source` names where the URL came from (a key, or a key and its file) for the error.
+fn check_url(url: &str, source: &str) -> Result<url::Url> {
+    let parsed = url::Url::parse(url)
+        .map_err(|e| ConfigError(format!("{source} '{}' is not a URL: {e}", redact_url(url))))?;
     if !matches!(parsed.scheme(), "postgres" | "postgresql") {
         return Err(ConfigError(format!(
-            "database.url '{}' must start with postgres:// or postgresql://",
+            "{source} '{}' must start with postgres:// or postgresql://",
             redact_url(url)
         )));
     }
-    Ok(())
+    Ok(parsed)
+}
+
+impl DatabaseSettings {
+    /// Reads `url_file` into `url`. Both set is ambiguous (which one would an operator expect to
+    /// win?), so it is an error rather than a silent precedence.
+    fn read_secret_files(&mut self) -> Result<()> {
+        let Some(path) = &self.url_file else {
+            return Ok(());
+        };
+        if self.url.is_some() {
+            return Err(ConfigError(format!(
+                "database.url and database.url_file ({}) are both set: keep one",
+                path.display()
+            )));
+        }
+        let url = read_secret("database.url_file", path)?;
+        check_url(&url, &format!("database.url_file {}:", path.display()))?;
+        self.url = Some(SecretString::from(url));
+        Ok(())
+    }
+
+    /// Replaces (or sets) the password of the URL, wherever the URL came from, with the content of
+    /// `password_file`. Without a URL there is nothing to apply it to; that is reported when a
+    /// command needs the database.
+    fn apply_password_file(&mut self) -> Result<()> {
+        let (Some(path), Some(url)) = (&self.password_file, &self.url) else {
+            return Ok(());
+        };
+        let password = read_secret("database.password_file", path)?;
+        let mut parsed = check_url(url.expose_secret(), "database.url")?;
+        // Encode every byte that is not alphanumeric: the url crate leaves '%' alone, so a password
+        // like "50%off" would otherwise be read back as something else.
+        let encoded =
+            percent_encoding::utf8_percent_encode(&password, percent_encoding::NON_ALPHANUMERIC)
+                .to_string();
+        if parsed.username().is_empty() || parsed.set_password(Some(&encoded)).is_err() {
+            return Err(ConfigError(format!(
+                "database.password_file {} needs a user name in the database URL '{}'",
+                path.display(),
+                redact_url(url.expose_secret())
+            )));
+        }
+        self.url = Some(SecretString::from(String::from(parsed)));
+        Ok(())
+    }
+}
+
+/// A secret file's content without the trailing newline that `echo` and most editors add. Errors
+/// name the key and the file, never the content.
+fn read_secret(key: &str, path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("{key}: cannot read {}: {e}", path.display())))?;
+    let secret = text.trim_end_matches(['\n', '\r']);
+    if secret.is_empty() {
+        return Err(ConfigError(format!("{key}: {} is empty", path.display())));
+    }
+    Ok(secret.to_string())
 }
 
 /// The URL with any password replaced by `***`; unparsable text is hidden entirely.
@@ -397,6 +459,110 @@ mod tests {
                 err.contains(needle),
                 "{env:?}: '{err}' should name {needle}"
             );
+            assert!(!err.contains('\n'), "{err}");
+        }
+    }
+
+    /// A file in a fresh temporary directory (kept alive by the returned guard).
+    fn secret_file(content: &str) -> (tempfile::TempDir, String) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, content).unwrap();
+        (dir, path.to_str().unwrap().to_string())
+    }
+
+    #[test]
+    fn url_file_is_read_and_trimmed_of_its_trailing_newline() {
+        let (_dir, path) = secret_file("postgres://app:s3cret@db:5432/libraryd\n");
+        let s = load(&[("SETTLEMENTD__DATABASE__URL_FILE", &path)]).unwrap();
+        assert_eq!(
+            s.database_url().unwrap(),
+            "postgres://app:s3cret@db:5432/libraryd"
+        );
+        assert!(!format!("{s:?}").contains("s3cret"));
+        // The file wins over DATABASE_URL, like database.url does.
+        let s = load(&[
+            ("SETTLEMENTD__DATABASE__URL_FILE", &path),
+            ("DATABASE_URL", "postgres://other@h/db"),
+        ])
+        .unwrap();
+        assert!(s.database_url().unwrap().contains("@db:5432"));
+    }
+
+    #[test]
+    fn password_file_sets_or_replaces_the_password_of_any_url_source() {
+        // Characters that must be escaped in a URL survive the round trip.
+        let (_dir, path) = secret_file("p@ss:w/rd%\r\n");
+        let expect = "postgres://app:p%40ss%3Aw%2Frd%25@db/libraryd";
+        for (key, url) in [
+            ("SETTLEMENTD__DATABASE__URL", "postgres://app@db/libraryd"),
+            ("DATABASE_URL", "postgres://app:old@db/libraryd"),
+        ] {
+            let s = load(&[(key, url), ("SETTLEMENTD__DATABASE__PASSWORD_FILE", &path)]).unwrap();
+            let got = s.database_url().unwrap();
+            assert_eq!(got, expect, "{key}");
+            let parsed = url::Url::parse(got).unwrap();
+            let query = format!("p={}", parsed.password().unwrap());
+            let decoded = url::form_urlencoded::parse(query.as_bytes())
+                .next()
+                .unwrap()
+                .1;
+            assert_eq!(decoded, "p@ss:w/rd%");
+            assert!(!format!("{s:?}").contains("p%40ss"));
+        }
+    }
+
+    #[test]
+    fn secret_file_errors_are_one_line_naming_the_key_and_file_and_never_the_secret() {
+        let (_dir, empty) = secret_file("\n");
+        let (_dir2, url) = secret_file("mysql://u:hunter2@h/db\n");
+        let (_dir3, password) = secret_file("hunter2\n");
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (
+                &[("SETTLEMENTD__DATABASE__URL_FILE", "/nonexistent/url")],
+                "database.url_file: cannot read /nonexistent/url",
+            ),
+            (
+                &[
+                    ("SETTLEMENTD__DATABASE__URL", "postgres://u@h/db"),
+                    ("SETTLEMENTD__DATABASE__PASSWORD_FILE", "/nonexistent/pw"),
+                ],
+                "database.password_file: cannot read /nonexistent/pw",
+            ),
+            (
+                &[
+                    ("SETTLEMENTD__DATABASE__URL", "postgres://u@h/db"),
+                    ("SETTLEMENTD__DATABASE__PASSWORD_FILE", &empty),
+                ],
+                "is empty",
+            ),
+            (
+                &[("SETTLEMENTD__DATABASE__URL_FILE", &url)],
+                "must start with postgres://",
+            ),
+            (
+                &[
+                    ("SETTLEMENTD__DATABASE__URL", "postgres://u:hunter2@h/db"),
+                    ("SETTLEMENTD__DATABASE__URL_FILE", &url),
+                ],
+                "both set",
+            ),
+            (
+                &[
+                    ("SETTLEMENTD__DATABASE__URL", "postgres://h/db"),
+                    ("SETTLEMENTD__DATABASE__PASSWORD_FILE", &password),
+                ],
+                "needs a user name",
+            ),
+            (
+                &[("SETTLEMENTD__DATABASE__PASSWORD_FLIE", &password)],
+                "password_flie",
+            ),
+        ];
+        for (env, needle) in cases {
+            let err = load(env).unwrap_err().to_string();
+            assert!(err.contains(needle), "{env:?}: '{err}' should say {needle}");
+            assert!(!err.contains("hunter2"), "{err}");
             assert!(!err.contains('\n'), "{err}");
         }
     }

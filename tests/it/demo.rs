@@ -77,7 +77,11 @@ fn demo_tells_the_story_exits_0_and_removes_its_cluster() {
     assert_eq!(value(&forced, "second"), 0, "{stdout}");
     assert_eq!(value(&forced, "totalFirst"), value(&forced, "totalSecond"));
     assert!(value(&forced, "totalFirst") > 0);
-    assert!(stderr.trim().is_empty(), "no log noise on stderr: {stderr}");
+    // On a machine without a server, the process that fetches PostgreSQL says so in one line.
+    let noise = stderr
+        .lines()
+        .filter(|l| !l.contains("fetching PostgreSQL"));
+    assert_eq!(noise.count(), 0, "no log noise on stderr: {stderr}");
     assert_eq!(clusters_of(pid), Vec::<String>::new());
 }
 

@@ -6,6 +6,7 @@ use settlementd::calendar::BusinessDate;
 use settlementd::embedded_pg::{EmbeddedOptions, EmbeddedPg};
 use sqlx::{Connection, PgConnection, PgPool};
 use std::sync::OnceLock;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The server every test database lives on: an admin URL template with `{db}` for the name.
 struct Server {
@@ -203,6 +204,18 @@ pub fn settlementd(url: Option<&str>) -> std::process::Command {
     cmd
 }
 
+/// Runs `cmd` to completion and asserts it succeeded, showing its stderr otherwise.
+pub fn run_ok(cmd: &mut std::process::Command) -> std::process::Output {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
 /// Run options for tests: a fresh owner, a 60 s lease renewed every 10 s.
 pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions {
     settlementd::jobs::RunOptions {
@@ -243,4 +256,92 @@ pub async fn settle_shards(
         updated += report.updated;
     }
     updated
+}
+
+/// Polls the month's claim until it is SUCCESS (at most 10 s); returns the last status seen.
+pub async fn wait_for_success(pool: &PgPool, month: BusinessDate) -> String {
+    let mut status = String::new();
+    for _ in 0..400 {
+        status = sqlx::query_scalar("SELECT status FROM job_runs WHERE business_date = $1")
+            .bind(month.date())
+            .fetch_optional(pool)
+            .await
+            .unwrap()
+            .unwrap_or_default();
+        if status == "SUCCESS" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    status
+}
+
+/// A raw HTTP/1.1 GET: (status, body).
+pub async fn get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let mut stream = tokio::net::TcpStream::connect(addr).await?;
+    stream
+        .write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+    let mut raw = String::new();
+    stream.read_to_string(&mut raw).await?;
+    let status = raw
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = raw.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok((status, body.to_string()))
+}
+
+/// A `settlementd serve` process on a free loopback port, stopped (SIGTERM, then waited for) on drop.
+pub struct ServeProcess {
+    pub child: std::process::Child,
+    pub addr: std::net::SocketAddr,
+}
+
+impl ServeProcess {
+    /// Starts the binary's `serve` on `url` with `env` on top of a clean environment.
+    pub fn start(url: &str, env: &[(&str, &str)]) -> Self {
+        // Bind port 0 for a free port, then hand it over: a tiny window, fine on loopback in tests.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        let child = settlementd(Some(url))
+            .arg("serve")
+            .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+            .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        Self { child, addr }
+    }
+
+    /// GETs `path` until it answers `status` (at most 15 s); returns the last body.
+    pub async fn wait_for(&self, path: &str, status: u16) -> String {
+        let mut last = (0, String::new());
+        for _ in 0..300 {
+            if let Ok(answer) = get(self.addr, path).await {
+                if answer.0 == status {
+                    return answer.1;
+                }
+                last = answer;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        panic!("{path} never answered {status}; last: {last:?}");
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
+        }
+        let _ = self.child.wait();
+    }
 }

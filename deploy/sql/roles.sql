@@ -1,0 +1,119 @@
+-- Least privilege for settlementd, in the libraryd database. Run as a superuser or the database
+-- owner, with psql -v ON_ERROR_STOP=1 -d libraryd -f deploy/sql/roles.sql:
+--   1. once before the first `settlementd migrate`, to create the roles;
+--   2. again after every migration that adds a table, to grant on it (it is idempotent, and each
+--      run resets settlementd_app to exactly the grants below).
+-- Set the passwords yourself (psql: \password settlementd_app); none is stored here.
+--
+-- settlementd_migrator runs `settlementd migrate` and owns what the migrations create (the job
+-- tables, _sqlx_migrations, the partial index on loans).
+-- settlementd_app runs `run`, `serve` and `status` (with database.migrate_on_start = false):
+--   loans            SELECT, and UPDATE of fine_cents and fine_settled_at only
+--   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress)
+--   run_requests     SELECT, INSERT, UPDATE (manual run requests), when it exists
+--   job_events       SELECT, INSERT (an append-only history), when it exists
+--   _sqlx_migrations SELECT (/readyz compares it with the binary's migrations)
+-- and nothing else: no DELETE or TRUNCATE anywhere, no DDL, no other column of loans.
+-- Job tables are granted by name, not through default privileges, so a table a later migration
+-- adds gets nothing until it is named here.
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'settlementd_migrator') THEN
+        CREATE ROLE settlementd_migrator LOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'settlementd_app') THEN
+        CREATE ROLE settlementd_app LOGIN;
+    END IF;
+END
+$$;
+ALTER ROLE settlementd_migrator NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE settlementd_app NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+
+DO $$
+BEGIN
+    EXECUTE format('GRANT CONNECT ON DATABASE %I TO settlementd_migrator, settlementd_app',
+                   current_database());
+END
+$$;
+-- PostgreSQL 15 already denies CREATE in public to PUBLIC; older servers allow it.
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+GRANT USAGE, CREATE ON SCHEMA public TO settlementd_migrator;
+GRANT USAGE ON SCHEMA public TO settlementd_app;
+
+-- Ownership. Migrations alter what they created, so the migrator owns the job tables and sqlx's
+-- bookkeeping even when an earlier `settlementd migrate` ran as another role.
+DO $$
+DECLARE
+    name text;
+BEGIN
+    FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', '_sqlx_migrations'] LOOP
+        IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
+            EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
+        END IF;
+    END LOOP;
+END
+$$;
+
+-- loans belongs to libraryd. settlementd's migrations add fine_settled_at and an index to it, which
+-- PostgreSQL allows only its owner: the migrator becomes a member of that owner role, unless the
+-- owner is a superuser (never hand that out), in which case run the first `settlementd migrate` as
+-- the owner. In a new database the migrator creates loans and owns it.
+DO $$
+DECLARE
+    owner name;
+    is_super boolean;
+BEGIN
+    SELECT r.rolname, r.rolsuper INTO owner, is_super
+      FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+     WHERE c.oid = to_regclass('public.loans');
+    IF owner IS NULL OR owner = 'settlementd_migrator' THEN
+        RETURN;
+    ELSIF is_super THEN
+        RAISE NOTICE 'loans is owned by superuser %: run migrations that alter loans as its owner', owner;
+    ELSE
+        EXECUTE format('GRANT %I TO settlementd_migrator', owner);
+    END IF;
+END
+$$;
+
+-- The runtime role: first revoke everything (table and column privileges), then grant exactly.
+REVOKE ALL ON ALL TABLES IN SCHEMA public FROM settlementd_app;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM settlementd_app;
+DO $$
+DECLARE
+    grant_ record;
+    seq regclass;
+BEGIN
+    IF to_regclass('public.loans') IS NOT NULL THEN
+        GRANT SELECT ON public.loans TO settlementd_app;
+        IF (SELECT count(*) FROM pg_attribute
+             WHERE attrelid = 'public.loans'::regclass AND NOT attisdropped
+               AND attname IN ('fine_cents', 'fine_settled_at')) = 2 THEN
+            GRANT UPDATE (fine_cents, fine_settled_at) ON public.loans TO settlementd_app;
+        ELSE
+            RAISE NOTICE 'loans has no fine_settled_at yet: run this again after settlementd migrate';
+        END IF;
+    END IF;
+    FOR grant_ IN
+        SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE'),
+                              ('run_requests', 'SELECT, INSERT, UPDATE'),
+                              ('job_events', 'SELECT, INSERT'),
+                              ('_sqlx_migrations', 'SELECT')) AS g(tbl, privileges)
+    LOOP
+        CONTINUE WHEN to_regclass(format('public.%I', grant_.tbl)) IS NULL;
+        EXECUTE format('GRANT %s ON public.%I TO settlementd_app', grant_.privileges, grant_.tbl);
+        -- A serial or identity id draws from a sequence owned by the table.
+        IF grant_.privileges LIKE '%INSERT%' THEN
+            FOR seq IN
+                SELECT d.objid::regclass FROM pg_depend d JOIN pg_class s ON s.oid = d.objid
+                 WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+                   AND d.refobjid = format('public.%I', grant_.tbl)::regclass
+                   AND s.relkind = 'S' AND d.deptype IN ('a', 'i')
+            LOOP
+                EXECUTE format('GRANT USAGE ON SEQUENCE %s TO settlementd_app', seq);
+            END LOOP;
+        END IF;
+    END LOOP;
+END
+$$;
