@@ -7,7 +7,8 @@
 //!   claimed with `INSERT … ON CONFLICT DO NOTHING`; FAILED rows and RUNNING rows whose heartbeat
 //!   lease expired (database clock) are taken over with `attempt + 1`; SUCCESS blocks re-runs.
 //!   Every write of a run is fenced by its attempt.
-//! - **data layer** ([`settlement`]): keyset batches, each one transaction that settles with
+//! - **data layer** ([`settlement`]): batches along the month's entries of one partial index, in id
+//!   order (a run costs its month's rows, whatever the table), each one transaction that settles with
 //!   `… AND fine_settled_at IS NULL` and records fenced progress. A zero fine is a result, not a
 //!   marker ([`fine`]).
 //! - **scheduling** ([`daemon`]): a cron trigger in the configured zone; the business date is last

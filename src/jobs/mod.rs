@@ -91,6 +91,12 @@ pub trait Job: Sync {
         estimate: bool,
     ) -> impl Future<Output = sqlx::Result<(Self::Plan, Option<u64>)>> + Send;
 
+    /// The statement that opens each batch transaction: `BEGIN`, optionally followed (in the same
+    /// round trip) by `SET LOCAL` settings the job's statements rely on.
+    fn begin_batch(&self) -> &'static str {
+        "BEGIN"
+    }
+
     /// Does one batch inside the caller's transaction. Must be idempotent in effect: items already
     /// done count as scanned but not updated.
     fn run_batch(

@@ -191,7 +191,7 @@ async fn work<J: Job>(
         if shutdown.is_cancelled() {
             return Err(JobError::Interrupted);
         }
-        let mut tx = pool.begin().await?;
+        let mut tx = pool.begin_with(job.begin_batch()).await?;
         let batch = job.run_batch(&mut tx, &plan, after).await?;
         if !claim::record_batch(&mut tx, claim, &batch).await? {
             tx.rollback().await?;
