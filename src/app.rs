@@ -222,6 +222,7 @@ pub fn run_options(settings: &Settings, force: bool, estimate: bool) -> RunOptio
         heartbeat_every: Duration::from_secs(settings.lease.heartbeat_secs),
         force,
         estimate,
+        request: None,
     }
 }
 

@@ -133,6 +133,42 @@ pub struct ShutdownSettings {
 #[serde(deny_unknown_fields)]
 pub struct HttpSettings {
     pub listen: SocketAddr,
+    /// The bearer token of the runs API (`POST /v1/runs`); secret. Neither this nor
+    /// `admin_token_file` set: the API answers 403.
+    pub admin_token: Option<SecretString>,
+    /// A file holding the token (a mounted secret), read at load.
+    pub admin_token_file: Option<PathBuf>,
+}
+
+/// The shortest admin token accepted: anything shorter is guessable.
+pub const MIN_ADMIN_TOKEN_LEN: usize = 16;
+
+impl HttpSettings {
+    /// Reads `admin_token_file` into `admin_token`, and checks the token's form.
+    fn read_token(&mut self) -> Result<()> {
+        if let Some(path) = &self.admin_token_file {
+            if self.admin_token.is_some() {
+                return Err(ConfigError(format!(
+                    "http.admin_token and http.admin_token_file ({}) are both set: keep one",
+                    path.display()
+                )));
+            }
+            self.admin_token = Some(SecretString::from(read_secret(
+                "http.admin_token_file",
+                path,
+            )?));
+        }
+        if let Some(token) = &self.admin_token {
+            let token = token.expose_secret();
+            if token.len() < MIN_ADMIN_TOKEN_LEN || !token.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(ConfigError(format!(
+                    "http.admin_token must be at least {MIN_ADMIN_TOKEN_LEN} visible ASCII \
+                     characters without spaces (e.g. `openssl rand -hex 32`)"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -224,6 +260,7 @@ impl Settings {
             .try_deserialize()
             .map_err(|e| ConfigError(one_line(&e.to_string())))?;
         settings.database.read_secret_files()?;
+        settings.http.read_token()?;
         if settings.database.url.is_none() {
             if let Some(url) = env.get("DATABASE_URL").filter(|u| !u.is_empty()) {
                 settings.database.url = Some(SecretString::from(url.clone()));

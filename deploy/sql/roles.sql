@@ -10,8 +10,9 @@
 -- settlementd_app runs `run`, `serve` and `status` (with database.migrate_on_start = false):
 --   loans            SELECT, and UPDATE of fine_cents and fine_settled_at only
 --   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress)
---   run_requests     SELECT, INSERT, UPDATE (manual run requests), when it exists
---   job_events       SELECT, INSERT (an append-only history), when it exists
+--   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP)
+--   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state)
+--   job_events       SELECT, INSERT (the audit trail: append-only, never updated or deleted)
 --   _sqlx_migrations SELECT (/readyz compares it with the binary's migrations)
 -- and nothing else: no DELETE or TRUNCATE anywhere, no DDL, no other column of loans.
 -- Job tables are granted by name, not through default privileges, so a table a later migration
@@ -47,7 +48,7 @@ DO $$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', '_sqlx_migrations'] LOOP
+    FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards', '_sqlx_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
         END IF;
@@ -98,6 +99,7 @@ BEGIN
     FOR grant_ IN
         SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE'),
                               ('run_requests', 'SELECT, INSERT, UPDATE'),
+                              ('run_request_shards', 'SELECT, INSERT, UPDATE'),
                               ('job_events', 'SELECT, INSERT'),
                               ('_sqlx_migrations', 'SELECT')) AS g(tbl, privileges)
     LOOP

@@ -82,6 +82,9 @@ pub fn report_line(report: &RunReport) -> String {
         Some(SkipReason::Held) => {
             format!("{head}: skipped, another replica holds a live claim [{ms} ms]")
         }
+        Some(SkipReason::RequestServed) => {
+            format!("{head}: skipped, the run request was already served [{ms} ms]")
+        }
         None => format!(
             "{head}: SUCCESS attempt {}{}: scanned {}, updated {} in {ms} ms",
             report.attempt.unwrap_or_default(),

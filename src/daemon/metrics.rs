@@ -14,6 +14,10 @@ use std::sync::OnceLock;
 /// Runs by outcome: `settled`, `skipped` (already SUCCESS or held by a live peer), `failed`,
 /// `lease_lost`.
 pub const RUNS_TOTAL: &str = "settlementd_runs_total";
+/// Runs of stored run requests by outcome: `settled`, `failed`.
+pub const REQUEST_RUNS_TOTAL: &str = "settlementd_request_runs_total";
+/// Run requests accepted over HTTP (new ones, not replays).
+pub const REQUESTS_ACCEPTED_TOTAL: &str = "settlementd_requests_accepted_total";
 /// Seconds from claim to SUCCESS or failure, for runs that claimed.
 pub const RUN_DURATION_SECONDS: &str = "settlementd_run_duration_seconds";
 /// Unix time (replica clock) of the last SUCCESS this replica saw for its shard.
@@ -108,6 +112,14 @@ pub fn describe() {
         "1 when the database answers and the schema is current (what /readyz checks)"
     );
     describe_counter!(
+        REQUEST_RUNS_TOTAL,
+        "Runs of stored run requests by outcome: settled, failed"
+    );
+    describe_counter!(
+        REQUESTS_ACCEPTED_TOTAL,
+        "Run requests accepted over HTTP (new ones, not replays)"
+    );
+    describe_counter!(
         "settlementd_claims_total",
         "Claim attempts by result: won, lost, done"
     );
@@ -130,6 +142,10 @@ pub fn describe() {
     for outcome in ["settled", "skipped", "failed", "lease_lost"] {
         metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
     }
+    for outcome in ["settled", "failed"] {
+        metrics::counter!(REQUEST_RUNS_TOTAL, "outcome" => outcome).increment(0);
+    }
+    metrics::counter!(REQUESTS_ACCEPTED_TOTAL).increment(0);
     for result in ["won", "lost", "done"] {
         metrics::counter!("settlementd_claims_total", "result" => result).increment(0);
     }

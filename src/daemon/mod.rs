@@ -23,6 +23,7 @@ use crate::app::{self, AppError, Database, Result};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
 use crate::db;
+use crate::jobs::Owner;
 use replica::{Replica, TickOutcome};
 use sqlx::PgPool;
 use std::sync::Arc;
@@ -79,17 +80,24 @@ pub async fn serve(
     let metrics_handle = metrics::handle();
     metrics::describe();
 
+    let owner = Owner::for_process();
+    let settings = Arc::new(settings);
     let http_stop = CancellationToken::new();
     let local = listener.local_addr().ok();
     let http = tokio::spawn(http::run(
         listener,
-        pool.clone(),
-        metrics_handle,
+        http::HttpState {
+            pool: pool.clone(),
+            metrics: metrics_handle,
+            settings: settings.clone(),
+            clock: clock.clone(),
+            owner: owner.0.clone(),
+        },
         http_stop.clone().cancelled_owned(),
     ));
-    tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics");
+    tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics /v1/runs");
 
-    let result = run_replica(&settings, pool, clock, shutdown).await;
+    let result = run_replica(&settings, pool, clock, owner, shutdown).await;
 
     http_stop.cancel();
     match tokio::time::timeout(Duration::from_secs(2), http).await {
@@ -105,6 +113,7 @@ async fn run_replica(
     settings: &Settings,
     pool: PgPool,
     clock: Arc<dyn Clock>,
+    owner: Owner,
     shutdown: CancellationToken,
 ) -> Result<()> {
     if settings.database.migrate_on_start {
@@ -117,7 +126,8 @@ async fn run_replica(
 
     let wake = Arc::new(Notify::new());
     let mut scheduler = start_wakeups(settings, wake.clone()).await;
-    let replica = Replica::new(pool, settings, clock, shutdown.clone());
+    let listener = tokio::spawn(wake_on_requests(pool.clone(), wake.clone()));
+    let replica = Replica::new(pool, settings, clock, shutdown.clone()).with_owner(owner);
     let span = replica.span().clone();
     span.in_scope(|| {
         tracing::info!(
@@ -140,6 +150,7 @@ async fn run_replica(
             }
         }
     }
+    listener.abort();
     if let Some(scheduler) = scheduler.as_mut() {
         if tokio::time::timeout(Duration::from_secs(1), scheduler.shutdown())
             .await
@@ -161,6 +172,8 @@ async fn tick_loop(mut replica: Replica, wake: Arc<Notify>, shutdown: Cancellati
             TickOutcome::Settled { slot, .. } => {
                 tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month settled")
             }
+            // Another request, or the schedule, may be due: look again at once.
+            TickOutcome::Served { .. } | TickOutcome::RequestFailed { .. } => continue,
             other => tracing::debug!(outcome = ?other, "tick"),
         }
         if shutdown.is_cancelled() {
@@ -172,6 +185,36 @@ async fn tick_loop(mut replica: Replica, wake: Arc<Notify>, shutdown: Cancellati
             _ = wake.notified() => tracing::debug!("cron wake-up"),
             _ = tokio::time::sleep(wait) => {}
         }
+    }
+}
+
+/// Wakes the tick loop whenever a run request is stored (`LISTEN`), so a replica serving its shard
+/// runs it within moments. On its own small pool (one connection held for good). If LISTEN is
+/// unavailable — a transaction-mode pooler does not carry it — or the connection drops, the tick
+/// loop's timer (at most one heartbeat) still finds stored requests; this only makes it prompt.
+async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
+    let options = (*pool.connect_options()).clone();
+    let own = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(options);
+    let mut warned = false;
+    loop {
+        let listened: std::result::Result<std::convert::Infallible, sqlx::Error> = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&own).await?;
+            listener.listen(crate::jobs::requests::CHANNEL).await?;
+            tracing::debug!("listening for run requests");
+            loop {
+                listener.recv().await?;
+                wake.notify_one();
+            }
+        }
+        .await;
+        let Err(e) = listened;
+        if !warned {
+            tracing::warn!(error = %e, "cannot LISTEN for run requests; polling for them every heartbeat instead");
+            warned = true;
+        }
+        tokio::time::sleep(Duration::from_secs(5)).await;
     }
 }
 

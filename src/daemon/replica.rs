@@ -24,6 +24,7 @@ use chrono::{DateTime, TimeDelta, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
 use sqlx::PgPool;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -58,6 +59,17 @@ pub enum TickOutcome {
     Interrupted { slot: Slot },
     /// Shutdown was requested before this tick: nothing was claimed.
     ShuttingDown,
+    /// This tick ran a stored run request for this shard ([`jobs::requests`]) to SUCCESS.
+    Served {
+        request_id: String,
+        report: RunReport,
+    },
+    /// A stored run request's run failed; it is retried after `after`, like a scheduled month.
+    RequestFailed {
+        request_id: String,
+        after: Duration,
+        error: String,
+    },
 }
 
 /// A pending retry of one month.
@@ -88,6 +100,8 @@ pub struct Replica {
     /// The month last seen SUCCESS: a shortcut until the next slot, never the source of truth.
     settled: Option<BusinessDate>,
     pending_retry: Option<Retry>,
+    /// Run requests whose last run failed: consecutive failures and when to try again.
+    request_retries: HashMap<String, (u32, DateTime<Utc>)>,
     /// Every log line of this replica carries shard, shards and owner.
     span: tracing::Span,
 }
@@ -120,8 +134,22 @@ impl Replica {
             shutdown,
             settled: None,
             pending_retry: None,
+            request_retries: HashMap::new(),
             span,
         }
+    }
+
+    /// The same replica under `owner` (the process's name in claims and in the audit trail, shared
+    /// with its HTTP endpoints).
+    pub fn with_owner(mut self, owner: Owner) -> Self {
+        self.span = tracing::info_span!(
+            "replica",
+            shard = self.shard.index,
+            shards = self.shard.count,
+            owner = %owner,
+        );
+        self.opts.owner = owner;
+        self
     }
 
     pub fn owner(&self) -> &Owner {
@@ -168,6 +196,9 @@ impl Replica {
         }
         if self.shutdown.is_cancelled() {
             return TickOutcome::ShuttingDown;
+        }
+        if let Some(outcome) = self.serve_a_request(now).await {
+            return outcome;
         }
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, now) else {
             return TickOutcome::Idle;
@@ -240,7 +271,7 @@ impl Replica {
                     self.pending_retry = None;
                     TickOutcome::AlreadyDone { slot }
                 }
-                Some(SkipReason::Held) => {
+                Some(SkipReason::Held | SkipReason::RequestServed) => {
                     metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
                     tracing::info!(business_date = %slot.business_date, "a live peer holds the claim; watching it");
                     TickOutcome::Watching {
@@ -301,6 +332,90 @@ impl Replica {
 }
 
 impl Replica {
+    /// Runs the oldest open run request for this shard that is not waiting for a retry, if any
+    /// can run now. A request whose key a live run holds (the schedule's run, a peer's, a CLI
+    /// `run`) waits for it; one already served elsewhere is skipped.
+    async fn serve_a_request(&mut self, now: DateTime<Utc>) -> Option<TickOutcome> {
+        let open = match jobs::requests::open_for(
+            &self.pool,
+            settlement::JOB_NAME,
+            self.shard.count,
+            self.shard.index,
+        )
+        .await
+        {
+            Ok(open) => open,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the open run requests");
+                return None;
+            }
+        };
+        self.request_retries
+            .retain(|id, _| open.iter().any(|o| &o.request_id == id));
+        for request in open {
+            if self
+                .request_retries
+                .get(&request.request_id)
+                .is_some_and(|(_, not_before)| now < *not_before)
+            {
+                continue;
+            }
+            let key = jobs::requests::key_of(
+                settlement::JOB_NAME,
+                &request,
+                self.shard.count,
+                self.shard.index,
+            );
+            let opts = RunOptions {
+                force: request.force,
+                request: Some(request.request_id.clone()),
+                ..self.opts.clone()
+            };
+            let result =
+                jobs::run_once(&self.pool, &self.job, key, &opts, &self.shutdown, &|_| {}).await;
+            let id = request.request_id;
+            match result {
+                Ok(report) if report.skipped.is_none() => {
+                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "outcome" => "settled").increment(1);
+                    self.request_retries.remove(&id);
+                    tracing::info!(request_id = %id, business_date = %request.business_date, "run request served");
+                    return Some(TickOutcome::Served {
+                        request_id: id,
+                        report,
+                    });
+                }
+                // Held by a live run (tried again next tick), served elsewhere, or already done.
+                Ok(_) => continue,
+                Err(JobError::Interrupted) => return Some(TickOutcome::ShuttingDown),
+                Err(e @ JobError::LeaseLost { .. }) => {
+                    tracing::warn!(request_id = %id, error = %e, "lost a run request's claim to a peer");
+                    continue;
+                }
+                Err(e) => {
+                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "outcome" => "failed").increment(1);
+                    let failures = self.request_retries.get(&id).map_or(0, |r| r.0) + 1;
+                    let after = backoff(
+                        failures,
+                        self.retry.initial_secs,
+                        self.retry.max_secs,
+                        rand::random::<f64>(),
+                    );
+                    let not_before = self.clock.now()
+                        + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+                    self.request_retries
+                        .insert(id.clone(), (failures, not_before));
+                    tracing::warn!(request_id = %id, error = %e, failures, retry_in_secs = after.as_secs_f64(), "run request failed; retrying with backoff");
+                    return Some(TickOutcome::RequestFailed {
+                        request_id: id,
+                        after,
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        None
+    }
+
     /// Sets the latest fire time and how many shards of this shard count have no SUCCESS row for
     /// its month. Read from `job_runs`, not from this replica's memory, so a shard whose replica
     /// is down still counts; a failed read leaves the gauges as they were.

@@ -315,6 +315,7 @@ fn print_table(out: &mut (dyn Write + Send), reports: &[RunReport]) -> Result<()
             None => "no",
             Some(SkipReason::AlreadyDone) => "already SUCCESS",
             Some(SkipReason::Held) => "held by a peer",
+            Some(SkipReason::RequestServed) => "request served",
         };
         let attempt = r
             .attempt

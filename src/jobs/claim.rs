@@ -1,9 +1,11 @@
 //! `job_runs` SQL: claim, takeover, and the fenced writes of a run.
 //!
 //! All lease arithmetic uses `clock_timestamp()` (the database's clock, not frozen at transaction
-//! start like `now()`), so replicas with skewed clocks agree on who holds a lease.
+//! start like `now()`), so replicas with skewed clocks agree on who holds a lease. Every claim,
+//! takeover, SUCCESS and FAILED is appended to `job_events` in the transaction that makes it, and
+//! moves the state of the run request it serves, if any (`job_runs.request_id`).
 
-use super::{Batch, JobKey, Owner, Result};
+use super::{events, requests, Batch, JobKey, Owner, Result};
 use sqlx::{Connection, PgConnection, PgExecutor};
 use std::time::Duration;
 
@@ -31,13 +33,16 @@ pub enum ClaimOutcome {
     AlreadyDone {
         attempt: i32,
     },
+    /// The request this claim was made for is already served (another replica got to it first).
+    RequestServed,
 }
 
 /// Claims `key` in one short transaction on `conn`.
 ///
 /// Inserts a RUNNING row (attempt 1); when the key exists, takes over a FAILED row, a RUNNING row
 /// whose heartbeat is older than `ttl`, or (with `force`) a SUCCESS row, bumping `attempt`.
-/// A RUNNING row with a live lease is never taken, forced or not.
+/// A RUNNING row with a live lease is never taken, forced or not. The claim, or takeover, is
+/// recorded in `job_events` in the same transaction.
 pub async fn claim(
     conn: &mut PgConnection,
     key: &JobKey,
@@ -45,48 +50,81 @@ pub async fn claim(
     ttl: Duration,
     force: bool,
 ) -> Result<ClaimOutcome> {
+    claim_for(conn, key, owner, ttl, force, None).await
+}
+
+/// [`claim`] on behalf of a stored run request ([`super::requests`]): in the same transaction, the
+/// request's row for this shard is locked and must still be open, and it moves with the claim —
+/// `running` with the attempt won, or `succeeded` when the key is SUCCESS and the request does not
+/// force. A request that another replica already served is [`ClaimOutcome::RequestServed`].
+pub async fn claim_for(
+    conn: &mut PgConnection,
+    key: &JobKey,
+    owner: &Owner,
+    ttl: Duration,
+    force: bool,
+    request: Option<&str>,
+) -> Result<ClaimOutcome> {
     let mut tx = conn.begin().await?;
-    let inserted: Option<i32> = sqlx::query_scalar(
+    if let Some(request) = request {
+        if !requests::lock_open(&mut tx, request, key.shard).await? {
+            tx.commit().await?;
+            return Ok(ClaimOutcome::RequestServed);
+        }
+    }
+    let inserted: Option<(i32, Option<String>)> = sqlx::query_as(
         "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
-                               started_at, heartbeat_at)
-         VALUES ($1, $2, $3, $4, 'RUNNING', 1, $5, clock_timestamp(), clock_timestamp())
+                               started_at, heartbeat_at, request_id)
+         VALUES ($1, $2, $3, $4, 'RUNNING', 1, $5, clock_timestamp(), clock_timestamp(), $6::uuid)
          ON CONFLICT (job_name, business_date, shards, shard) DO NOTHING
-         RETURNING attempt",
+         RETURNING attempt, request_id::text",
     )
     .bind(&key.job_name)
     .bind(key.business_date)
     .bind(key.shards as i32)
     .bind(key.shard as i32)
     .bind(&owner.0)
+    .bind(request)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some(attempt) = inserted {
-        tx.commit().await?;
-        return Ok(ClaimOutcome::Won(Claim {
+    if let Some((attempt, lineage)) = inserted {
+        let claim = Claim {
             key: key.clone(),
             attempt,
             owner: owner.clone(),
             resume_after: None,
             took_over: false,
-        }));
+        };
+        won(&mut tx, &claim, "claimed", lineage.as_deref()).await?;
+        tx.commit().await?;
+        return Ok(ClaimOutcome::Won(claim));
     }
 
     // The row exists. Take it over only if its holder is gone (or it is done and we force).
-    // A forced re-run starts from the beginning; a takeover resumes after committed progress.
-    let taken: Option<(i32, Option<i64>)> = sqlx::query_as(
-        "UPDATE job_runs
-            SET status = 'RUNNING', attempt = attempt + 1, owner = $5,
+    // A forced re-run starts from the beginning and serves only its own request (none from the
+    // CLI); a takeover resumes after committed progress and keeps serving the request it served.
+    let taken: Option<(i32, Option<i64>, String, Option<String>)> = sqlx::query_as(
+        "WITH prior AS (
+             SELECT status FROM job_runs
+              WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
+              FOR UPDATE
+         )
+         UPDATE job_runs j
+            SET status = 'RUNNING', attempt = j.attempt + 1, owner = $5,
                 started_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
                 finished_at = NULL, last_error = NULL,
-                last_id = CASE WHEN status = 'SUCCESS' THEN NULL ELSE last_id END,
-                scanned = CASE WHEN status = 'SUCCESS' THEN 0 ELSE scanned END,
-                updated = CASE WHEN status = 'SUCCESS' THEN 0 ELSE updated END
-          WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
-            AND (status = 'FAILED'
-                 OR (status = 'RUNNING'
-                     AND heartbeat_at < clock_timestamp() - make_interval(secs => $6))
-                 OR (status = 'SUCCESS' AND $7))
-         RETURNING attempt, last_id",
+                last_id = CASE WHEN j.status = 'SUCCESS' THEN NULL ELSE j.last_id END,
+                scanned = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.scanned END,
+                updated = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.updated END,
+                request_id = CASE WHEN j.status = 'SUCCESS' THEN $8::uuid
+                                  ELSE COALESCE($8::uuid, j.request_id) END
+           FROM prior
+          WHERE j.job_name = $1 AND j.business_date = $2 AND j.shards = $3 AND j.shard = $4
+            AND (j.status = 'FAILED'
+                 OR (j.status = 'RUNNING'
+                     AND j.heartbeat_at < clock_timestamp() - make_interval(secs => $6))
+                 OR (j.status = 'SUCCESS' AND $7))
+         RETURNING j.attempt, j.last_id, prior.status, j.request_id::text",
     )
     .bind(&key.job_name)
     .bind(key.business_date)
@@ -95,17 +133,25 @@ pub async fn claim(
     .bind(&owner.0)
     .bind(ttl.as_secs_f64())
     .bind(force)
+    .bind(request)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some((attempt, resume_after)) = taken {
-        tx.commit().await?;
-        return Ok(ClaimOutcome::Won(Claim {
+    if let Some((attempt, resume_after, prior, lineage)) = taken {
+        let claim = Claim {
             key: key.clone(),
             attempt,
             owner: owner.clone(),
             resume_after,
             took_over: true,
-        }));
+        };
+        let event = if prior == "SUCCESS" {
+            "forced"
+        } else {
+            "took_over"
+        };
+        won(&mut tx, &claim, event, lineage.as_deref()).await?;
+        tx.commit().await?;
+        return Ok(ClaimOutcome::Won(claim));
     }
 
     let (status, attempt, holder): (String, i32, String) = sqlx::query_as(
@@ -118,15 +164,49 @@ pub async fn claim(
     .bind(key.shard as i32)
     .fetch_one(&mut *tx)
     .await?;
-    tx.commit().await?;
-    Ok(if status == "SUCCESS" {
+    let outcome = if status == "SUCCESS" {
+        if let Some(request) = request {
+            // Without force, a settled month is reported as done, not re-run.
+            requests::finish(
+                &mut *tx,
+                request,
+                key.shard,
+                "succeeded",
+                attempt,
+                Some(&format!(
+                    "already SUCCESS (attempt {attempt}); not re-run without force"
+                )),
+            )
+            .await?;
+        }
         ClaimOutcome::AlreadyDone { attempt }
     } else {
         ClaimOutcome::Held {
             owner: holder,
             attempt,
         }
-    })
+    };
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// What every won claim writes besides the row: the audit event, and the state of the request the
+/// attempt serves.
+async fn won(
+    tx: &mut PgConnection,
+    claim: &Claim,
+    event: &str,
+    request: Option<&str>,
+) -> Result<()> {
+    let message = match claim.resume_after {
+        Some(id) if event == "took_over" => Some(format!("resumes after id {id}")),
+        _ => None,
+    };
+    events::append(&mut *tx, claim, event, request, message.as_deref()).await?;
+    if let Some(request) = request {
+        requests::start(&mut *tx, request, claim.key.shard, claim.attempt).await?;
+    }
+    Ok(())
 }
 
 /// Verifies the claim, renews its heartbeat and records a batch's progress, inside the batch's
@@ -156,51 +236,76 @@ pub async fn record_batch(conn: &mut PgConnection, claim: &Claim, batch: &Batch)
 
 /// Renews the lease. `false` means the claim is lost.
 pub async fn heartbeat(db: impl PgExecutor<'_>, claim: &Claim) -> Result<bool> {
-    fenced_update(db, claim, "heartbeat_at = clock_timestamp()", None).await
+    fenced_update(db, claim, "heartbeat_at = clock_timestamp()").await
 }
 
-/// Marks the run SUCCESS. `false` means the claim was lost and nothing was written.
+/// Marks the run SUCCESS, records it in `job_events` and closes the request it served, in one
+/// statement. `false` means the claim was lost and nothing was written.
 pub async fn mark_success(db: impl PgExecutor<'_>, claim: &Claim) -> Result<bool> {
-    fenced_update(
-        db,
-        claim,
-        "status = 'SUCCESS', finished_at = clock_timestamp(), heartbeat_at = clock_timestamp(), last_error = NULL",
-        None,
-    )
-    .await
+    finish(db, claim, None).await
 }
 
-/// Marks the run FAILED so a peer can take it over at once. `false`: the claim was already lost.
+/// Marks the run FAILED so a peer can take it over at once, with the same records as
+/// [`mark_success`]. `false`: the claim was already lost.
 pub async fn mark_failed(db: impl PgExecutor<'_>, claim: &Claim, error: &str) -> Result<bool> {
-    fenced_update(
-        db,
-        claim,
-        "status = 'FAILED', finished_at = clock_timestamp(), last_error = $6",
-        Some(error),
-    )
-    .await
+    finish(db, claim, Some(error)).await
 }
 
-async fn fenced_update(
-    db: impl PgExecutor<'_>,
-    claim: &Claim,
-    set: &str,
-    error: Option<&str>,
-) -> Result<bool> {
+/// SUCCESS without `error`, FAILED with it.
+async fn finish(db: impl PgExecutor<'_>, claim: &Claim, error: Option<&str>) -> Result<bool> {
+    let (status, event, state) = match error {
+        None => ("SUCCESS", "succeeded", "succeeded"),
+        Some(_) => ("FAILED", "failed", "failed"),
+    };
+    let done: i64 = sqlx::query_scalar(
+        "WITH done AS (
+             UPDATE job_runs
+                SET status = $6, finished_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
+                    last_error = $9
+              WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
+                AND attempt = $5 AND status = 'RUNNING'
+             RETURNING request_id, scanned, updated
+         ), event AS (
+             INSERT INTO job_events
+                    (job_name, business_date, shards, shard, event, attempt, owner, request_id, message)
+             SELECT $1, $2, $3, $4, $7, $5, $10, request_id,
+                    COALESCE($9, format('scanned %s, updated %s', scanned, updated))
+               FROM done
+         ), request AS (
+             UPDATE run_request_shards r
+                SET state = $8, attempt = $5, updated_at = clock_timestamp(), detail = $9
+               FROM done
+              WHERE r.request_id = done.request_id AND r.shard = $4
+         )
+         SELECT count(*) FROM done",
+    )
+    .bind(&claim.key.job_name)
+    .bind(claim.key.business_date)
+    .bind(claim.key.shards as i32)
+    .bind(claim.key.shard as i32)
+    .bind(claim.attempt)
+    .bind(status)
+    .bind(event)
+    .bind(state)
+    .bind(error)
+    .bind(&claim.owner.0)
+    .fetch_one(db)
+    .await?;
+    Ok(done == 1)
+}
+
+async fn fenced_update(db: impl PgExecutor<'_>, claim: &Claim, set: &str) -> Result<bool> {
     let sql = format!(
         "UPDATE job_runs SET {set}
           WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
             AND attempt = $5 AND status = 'RUNNING'"
     );
-    let mut query = sqlx::query(&sql)
+    let query = sqlx::query(&sql)
         .bind(&claim.key.job_name)
         .bind(claim.key.business_date)
         .bind(claim.key.shards as i32)
         .bind(claim.key.shard as i32)
         .bind(claim.attempt);
-    if let Some(error) = error {
-        query = query.bind(error);
-    }
     Ok(query.execute(db).await?.rows_affected() == 1)
 }
 

@@ -55,6 +55,7 @@ async fn renew(
             Ok(false) => {
                 tracing::warn!("heartbeat found the claim taken over; stopping the run");
                 metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+                super::events::fencing_rejected(&pool, &claim, "heartbeat").await;
                 lost.cancel();
                 return;
             }

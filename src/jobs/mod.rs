@@ -12,7 +12,9 @@
 //! A [`Job`] supplies the work one batch at a time; [`runner::run_once`] drives it.
 
 pub mod claim;
+pub mod events;
 pub mod lease;
+pub mod requests;
 pub mod runner;
 
 use chrono::NaiveDate;

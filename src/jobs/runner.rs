@@ -6,7 +6,7 @@
 
 use super::claim::{self, ClaimOutcome};
 use super::lease::Heartbeat;
-use super::{Job, JobError, JobKey, Owner, Result};
+use super::{events, Job, JobError, JobKey, Owner, Result};
 use sqlx::PgPool;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -21,6 +21,9 @@ pub struct RunOptions {
     pub force: bool,
     /// Count the remaining work first, for a progress bar.
     pub estimate: bool,
+    /// The stored run request this run serves ([`super::requests`]); `None` for the schedule and
+    /// the command line.
+    pub request: Option<String>,
 }
 
 /// Why a run did no work.
@@ -31,6 +34,8 @@ pub enum SkipReason {
     Held,
     /// The key is already SUCCESS.
     AlreadyDone,
+    /// The run request was already served by another replica.
+    RequestServed,
 }
 
 #[derive(Debug, Clone)]
@@ -92,7 +97,15 @@ async fn run_in_span<J: Job>(
     let started = Instant::now();
     let outcome = {
         let mut conn = pool.acquire().await?;
-        claim::claim(&mut conn, &key, &opts.owner, opts.lease_ttl, opts.force).await?
+        claim::claim_for(
+            &mut conn,
+            &key,
+            &opts.owner,
+            opts.lease_ttl,
+            opts.force,
+            opts.request.as_deref(),
+        )
+        .await?
     };
     let claim = match outcome {
         ClaimOutcome::Won(claim) => claim,
@@ -105,6 +118,10 @@ async fn run_in_span<J: Job>(
             metrics::counter!("settlementd_claims_total", "result" => "done").increment(1);
             tracing::info!(holder_attempt = attempt, "skipped: already SUCCESS");
             return Ok(skipped(key, SkipReason::AlreadyDone, started));
+        }
+        ClaimOutcome::RequestServed => {
+            tracing::info!(request = ?opts.request, "skipped: the request was already served");
+            return Ok(skipped(key, SkipReason::RequestServed, started));
         }
     };
     span.record("attempt", claim.attempt);
@@ -136,6 +153,7 @@ async fn run_in_span<J: Job>(
         }) => {
             if !claim::mark_success(pool, &claim).await? {
                 metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+                events::fencing_rejected(pool, &claim, "SUCCESS").await;
                 return Err(lease_lost(&claim));
             }
             tracing::info!(scanned, updated, batches, "SUCCESS");
@@ -157,6 +175,7 @@ async fn run_in_span<J: Job>(
     match claim::mark_failed(pool, &claim, &failure.to_string()).await {
         Ok(true) => tracing::warn!(error = %failure, "marked FAILED"),
         Ok(false) => {
+            events::fencing_rejected(pool, &claim, "FAILED").await;
             tracing::warn!(error = %failure, "failed, and the claim was already taken over")
         }
         Err(e) => {
@@ -196,6 +215,7 @@ async fn work<J: Job>(
         if !claim::record_batch(&mut tx, claim, &batch).await? {
             tx.rollback().await?;
             metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+            events::fencing_rejected(pool, claim, "batch").await;
             return Err(lease_lost(claim));
         }
         tx.commit().await?;

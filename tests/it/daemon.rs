@@ -8,7 +8,7 @@ use settlementd::calendar::BusinessDate;
 use settlementd::clock::{ManualClock, SystemClock};
 use settlementd::config::{Settings, ShardSpec};
 use settlementd::daemon::replica::{Replica, TickOutcome};
-use settlementd::daemon::{self, http, metrics};
+use settlementd::daemon::{self, http};
 use settlementd::jobs::{self, claim, ClaimOutcome, JobKey, Owner};
 use settlementd::schedule::{latest_slot_at_or_before, Slot};
 use settlementd::settlement;
@@ -483,8 +483,7 @@ async fn readyz_is_503_until_the_schema_is_migrated() {
     let stop = CancellationToken::new();
     let server = tokio::spawn(http::run(
         listener,
-        pool.clone(),
-        metrics::handle(),
+        http_state(&pool, Settings::load_from(None, []).unwrap()),
         stop.clone().cancelled_owned(),
     ));
     assert_eq!(get(addr, "/healthz").await.unwrap().0, 200);

@@ -688,8 +688,10 @@ async fn probe_paths_and_ports_match_the_server() {
     let stop = tokio_util::sync::CancellationToken::new();
     let server = tokio::spawn(settlementd::daemon::http::run(
         listener,
-        db.pool.clone(),
-        settlementd::daemon::metrics::handle(),
+        http_state(
+            &db.pool,
+            settlementd::config::Settings::load_from(None, []).unwrap(),
+        ),
         stop.clone().cancelled_owned(),
     ));
     for path in &paths {

@@ -224,6 +224,7 @@ pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions
         heartbeat_every: std::time::Duration::from_secs(10),
         force,
         estimate,
+        request: None,
     }
 }
 
@@ -343,5 +344,19 @@ impl Drop for ServeProcess {
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
         let _ = self.child.wait();
+    }
+}
+
+/// The HTTP endpoints' state for a replica with `settings`, on `pool`, with the system clock.
+pub fn http_state(
+    pool: &PgPool,
+    settings: settlementd::config::Settings,
+) -> settlementd::daemon::http::HttpState {
+    settlementd::daemon::http::HttpState {
+        pool: pool.clone(),
+        metrics: settlementd::daemon::metrics::handle(),
+        settings: std::sync::Arc::new(settings),
+        clock: std::sync::Arc::new(settlementd::clock::SystemClock),
+        owner: "test-replica".into(),
     }
 }

@@ -38,20 +38,6 @@ async fn sqlstate(conn: &mut PgConnection, sql: &str) -> Option<String> {
 
 const DENIED: &str = "42501"; // insufficient_privilege (also "must be owner")
 
-/// Stand-ins for the job tables another migration adds, when that migration has not landed:
-/// roles.sql grants on them by name once they exist.
-async fn ensure_future_job_tables(migrator: &mut PgConnection) {
-    sqlx::raw_sql(
-        "CREATE TABLE IF NOT EXISTS job_events (id bigserial PRIMARY KEY,
-                                                at timestamptz NOT NULL DEFAULT now());
-         CREATE TABLE IF NOT EXISTS run_requests (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-                                                  done boolean NOT NULL DEFAULT false);",
-    )
-    .execute(migrator)
-    .await
-    .unwrap();
-}
-
 /// A column of `table` that an UPDATE may set (not an identity or generated one).
 async fn settable_column(conn: &mut PgConnection, table: &str) -> String {
     sqlx::query_scalar(
@@ -76,7 +62,6 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
     let mut migrator = PgConnection::connect(&as_role(&admin, MIGRATOR))
         .await
         .unwrap();
-    ensure_future_job_tables(&mut migrator).await;
     apply_roles_sql(&admin).await; // after a migration that adds tables, as documented
     apply_roles_sql(&admin).await; // and it is idempotent
 
@@ -146,6 +131,7 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "CREATE TABLE mine (id int)",
         "DELETE FROM job_events",
         "DELETE FROM run_requests",
+        "DELETE FROM run_request_shards",
     ];
     for sql in denied {
         assert_eq!(
@@ -164,7 +150,10 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
     let requests = settable_column(&mut app, "run_requests").await;
     let update_requests = format!("UPDATE run_requests SET {requests} = {requests} WHERE false");
     assert_eq!(sqlstate(&mut app, &update_requests).await, None);
-    for table in ["job_events", "run_requests"] {
+    let shards = settable_column(&mut app, "run_request_shards").await;
+    let update_shards = format!("UPDATE run_request_shards SET {shards} = {shards} WHERE false");
+    assert_eq!(sqlstate(&mut app, &update_shards).await, None);
+    for table in ["job_events", "run_requests", "run_request_shards"] {
         // Inserting is permitted, including the id sequence; a real table's NOT NULL columns
         // may still refuse an empty row, which is not a privilege error.
         let insert = format!("INSERT INTO {table} DEFAULT VALUES");

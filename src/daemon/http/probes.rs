@@ -1,52 +1,22 @@
-//! The replica's HTTP endpoints: `GET /healthz` (200 while the process runs), `GET /readyz` (200
+//! The operational endpoints: `GET /healthz` (200 while the process runs), `GET /readyz` (200
 //! when the database answers and every migration is applied, else 503) and `GET /metrics`
 //! (Prometheus text, with `settlementd_ready` re-evaluated at every scrape).
 
+use super::HttpState;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
-use metrics_exporter_prometheus::PrometheusHandle;
 use sqlx::PgPool;
-use std::future::Future;
 use std::time::Duration;
-use tokio::net::TcpListener;
 
 /// How long `/readyz` waits for the database before answering 503.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
 
-#[derive(Clone)]
-struct AppState {
-    pool: PgPool,
-    metrics: PrometheusHandle,
-}
-
-pub fn router(pool: PgPool, metrics: PrometheusHandle) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(render_metrics))
-        .with_state(AppState { pool, metrics })
-}
-
-/// Serves the endpoints on `listener` until `shutdown` completes.
-pub async fn run(
-    listener: TcpListener,
-    pool: PgPool,
-    metrics: PrometheusHandle,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-) -> std::io::Result<()> {
-    axum::serve(listener, router(pool, metrics))
-        .with_graceful_shutdown(shutdown)
-        .await
-}
-
-async fn healthz() -> &'static str {
+pub async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn readyz(State(state): State<AppState>) -> (StatusCode, String) {
+pub async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
     match check_ready(&state.pool).await {
         Ok(()) => (StatusCode::OK, "ready\n".into()),
         Err(reason) => (
@@ -66,11 +36,11 @@ async fn check_ready(pool: &PgPool) -> Result<(), String> {
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err("the database did not answer in time".to_string()),
     };
-    metrics::gauge!(super::metrics::READY).set(if result.is_ok() { 1.0 } else { 0.0 });
+    metrics::gauge!(crate::daemon::metrics::READY).set(if result.is_ok() { 1.0 } else { 0.0 });
     result
 }
 
-async fn render_metrics(State(state): State<AppState>) -> impl IntoResponse {
+pub async fn render_metrics(State(state): State<HttpState>) -> impl IntoResponse {
     // A scrape sees readiness even where nothing probes /readyz (compose, systemd).
     let _ = check_ready(&state.pool).await;
     // Without the exporter's own listener nothing else drains histograms: do it per scrape.

@@ -1,0 +1,54 @@
+//! The replica's HTTP server: one router, one file per group of endpoints.
+//!
+//! - [`probes`]: `GET /healthz`, `GET /readyz`, `GET /metrics` (no token);
+//! - [`runs`]: `POST /v1/runs`, `GET /v1/runs/{id}` — manual runs, applied once however often a
+//!   request is retried (bearer token, idempotency key).
+//!
+//! Handlers are thin: parse and check the request, call the job layer, render. What they share is
+//! [`HttpState`].
+
+pub mod probes;
+pub mod runs;
+
+use crate::clock::Clock;
+use crate::config::Settings;
+use axum::routing::{get, post};
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use sqlx::PgPool;
+use std::future::Future;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+/// What every handler may use.
+#[derive(Clone)]
+pub struct HttpState {
+    pub pool: PgPool,
+    pub metrics: PrometheusHandle,
+    pub settings: Arc<Settings>,
+    /// Decides whether a requested month is over (the schedule's zone, this clock).
+    pub clock: Arc<dyn Clock>,
+    /// The replica's owner name, written into the audit trail of the requests it accepts.
+    pub owner: String,
+}
+
+pub fn router(state: HttpState) -> Router {
+    Router::new()
+        .route("/healthz", get(probes::healthz))
+        .route("/readyz", get(probes::readyz))
+        .route("/metrics", get(probes::render_metrics))
+        .route("/v1/runs", post(runs::create))
+        .route("/v1/runs/{id}", get(runs::show))
+        .with_state(state)
+}
+
+/// Serves the endpoints on `listener` until `shutdown` completes.
+pub async fn run(
+    listener: TcpListener,
+    state: HttpState,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

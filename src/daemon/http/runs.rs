@@ -1,0 +1,247 @@
+//! The runs API: manual runs over HTTP, applied once however often the request is retried.
+//!
+//! `POST /v1/runs` with `Authorization: Bearer <http.admin_token>`, `Idempotency-Key: <key>` and
+//! `{"business_date": "YYYY-MM-DD", "shards": M, "shard": N, "force": true}` stores the request
+//! under the key ([`jobs::requests::store`]) before answering `202`; replicas serving the targeted
+//! shards run it ([`crate::daemon::replica`]). The key comes from the client's business request
+//! (a retry sends the same key): the same key with the same body, at once or days later, to any
+//! replica, gets the first answer byte for byte with `Idempotent-Replayed: true`; with another
+//! body, `422`. `GET /v1/runs/{id}` shows the request and each targeted shard's state.
+//!
+//! Errors are `{"error": "…"}`: `403` when no token is configured, `401` for a missing or wrong
+//! token, `400` for a bad key or body (nothing stored), `404` for an unknown request, `503` when
+//! the database does not answer.
+
+use super::HttpState;
+use crate::app::ensure_month_is_over;
+use crate::calendar::BusinessDate;
+use crate::daemon::metrics as m;
+use crate::jobs::requests::{self, NewRequest, Stored, StoredRequest};
+use crate::settlement;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use chrono::SecondsFormat;
+use secrecy::ExposeSecret;
+use subtle::ConstantTimeEq;
+
+/// The most shards a request may name (a guard against typos like 30000).
+pub const MAX_SHARDS: u32 = 1024;
+/// The longest idempotency key accepted.
+pub const MAX_KEY_LEN: usize = 200;
+
+/// The body of `POST /v1/runs`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Body {
+    business_date: String,
+    shards: Option<u32>,
+    shard: Option<u32>,
+    force: Option<bool>,
+}
+
+pub async fn create(State(state): State<HttpState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(refused) = authorize(&state, &headers) {
+        return refused;
+    }
+    let key = match idempotency_key(&headers) {
+        Ok(key) => key,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
+    };
+    let request = match parse(&state, key, &body) {
+        Ok(request) => request,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
+    };
+    let stored = async {
+        let mut conn = state.pool.acquire().await?;
+        requests::store(&mut conn, &request, &state.owner, response_body).await
+    }
+    .await;
+    match stored {
+        Ok(Stored::New(stored)) => {
+            metrics::counter!(m::REQUESTS_ACCEPTED_TOTAL).increment(1);
+            tracing::info!(
+                request_id = %stored.request_id,
+                business_date = %stored.business_date,
+                shards = stored.shards,
+                shard = ?stored.shard,
+                force = stored.force,
+                "run request accepted"
+            );
+            accepted(&stored, false)
+        }
+        Ok(Stored::Replay(stored)) => accepted(&stored, true),
+        Ok(Stored::Conflict(stored)) => error(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!(
+                "Idempotency-Key {:?} was already used for another request ({}); use a new key \
+                 for a new request",
+                stored.idempotency_key, stored.request_id
+            ),
+        ),
+        Err(e) => unavailable(e),
+    }
+}
+
+pub async fn show(
+    State(state): State<HttpState>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    if let Err(refused) = authorize(&state, &headers) {
+        return refused;
+    }
+    let found = async {
+        let Some(stored) = requests::by_id(&state.pool, &id).await? else {
+            return Ok(None);
+        };
+        let targets = requests::targets(&state.pool, &stored.request_id).await?;
+        Ok(Some((stored, targets)))
+    }
+    .await;
+    match found {
+        Ok(Some((stored, targets))) => {
+            let request: serde_json::Value =
+                serde_json::from_str(&stored.response).unwrap_or(serde_json::Value::Null);
+            let body = serde_json::json!({ "request": request, "shards": targets });
+            json(StatusCode::OK, body.to_string())
+        }
+        Ok(None) => error(StatusCode::NOT_FOUND, format!("no run request {id:?}")),
+        Err(e) => unavailable(e),
+    }
+}
+
+/// `Ok` when a token is configured and the request carries it. The comparison takes the same time
+/// whatever the bytes (`subtle`), so the token cannot be guessed byte by byte; it is never logged.
+#[allow(clippy::result_large_err)]
+fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
+    let Some(token) = &state.settings.http.admin_token else {
+        return Err(error(
+            StatusCode::FORBIDDEN,
+            "the runs API is disabled: set http.admin_token_file (a file holding the token) or \
+             http.admin_token (SETTLEMENTD__HTTP__ADMIN_TOKEN)"
+                .into(),
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if bool::from(given.as_bytes().ct_eq(token.expose_secret().as_bytes())) {
+        return Ok(());
+    }
+    let mut refused = error(
+        StatusCode::UNAUTHORIZED,
+        "missing or wrong bearer token (Authorization: Bearer <http.admin_token>)".into(),
+    );
+    refused
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    Err(refused)
+}
+
+/// The `Idempotency-Key` header: 1 to [`MAX_KEY_LEN`] visible ASCII characters.
+fn idempotency_key(headers: &HeaderMap) -> Result<String, String> {
+    let Some(value) = headers.get("idempotency-key") else {
+        return Err(
+            "the Idempotency-Key header is required: a key from your business request \
+                    (e.g. \"settle-2026-10-all-shards\"), the same on every retry"
+                .into(),
+        );
+    };
+    let bytes = value.as_bytes();
+    if bytes.is_empty() || bytes.len() > MAX_KEY_LEN || !bytes.iter().all(u8::is_ascii_graphic) {
+        return Err(format!(
+            "Idempotency-Key must be 1 to {MAX_KEY_LEN} visible ASCII characters"
+        ));
+    }
+    Ok(String::from_utf8_lossy(bytes).into_owned())
+}
+
+/// Checks the body as the command line checks `run`: a month end whose month is over, a shard
+/// count and shard in range. Nothing is stored when this fails.
+fn parse(state: &HttpState, idempotency_key: String, body: &[u8]) -> Result<NewRequest, String> {
+    let body: Body =
+        serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
+    let business_date = BusinessDate::parse(&body.business_date).map_err(|e| e.to_string())?;
+    ensure_month_is_over(business_date, &state.settings, state.clock.as_ref())
+        .map_err(|e| e.to_string())?;
+    let shards = body.shards.unwrap_or(state.settings.shard.count);
+    if !(1..=MAX_SHARDS).contains(&shards) {
+        return Err(format!(
+            "shards must be between 1 and {MAX_SHARDS}, got {shards}"
+        ));
+    }
+    if let Some(shard) = body.shard {
+        if shard >= shards {
+            return Err(format!(
+                "shard must satisfy 0 <= shard < shards ({shards}), got {shard}"
+            ));
+        }
+    }
+    Ok(NewRequest {
+        idempotency_key,
+        job_name: settlement::JOB_NAME.to_string(),
+        business_date: business_date.date(),
+        shards,
+        shard: body.shard,
+        force: body.force.unwrap_or(false),
+    })
+}
+
+/// The `202` body, built once and stored with the request.
+fn response_body(stored: &StoredRequest) -> String {
+    serde_json::json!({
+        "request_id": stored.request_id,
+        "idempotency_key": stored.idempotency_key,
+        "business_date": stored.business_date.to_string(),
+        "shards": stored.shards,
+        "shard": stored.shard,
+        "force": stored.force,
+        "created_at": stored.created_at.to_rfc3339_opts(SecondsFormat::Micros, true),
+        "status_url": status_url(&stored.request_id),
+    })
+    .to_string()
+}
+
+fn status_url(request_id: &str) -> String {
+    format!("/v1/runs/{request_id}")
+}
+
+fn accepted(stored: &StoredRequest, replayed: bool) -> Response {
+    let mut response = json(StatusCode::ACCEPTED, stored.response.clone());
+    let headers = response.headers_mut();
+    if let Ok(location) = HeaderValue::from_str(&status_url(&stored.request_id)) {
+        headers.insert(header::LOCATION, location);
+    }
+    if replayed {
+        headers.insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    response
+}
+
+fn unavailable(e: crate::jobs::JobError) -> Response {
+    tracing::warn!(error = %e, "runs API: database error");
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("the database did not answer: {e}; retry with the same Idempotency-Key"),
+    )
+}
+
+fn error(status: StatusCode, message: String) -> Response {
+    json(status, serde_json::json!({ "error": message }).to_string())
+}
+
+fn json(status: StatusCode, body: String) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
+}
