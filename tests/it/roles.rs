@@ -59,9 +59,6 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
 
     // The migration role creates and owns the schema objects.
     run_ok(settlementd(Some(&as_role(&admin, MIGRATOR))).arg("migrate"));
-    let mut migrator = PgConnection::connect(&as_role(&admin, MIGRATOR))
-        .await
-        .unwrap();
     apply_roles_sql(&admin).await; // after a migration that adds tables, as documented
     apply_roles_sql(&admin).await; // and it is idempotent
 
