@@ -79,6 +79,10 @@ pub struct StatusArgs {
     /// The shard count whose claims to show (default shard.count).
     #[arg(long, value_name = "M")]
     pub shards: Option<u32>,
+    /// How many of each shard's latest audit events to show (who claimed, took over, re-ran,
+    /// failed; 0 for none).
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub history: u32,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -177,6 +181,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
             let request = StatusRequest {
                 business_date: args.business_date,
                 shards: args.shards,
+                history: args.history,
                 embedded_db: args.db.embedded_db,
             };
             let status = commands::status::status(&settings, &request).await?;

@@ -605,6 +605,46 @@ mod tests {
     }
 
     #[test]
+    fn the_admin_token_comes_from_a_file_or_the_environment_and_must_be_long_enough() {
+        let (_dir, path) = secret_file("0123456789abcdef0123\n");
+        let s = load(&[("SETTLEMENTD__HTTP__ADMIN_TOKEN_FILE", &path)]).unwrap();
+        assert_eq!(
+            s.http.admin_token.as_ref().map(|t| t.expose_secret()),
+            Some("0123456789abcdef0123")
+        );
+        assert!(!format!("{s:?}").contains("0123456789abcdef"));
+        assert!(load(&[]).unwrap().http.admin_token.is_none());
+        for (env, needle) in [
+            (
+                vec![("SETTLEMENTD__HTTP__ADMIN_TOKEN", "short")],
+                "at least 16",
+            ),
+            (
+                vec![(
+                    "SETTLEMENTD__HTTP__ADMIN_TOKEN",
+                    "has a space in it somewhere",
+                )],
+                "without spaces",
+            ),
+            (
+                vec![
+                    ("SETTLEMENTD__HTTP__ADMIN_TOKEN", "0123456789abcdef0123"),
+                    ("SETTLEMENTD__HTTP__ADMIN_TOKEN_FILE", path.as_str()),
+                ],
+                "both set",
+            ),
+            (
+                vec![("SETTLEMENTD__HTTP__ADMIN_TOKEN_FILE", "/nonexistent/token")],
+                "http.admin_token_file: cannot read",
+            ),
+        ] {
+            let err = load(&env).unwrap_err().to_string();
+            assert!(err.contains(needle), "{env:?}: {err}");
+            assert!(!err.contains("0123456789abcdef"), "{err}");
+        }
+    }
+
+    #[test]
     fn passwords_never_appear_in_url_errors() {
         let err = load(&[("DATABASE_URL", "mysql://u:hunter2@h/db")])
             .unwrap_err()

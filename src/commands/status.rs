@@ -1,10 +1,12 @@
-//! `settlementd status`: each shard's claim for one month, and the month's settled totals.
+//! `settlementd status`: each shard's claim for one month, the month's settled totals, and each
+//! shard's latest events from the audit trail (`--history N`).
 
 use crate::app::{business_date_or_default, AppError, Database, Result};
 use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::Settings;
 use crate::jobs::claim::{self, JobRunRow};
+use crate::jobs::events::{self, JobEvent};
 use crate::settlement::{self, MonthTotals};
 use std::fmt::Write;
 
@@ -14,6 +16,8 @@ pub struct StatusRequest {
     pub business_date: Option<String>,
     /// The shard count whose claims to show (default shard.count).
     pub shards: Option<u32>,
+    /// How many of each shard's latest audit events to show (0: none).
+    pub history: u32,
     pub embedded_db: bool,
 }
 
@@ -25,6 +29,8 @@ pub struct MonthStatus {
     /// The claims that exist, by shard; a shard without a row is "missing".
     pub rows: Vec<JobRunRow>,
     pub totals: MonthTotals,
+    /// Each shard's latest audit events, by shard, newest first.
+    pub history: Vec<JobEvent>,
 }
 
 pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<MonthStatus> {
@@ -44,16 +50,30 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
         )
         .await?;
         let totals = settlement::month_totals(&database.pool, business_date).await?;
-        Ok::<_, AppError>((rows, totals))
+        let history = match request.history {
+            0 => Vec::new(),
+            n => {
+                events::recent(
+                    &database.pool,
+                    settlement::JOB_NAME,
+                    business_date.date(),
+                    shards,
+                    n,
+                )
+                .await?
+            }
+        };
+        Ok::<_, AppError>((rows, totals, history))
     }
     .await;
     database.close().await;
-    let (rows, totals) = result?;
+    let (rows, totals, history) = result?;
     Ok(MonthStatus {
         business_date,
         shards,
         rows,
         totals,
+        history,
     })
 }
 
@@ -76,6 +96,7 @@ impl MonthStatus {
             "shards": self.shards,
             "runs": runs,
             "totals": self.totals,
+            "history": self.history,
         })
     }
 
@@ -123,6 +144,27 @@ impl MonthStatus {
             self.totals.fine_cents_sum,
             self.totals.digest
         );
+        if !self.history.is_empty() {
+            let _ = writeln!(out, "history (newest first):");
+        }
+        for e in &self.history {
+            let _ = writeln!(
+                out,
+                "  shard {:<3} {}  {:<16} {:<10} {:<28} {}{}",
+                e.shard,
+                e.at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                e.event,
+                e.attempt
+                    .map(|a| format!("attempt {a}"))
+                    .unwrap_or_default(),
+                e.owner,
+                e.message.as_deref().unwrap_or(""),
+                e.request_id
+                    .as_deref()
+                    .map(|r| format!(" [request {r}]"))
+                    .unwrap_or_default()
+            );
+        }
         out
     }
 }

@@ -12,6 +12,7 @@ mod deploy;
 mod fault;
 mod layers;
 mod roles;
+mod runs;
 mod schema;
 mod server_fetch;
 mod settle;
