@@ -596,3 +596,82 @@ async fn status_shows_each_shards_latest_events_in_text_and_json() {
     ]));
     assert!(!String::from_utf8_lossy(&out.stdout).contains("history"));
 }
+
+/// A replica of the one shard driven one tick at a time, its clock in mid-November.
+fn ticking_replica(pool: &sqlx::PgPool) -> settlementd::daemon::replica::Replica {
+    use chrono::TimeZone;
+    let settings = Settings::load_from(None, []).unwrap();
+    let clock = settlementd::clock::ManualClock::new(
+        chrono::Utc.with_ymd_and_hms(2026, 11, 15, 0, 0, 0).unwrap(),
+    );
+    settlementd::daemon::replica::Replica::new(
+        pool.clone(),
+        &settings,
+        std::sync::Arc::new(clock),
+        CancellationToken::new(),
+    )
+}
+
+async fn store(pool: &sqlx::PgPool, key: &str, force: bool) -> String {
+    let request = requests::NewRequest {
+        idempotency_key: key.into(),
+        job_name: settlement::JOB_NAME.into(),
+        business_date: bd(OCT).date(),
+        shards: 1,
+        shard: None,
+        force,
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    match requests::store(&mut conn, &request, "test", |_| "{}".into())
+        .await
+        .unwrap()
+    {
+        requests::Stored::New(stored) => stored.request_id,
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn without_force_a_request_reports_a_settled_month_as_done_and_starts_no_attempt() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 500, 1).await;
+    settle_shards(&db.pool, oct, 1, 100).await;
+    let id = store(&db.pool, "settle-2026-10-again", false).await;
+    let mut replica = ticking_replica(&db.pool);
+    replica.tick().await;
+    let targets = requests::targets(&db.pool, &id).await.unwrap();
+    assert_eq!(
+        (targets[0].state.as_str(), targets[0].attempt),
+        ("succeeded", Some(1)),
+        "{targets:?}"
+    );
+    assert!(targets[0]
+        .detail
+        .as_deref()
+        .unwrap()
+        .contains("already SUCCESS"));
+    let attempt: i32 = sqlx::query_scalar("SELECT attempt FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(attempt, 1, "not re-run");
+
+    // With force, two requests are two re-runs; each is served once, however often ticked.
+    let a = store(&db.pool, "rerun-a", true).await;
+    let b = store(&db.pool, "rerun-b", true).await;
+    for _ in 0..4 {
+        replica.tick().await;
+    }
+    for id in [&a, &b] {
+        assert_eq!(
+            requests::targets(&db.pool, id).await.unwrap()[0].state,
+            "succeeded"
+        );
+    }
+    let attempt: i32 = sqlx::query_scalar("SELECT attempt FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(attempt, 3, "one new attempt per forced request");
+}
