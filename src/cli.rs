@@ -65,6 +65,10 @@ pub struct RunArgs {
     /// Re-run a month whose claim is already SUCCESS (never steals a live run).
     #[arg(long)]
     pub force: bool,
+    /// When a live run holds the claim, wait until it ends (done) or goes stale (taken over)
+    /// instead of skipping; for schedulers that retry a killed run while its lease is still live.
+    #[arg(long)]
+    pub wait: bool,
     /// Print exactly one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
@@ -158,6 +162,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 shard: args.shard,
                 shards: args.shards,
                 force: args.force,
+                wait: args.wait,
                 estimate: show_bar,
                 embedded_db: args.db.embedded_db,
             };

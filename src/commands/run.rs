@@ -21,6 +21,10 @@ pub struct RunRequest {
     pub force: bool,
     /// Count the remaining rows first, for a progress display.
     pub estimate: bool,
+    /// When a live run holds the key, wait for it — every `lease.heartbeat_secs` — instead of
+    /// skipping: until it is SUCCESS (then skipped as done) or its lease expires or it fails (then
+    /// taken over), as a `serve` replica does.
+    pub wait: bool,
     /// Use a private PostgreSQL in `database.embedded_dir`.
     pub embedded_db: bool,
 }
@@ -44,15 +48,28 @@ pub async fn run(
         db::migrate(&database.pool).await?;
     }
     let shutdown = shutdown_on_signals();
-    let result = jobs::run_once(
-        &database.pool,
-        &settlement_job(settings),
-        settlement::key(business_date, shard),
-        &run_options(settings, request.force, request.estimate),
-        &shutdown,
-        on_progress,
-    )
-    .await;
+    let job = settlement_job(settings);
+    let opts = run_options(settings, request.force, request.estimate);
+    let result = loop {
+        let result = jobs::run_once(
+            &database.pool,
+            &job,
+            settlement::key(business_date, shard),
+            &opts,
+            &shutdown,
+            on_progress,
+        )
+        .await;
+        let held = matches!(&result, Ok(r) if r.skipped == Some(SkipReason::Held));
+        if !(request.wait && held) {
+            break result;
+        }
+        tracing::info!("a live run holds the claim; waiting for it to finish or go stale");
+        tokio::select! {
+            _ = tokio::time::sleep(opts.heartbeat_every) => {}
+            _ = shutdown.cancelled() => break result,
+        }
+    };
     database.close().await;
     Ok(result?)
 }

@@ -384,3 +384,44 @@ fn an_embedded_data_directory_the_server_user_cannot_reach_is_exit_2() {
         .unwrap();
     assert_invalid(&out, "not searchable");
 }
+
+#[tokio::test]
+async fn run_wait_waits_out_a_dead_runs_lease_and_takes_the_month_over() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
+    // A run killed without SIGTERM: RUNNING, heartbeat fresh, nobody renewing it.
+    sqlx::query(
+        "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
+                               started_at, heartbeat_at)
+         VALUES ('fine-settlement', '2026-10-31', 1, 0, 'RUNNING', 1, 'killed-pod',
+                 clock_timestamp(), clock_timestamp())",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let args = ["run", "--business-date", "2026-10-31", "--json"];
+    let lease = [
+        ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+        ("SETTLEMENTD__LEASE__TTL_SECS", "3"),
+    ];
+    let skipped = run_ok(settlementd(Some(&db.url)).args(args).envs(lease));
+    let v: serde_json::Value = serde_json::from_slice(&skipped.stdout).unwrap();
+    assert_eq!(v["skipped"], true, "without --wait a held claim is skipped");
+
+    let waited = run_ok(
+        settlementd(Some(&db.url))
+            .args(args)
+            .arg("--wait")
+            .envs(lease),
+    );
+    let v: serde_json::Value = serde_json::from_slice(&waited.stdout).unwrap();
+    assert_eq!(
+        (v["skipped"].as_bool(), v["attempt"].as_i64()),
+        (Some(false), Some(2)),
+        "{v}"
+    );
+    assert_eq!(
+        v["updated"].as_i64(),
+        Some(eligible(&db.pool, bd("2026-10-31")).await)
+    );
+}
