@@ -32,6 +32,13 @@ async fn post_run(addr: SocketAddr, key: &str, body: &str) -> Answer {
     .unwrap()
 }
 
+/// POSTs a request that must be accepted; returns its id.
+async fn accepted(addr: SocketAddr, key: &str, body: &str) -> String {
+    let answer = post_run(addr, key, body).await;
+    assert_eq!(answer.status, 202, "{answer:?}");
+    answer.json()["request_id"].as_str().unwrap().to_string()
+}
+
 /// An in-process HTTP server for `settings` on `pool`, stopped when the token is cancelled.
 async fn server(
     pool: &sqlx::PgPool,
@@ -374,16 +381,14 @@ async fn a_request_outlives_the_replica_that_accepted_it_and_runs_when_its_shard
     // The receiving replica serves shard 1 of 2; the request is for the one shard of 1.
     let mut receiver = start_replica(&db.url, 2, 1);
     receiver.wait_for("/readyz", 200).await;
-    let answer = post_run(
+    let request_id = accepted(
         receiver.addr,
         "settle-2026-10-single",
         &format!(r#"{{"business_date":"{OCT}","shards":1}}"#),
     )
     .await;
-    assert_eq!(answer.status, 202, "{answer:?}");
     receiver.child.kill().unwrap(); // SIGKILL right after the answer
     receiver.child.wait().unwrap();
-    let request_id = answer.json()["request_id"].as_str().unwrap().to_string();
     let targets = requests::targets(&db.pool, &request_id).await.unwrap();
     assert_eq!(
         targets[0].state, "pending",
@@ -430,14 +435,12 @@ async fn a_request_the_schedule_and_a_forced_cli_run_colliding_leave_the_month_a
         .spawn()
         .unwrap();
     replica.wait_for("/healthz", 200).await;
-    let answer = post_run(
+    let request_id = accepted(
         replica.addr,
         "rerun-2026-10-collide",
         &format!(r#"{{"business_date":"{OCT}","force":true}}"#),
     )
     .await;
-    assert_eq!(answer.status, 202, "{answer:?}");
-    let request_id = answer.json()["request_id"].as_str().unwrap().to_string();
     let cli = tokio::task::spawn_blocking(move || cli.wait_with_output().unwrap())
         .await
         .unwrap();

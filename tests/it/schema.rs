@@ -2,7 +2,7 @@
 //! whatever the statistics say, and a re-run over a settled month reads nothing, checked on the
 //! engine's real statement (EXPLAIN ANALYZE, BUFFERS, in a transaction that is rolled back).
 
-use crate::helpers::{bd, run_options, seed_month, settle_shards, test_db};
+use crate::helpers::{bd, eligible, run_options, seed_month, settle_shards, test_db};
 use serde_json::Value;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
@@ -117,15 +117,6 @@ async fn seed_interleaved(pool: &PgPool, month: BusinessDate, first: i64, n: i64
     .unwrap();
 }
 
-async fn month_rows(pool: &PgPool, month: BusinessDate) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM loans WHERE returned_on BETWEEN $1 AND $2")
-        .bind(month.first_day())
-        .bind(month.date())
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn a_batch_reads_only_its_share_of_the_month_index_with_fresh_missing_or_stale_statistics() {
     let db = test_db().await;
@@ -138,7 +129,7 @@ async fn a_batch_reads_only_its_share_of_the_month_index_with_fresh_missing_or_s
         .await
         .unwrap();
     seed_interleaved(&db.pool, oct, 10_000, 4000).await;
-    let rows = month_rows(&db.pool, oct).await;
+    let rows = eligible(&db.pool, oct).await;
     assert!(rows > 10 * batch * shards, "{rows}");
     // The page reads about `shards` entries per row of its shard, the update the same range again.
     let bound = 2 * (2 * shards * batch + 2 * shards);
@@ -181,7 +172,7 @@ async fn unsettled_loans_of_a_month_are_found_through_the_partial_index_not_the_
         .await
         .unwrap();
 
-    let rows = month_rows(&db.pool, oct).await;
+    let rows = eligible(&db.pool, oct).await;
     // One batch as large as the month: the page reads the month's entries, the update reads the
     // same range once more, and nothing else is read.
     let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 1_000_000).await;
