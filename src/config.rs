@@ -14,6 +14,7 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 const ENV_PREFIX: &str = "SETTLEMENTD";
@@ -104,6 +105,48 @@ pub struct LeaseSettings {
     pub ttl_secs: u64,
     /// How often a live run renews its heartbeat.
     pub heartbeat_secs: u64,
+}
+
+impl LeaseSettings {
+    /// The server-side limits derived from this lease (see [`SessionGuards`]).
+    pub fn guards(&self) -> SessionGuards {
+        let ttl_ms = self.ttl_secs.saturating_mul(1000);
+        SessionGuards {
+            idle_in_transaction: Duration::from_millis((ttl_ms / 3).max(1000)),
+            lock_timeout: Duration::from_millis((ttl_ms / 2).max(1000)),
+            statement_timeout: Duration::from_millis(ttl_ms.max(1000)),
+        }
+    }
+}
+
+/// Server-side limits on settlementd's sessions, derived from the lease, so that a client that
+/// stops (SIGSTOP, a long GC-like pause, a frozen VM, a half-open TCP connection) cannot hold row
+/// locks past its lease: the server itself ends its session and rolls its transaction back.
+///
+/// - `idle_in_transaction` (`ttl / 3`, at least 1 s): a session idle inside a transaction that
+///   long is terminated. A heartbeat is at most `ttl / 3` old when its holder stops (`ttl >= 3 x
+///   heartbeat`, and every batch renews it), so the server releases a frozen writer's locks before
+///   any peer may take its claim over: the taker never waits for them.
+/// - `lock_timeout` (`ttl / 2`): a batch never waits longer than that for a row lock (held, say,
+///   by a libraryd transaction); it fails, is retried, and the month does not stall behind a live
+///   heartbeat.
+/// - `statement_timeout` (`ttl`): no batch statement outlives one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionGuards {
+    pub idle_in_transaction: Duration,
+    pub lock_timeout: Duration,
+    pub statement_timeout: Duration,
+}
+
+impl Default for SessionGuards {
+    /// The guards of the default lease (60 s).
+    fn default() -> Self {
+        LeaseSettings {
+            ttl_secs: 60,
+            heartbeat_secs: 10,
+        }
+        .guards()
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -238,6 +238,7 @@ pub async fn settle_shards(
     let job = settlementd::settlement::FineSettlement {
         rule: settlementd::fine::FineRule::default(),
         batch_size,
+        guards: Default::default(),
     };
     let mut updated = 0;
     for shard in 0..shards {
