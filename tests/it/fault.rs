@@ -29,13 +29,6 @@ fn spawn_run(url: &str, shard: u32) -> Child {
         .unwrap()
 }
 
-async fn settled_rows(pool: &sqlx::PgPool) -> Vec<(i64, i64, bool)> {
-    sqlx::query_as("SELECT id, fine_cents, fine_settled_at IS NOT NULL FROM loans ORDER BY id")
-        .fetch_all(pool)
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 #[ignore = "fault suite: slow; run with --ignored"]
 async fn fault_killed_restarted_and_duplicated_replicas_end_as_one_clean_run() {

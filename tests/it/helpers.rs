@@ -346,3 +346,126 @@ impl Drop for ServeProcess {
         let _ = self.child.wait();
     }
 }
+
+impl ServeProcess {
+    /// As [`ServeProcess::start`], with the replica's stderr (its logs) appended to `log`.
+    pub fn start_logged(url: &str, env: &[(&str, &str)], log: &std::path::Path) -> Self {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let child = settlementd(Some(url))
+            .arg("serve")
+            .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+            .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
+            .env("SETTLEMENTD__LOG__FORMAT", "json")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Self { child, addr }
+    }
+
+    /// The value of an unlabelled counter or gauge on `/metrics` (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let (_, body) = get(self.addr, "/metrics").await.unwrap_or_default();
+        body.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Sends `signal` to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        signal_pid(self.child.id(), signal);
+    }
+}
+
+/// kill(2) on one of our children.
+pub fn signal_pid(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) on a pid we spawned; no memory is involved.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+/// What settlement may change in the loans table, whole, in id order: `(id, fine_cents, settled)`.
+/// Two runs that end equal here are byte-identical but for the settlement timestamps.
+pub async fn settled_rows(pool: &PgPool) -> Vec<(i64, i64, bool)> {
+    sqlx::query_as("SELECT id, fine_cents, fine_settled_at IS NOT NULL FROM loans ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// A private, durable PostgreSQL cluster of its own (a test may stop it hard, restart it or change
+/// its pg_hba.conf without disturbing the others) with one migrated database, `settle`.
+pub struct PrivateCluster {
+    pub pg: EmbeddedPg,
+    pub url: String,
+    /// Holds the data directory; removed on drop (after the server is stopped).
+    pub data: tempfile::TempDir,
+}
+
+impl PrivateCluster {
+    pub async fn start() -> Self {
+        let data = tempfile::Builder::new()
+            .prefix("settlementd-private-")
+            .tempdir()
+            .unwrap();
+        // The server runs as the postgres OS user when the tests run as root: let it in.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = data.path().join("pgdata");
+        let pg = tokio::task::spawn_blocking(move || {
+            EmbeddedPg::start(EmbeddedOptions {
+                data_dir: Some(dir),
+                bindir: None,
+            })
+        })
+        .await
+        .unwrap()
+        .expect("start a private PostgreSQL");
+        let mut admin = PgConnection::connect(&pg.url("postgres")).await.unwrap();
+        sqlx::query("CREATE DATABASE settle")
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let url = pg.url("settle");
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        settlementd::db::MIGRATOR.run(&mut conn).await.unwrap();
+        Self { pg, url, data }
+    }
+
+    /// A small pool on `settle` that gives up quickly while the server is down.
+    pub async fn pool(&self) -> PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(std::time::Duration::from_secs(2))
+            .connect(&self.url)
+            .await
+            .unwrap()
+    }
+}
+
+/// Polls `check` every 50 ms until it is true, for at most `secs` seconds; false if it never was.
+pub async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
