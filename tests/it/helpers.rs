@@ -469,3 +469,29 @@ where
     }
     false
 }
+
+/// A fresh database cloned from `template` (a test database whose pool is closed: PostgreSQL
+/// copies a template only while nobody is connected to it).
+pub async fn clone_of(template: &str) -> TestDb {
+    let name = format!("c_{:016x}", rand::random::<u64>());
+    sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
+    let url = url_for(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    TestDb { name, url, pool }
+}
+
+/// Drops a test database, disconnecting whoever is still on it.
+pub async fn drop_db(db: TestDb) {
+    db.pool.close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", db.name))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
+}
