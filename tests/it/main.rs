@@ -11,6 +11,7 @@ mod demo;
 mod deploy;
 mod fault;
 mod layers;
+mod load;
 mod pgbouncer;
 mod reliability;
 mod roles;
