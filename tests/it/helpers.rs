@@ -474,10 +474,21 @@ where
 /// copies a template only while nobody is connected to it).
 pub async fn clone_of(template: &str) -> TestDb {
     let name = format!("c_{:016x}", rand::random::<u64>());
-    sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
-        .execute(&mut admin().await)
-        .await
-        .unwrap();
+    let mut admin = admin().await;
+    // An autovacuum worker, or a process of the test still hanging up, may be on the template for
+    // a moment: retry for up to a minute.
+    for i in 0.. {
+        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+            .execute(&mut admin)
+            .await
+        {
+            Ok(_) => break,
+            Err(e) if i < 600 && e.to_string().contains("being accessed") => {
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await
+            }
+            Err(e) => panic!("clone {template}: {e}"),
+        }
+    }
     let url = url_for(&name);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)

@@ -185,6 +185,24 @@ async fn load_eight_replicas_over_four_shards_and_a_forced_run_settle_a_million_
         (out, rss)
     };
 
+    // A forced re-run of the settled shard 0 while its replicas watch: a new attempt that reads
+    // nothing and changes nothing.
+    let again = run_ok(settlementd(Some(&db.url)).args([
+        "run",
+        "--business-date",
+        &month.to_string(),
+        "--shard",
+        "0",
+        "--shards",
+        &SHARDS.to_string(),
+        "--force",
+        "--json",
+    ]));
+    let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
+    assert_eq!(again["skipped"], false, "{again}");
+    assert_eq!(again["updated"], 0, "{again}");
+    assert_eq!(successes(&db.pool).await, SHARDS as i64);
+
     let mut rows = Vec::new();
     let mut fencing = 0.0;
     for (i, (shard, serve)) in replicas.iter().enumerate() {
@@ -236,6 +254,7 @@ async fn load_eight_replicas_over_four_shards_and_a_forced_run_settle_a_million_
         forced_stdout.1 as f64 / 1024.0,
         forced_stdout.0.trim()
     );
+    eprintln!("| run --force, after SUCCESS | 0 | — | {again} | — |");
     eprintln!("load: job_runs (shard, attempt, owner): {attempts:?}");
     for db in [db, clean] {
         drop_db(db).await;
