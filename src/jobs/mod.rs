@@ -140,6 +140,12 @@ impl JobError {
 fn describe_db_error(e: &sqlx::Error) -> String {
     let code = match e {
         sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => {
+            return format!(
+                "the connection to the database broke or none could be had (server down or \
+                 restarting, network cut, or the session ended by the server): {e}"
+            )
+        }
         _ => None,
     };
     let meaning = match code.as_deref() {

@@ -475,15 +475,23 @@ where
 pub async fn clone_of(template: &str) -> TestDb {
     let name = format!("c_{:016x}", rand::random::<u64>());
     let mut admin = admin().await;
-    // An autovacuum worker, or a process of the test still hanging up, may be on the template for
-    // a moment: retry for up to a minute.
     for i in 0.. {
         match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
             .execute(&mut admin)
             .await
         {
             Ok(_) => break,
-            Err(e) if i < 600 && e.to_string().contains("being accessed") => {
+            Err(e) if i < 20 && e.to_string().contains("being accessed") => {
+                // Nobody of the test's own is on it: end those sessions (an autovacuum worker, or a
+                // pooled connection sqlx was still handing back when its pool closed).
+                sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                      WHERE datname = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(template)
+                .execute(&mut admin)
+                .await
+                .unwrap();
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await
             }
             Err(e) => panic!("clone {template}: {e}"),

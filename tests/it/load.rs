@@ -89,7 +89,7 @@ async fn load_eight_replicas_over_four_shards_and_a_forced_run_settle_a_million_
         .await
         .unwrap();
     let in_month = eligible(&template.pool, month).await;
-    template.pool.close().await;
+    settlementd::db::close(&template.pool).await;
     let (db, clean) = (
         clone_of(&template.name).await,
         clone_of(&template.name).await,
