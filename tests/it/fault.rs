@@ -14,17 +14,23 @@ use std::time::{Duration, Instant};
 const MONTH: &str = "2026-10-31";
 const SHARDS: u32 = 3;
 
+/// `settlementd run` of the month for one shard of `shards`, as a Command.
+fn run_command(url: &str, shard: u32, shards: u32) -> std::process::Command {
+    let mut cmd = settlementd(Some(url));
+    cmd.args([
+        "run",
+        "--business-date",
+        MONTH,
+        "--shard",
+        &shard.to_string(),
+        "--shards",
+        &shards.to_string(),
+    ]);
+    cmd
+}
+
 fn spawn_run(url: &str, shard: u32) -> Child {
-    settlementd(Some(url))
-        .args([
-            "run",
-            "--business-date",
-            MONTH,
-            "--shard",
-            &shard.to_string(),
-            "--shards",
-            &SHARDS.to_string(),
-        ])
+    run_command(url, shard, SHARDS)
         .env("SETTLEMENTD__BATCH__SIZE", "500")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -148,6 +154,19 @@ async fn claim_of(pool: &PgPool, shard: u32) -> Option<(String, i64)> {
         .unwrap()
 }
 
+/// Waits until the shard's committed progress has scanned at least `rows`.
+async fn wait_for_scanned(db: &TestDb, shard: u32, rows: i64) {
+    assert!(
+        eventually(60, || async {
+            claim_of(&db.pool, shard)
+                .await
+                .is_some_and(|(_, n)| n >= rows)
+        })
+        .await,
+        "no progress"
+    );
+}
+
 /// settlementd backends on `db` in one of `states`.
 async fn backends_in(pool: &PgPool, db: &str, states: &[&str]) -> i64 {
     let states: Vec<String> = states.iter().map(|s| s.to_string()).collect();
@@ -201,15 +220,7 @@ async fn kill_at(
             )
             .await;
             let mut child = spawn_shard(&db.url, shard, batch);
-            let want = batches_first * batch as i64;
-            assert!(
-                eventually(60, || async {
-                    claim_of(&db.pool, shard)
-                        .await
-                        .is_some_and(|(_, n)| n >= want)
-                })
-                .await
-            );
+            wait_for_scanned(db, shard, batches_first * batch as i64).await;
             assert!(
                 eventually(30, || async {
                     sqlx::query_scalar::<_, i64>(
@@ -238,15 +249,7 @@ async fn kill_at(
             // Small batches: many short windows between two batches for the stop to land in.
             let batch = batch / 8;
             let child = spawn_shard(&db.url, shard, batch);
-            let want = batches_first * batch as i64;
-            assert!(
-                eventually(60, || async {
-                    claim_of(&db.pool, shard)
-                        .await
-                        .is_some_and(|(_, n)| n >= want)
-                })
-                .await
-            );
+            wait_for_scanned(db, shard, batches_first * batch as i64).await;
             // Stop it, look: no transaction open and the shard unfinished means it stopped
             // between two batches. Otherwise let it go on a moment and look again.
             let mut child = child;
@@ -421,17 +424,7 @@ async fn fault_sigkill_aimed_at_every_point_of_a_run_ends_as_one_clean_run_every
     assert!(reached.iter().all(|&n| n > 0), "{reached:?}");
 }
 
-/// `settlementd run` of one shard with the default batch size, as a Command.
+/// `settlementd run` of one shard of a kill round, as a Command.
 fn spawn_shard_command(url: &str, shard: u32) -> std::process::Command {
-    let mut cmd = settlementd(Some(url));
-    cmd.args([
-        "run",
-        "--business-date",
-        MONTH,
-        "--shard",
-        &shard.to_string(),
-        "--shards",
-        &ROUND_SHARDS.to_string(),
-    ]);
-    cmd
+    run_command(url, shard, ROUND_SHARDS)
 }

@@ -78,20 +78,7 @@ pub async fn test_db() -> TestDb {
         })
         .await;
     let name = format!("t_{:016x}", rand::random::<u64>());
-    let mut admin = admin().await;
-    // A template may not have other sessions; retry briefly if a sibling is cloning it right now.
-    for i in 0.. {
-        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
-            .execute(&mut admin)
-            .await
-        {
-            Ok(_) => break,
-            Err(e) if i < 50 && e.to_string().contains("being accessed") => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await
-            }
-            Err(e) => panic!("create test database: {e}"),
-        }
-    }
+    create_from_template(&name, template).await;
     let url = url_for(&name);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(10)
@@ -474,29 +461,7 @@ where
 /// copies a template only while nobody is connected to it).
 pub async fn clone_of(template: &str) -> TestDb {
     let name = format!("c_{:016x}", rand::random::<u64>());
-    let mut admin = admin().await;
-    for i in 0.. {
-        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
-            .execute(&mut admin)
-            .await
-        {
-            Ok(_) => break,
-            Err(e) if i < 20 && e.to_string().contains("being accessed") => {
-                // Nobody of the test's own is on it: end those sessions (an autovacuum worker, or a
-                // pooled connection sqlx was still handing back when its pool closed).
-                sqlx::query(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-                      WHERE datname = $1 AND pid <> pg_backend_pid()",
-                )
-                .bind(template)
-                .execute(&mut admin)
-                .await
-                .unwrap();
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await
-            }
-            Err(e) => panic!("clone {template}: {e}"),
-        }
-    }
+    create_from_template(&name, template).await;
     let url = url_for(&name);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -504,6 +469,68 @@ pub async fn clone_of(template: &str) -> TestDb {
         .await
         .unwrap();
     TestDb { name, url, pool }
+}
+
+/// `CREATE DATABASE name TEMPLATE template`, retried while someone else is on the template: a
+/// sibling test cloning it right now, an autovacuum worker, or a pooled connection sqlx was still
+/// handing back when its pool closed. After a few tries those sessions are ended (no test keeps
+/// its own open on a template).
+async fn create_from_template(name: &str, template: &str) {
+    let mut admin = admin().await;
+    for i in 0.. {
+        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+            .execute(&mut admin)
+            .await
+        {
+            Ok(_) => return,
+            Err(e) if i < 50 && e.to_string().contains("being accessed") => {
+                if i >= 3 {
+                    sqlx::query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                          WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    )
+                    .bind(template)
+                    .execute(&mut admin)
+                    .await
+                    .unwrap();
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("create database {name} from {template}: {e}"),
+        }
+    }
+}
+
+/// Settings as the binary would load them, with `overrides` (`SECTION__KEY`, value) as
+/// environment variables.
+pub fn settings(overrides: &[(&str, &str)]) -> settlementd::config::Settings {
+    let env = overrides
+        .iter()
+        .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
+    settlementd::config::Settings::load_from(None, env).expect("valid test settings")
+}
+
+/// Instant of a wall-clock time in Shanghai (the default zone).
+pub fn shanghai(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> chrono::DateTime<chrono::Utc> {
+    use chrono::TimeZone;
+    chrono_tz::Asia::Shanghai
+        .with_ymd_and_hms(y, mo, d, h, mi, s)
+        .unwrap()
+        .with_timezone(&chrono::Utc)
+}
+
+/// The month `serve` settles right now on the real clock (default schedule).
+pub fn due_month() -> BusinessDate {
+    let s = settings(&[]);
+    settlementd::schedule::Slot::new(
+        settlementd::schedule::latest_slot_at_or_before(
+            &s.schedule.cron,
+            s.schedule.timezone,
+            chrono::Utc::now(),
+        )
+        .unwrap(),
+    )
+    .business_date
 }
 
 /// Drops a test database, disconnecting whoever is still on it.

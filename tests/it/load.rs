@@ -7,9 +7,6 @@
 //! ignored suite). `SETTLEMENTD_LOAD_LOANS` changes the size.
 
 use crate::helpers::*;
-use chrono::Utc;
-use settlementd::config::Settings;
-use settlementd::schedule::{latest_slot_at_or_before, Slot};
 use sqlx::PgPool;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -36,6 +33,23 @@ async fn successes(pool: &PgPool) -> i64 {
         .fetch_one(pool)
         .await
         .unwrap_or(0)
+}
+
+/// `settlementd run --force --json` of shard 0 of the month.
+fn forced_run(url: &str, month: settlementd::calendar::BusinessDate) -> std::process::Command {
+    let mut cmd = settlementd(Some(url));
+    cmd.args([
+        "run",
+        "--business-date",
+        &month.to_string(),
+        "--shard",
+        "0",
+        "--shards",
+        &SHARDS.to_string(),
+        "--force",
+        "--json",
+    ]);
+    cmd
 }
 
 /// Peak resident set size of a running process, from /proc (kB).
@@ -67,11 +81,7 @@ async fn load_eight_replicas_over_four_shards_and_a_forced_run_settle_a_million_
         .ok()
         .and_then(|n| n.parse().ok())
         .unwrap_or(1_000_000);
-    let s = Settings::load_from(None, std::iter::empty()).unwrap();
-    let month = Slot::new(
-        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
-    )
-    .business_date;
+    let month = due_month();
     let month_arg = month.first_day().format("%Y-%m").to_string();
 
     let template = test_db().await;
@@ -131,18 +141,7 @@ async fn load_eight_replicas_over_four_shards_and_a_forced_run_settle_a_million_
             (shard, serve)
         })
         .collect();
-    let forced = settlementd(Some(&db.url))
-        .args([
-            "run",
-            "--business-date",
-            &month.to_string(),
-            "--shard",
-            "0",
-            "--shards",
-            &SHARDS.to_string(),
-            "--force",
-            "--json",
-        ])
+    let forced = forced_run(&db.url, month)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -187,17 +186,7 @@ async fn load_eight_replicas_over_four_shards_and_a_forced_run_settle_a_million_
 
     // A forced re-run of the settled shard 0 while its replicas watch: a new attempt that reads
     // nothing and changes nothing.
-    let again = run_ok(settlementd(Some(&db.url)).args([
-        "run",
-        "--business-date",
-        &month.to_string(),
-        "--shard",
-        "0",
-        "--shards",
-        &SHARDS.to_string(),
-        "--force",
-        "--json",
-    ]));
+    let again = run_ok(&mut forced_run(&db.url, month));
     let again: serde_json::Value = serde_json::from_slice(&again.stdout).unwrap();
     assert_eq!(again["skipped"], false, "{again}");
     assert_eq!(again["updated"], 0, "{again}");

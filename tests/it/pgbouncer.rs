@@ -5,9 +5,6 @@
 //! `cargo test --test it -- --ignored`.
 
 use crate::helpers::*;
-use chrono::Utc;
-use settlementd::config::Settings;
-use settlementd::schedule::{latest_slot_at_or_before, Slot};
 use sqlx::{Connection, PgConnection};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -112,12 +109,6 @@ impl Drop for Bouncer {
         signal_pid(self.child.id(), libc::SIGTERM);
         let _ = self.child.wait();
     }
-}
-
-fn due_month() -> settlementd::calendar::BusinessDate {
-    let s = Settings::load_from(None, std::iter::empty()).unwrap();
-    Slot::new(latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap())
-        .business_date
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

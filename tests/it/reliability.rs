@@ -6,13 +6,11 @@
 //! servers are `#[ignore]`d and run by `cargo test --test it -- --ignored` (`.ci/run` does).
 
 use crate::helpers::*;
-use chrono::{DateTime, TimeDelta, TimeZone, Utc};
-use chrono_tz::Asia::Shanghai;
+use chrono::TimeDelta;
 use settlementd::clock::ManualClock;
 use settlementd::config::{LeaseSettings, Settings};
 use settlementd::daemon::replica::{Replica, TickOutcome};
 use settlementd::jobs::{self, claim, ClaimOutcome, Job, JobError, JobKey, Owner};
-use settlementd::schedule::{latest_slot_at_or_before, Slot};
 use settlementd::settlement::{self, FineSettlement, MonthPlan};
 use sqlx::{Connection, PgConnection, PgPool};
 use std::path::Path;
@@ -28,27 +26,6 @@ const SHORT_LEASE: [(&str, &str); 2] = [
     ("SETTLEMENTD__LEASE__TTL_SECS", "3"),
     ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
 ];
-
-fn settings(overrides: &[(&str, &str)]) -> Settings {
-    let env = overrides
-        .iter()
-        .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
-    Settings::load_from(None, env).expect("valid test settings")
-}
-
-fn shanghai(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> DateTime<Utc> {
-    Shanghai
-        .with_ymd_and_hms(y, mo, d, h, mi, s)
-        .unwrap()
-        .with_timezone(&Utc)
-}
-
-/// The month `serve` settles right now on the real clock (default schedule).
-fn due_month() -> settlementd::calendar::BusinessDate {
-    let s = settings(&[]);
-    Slot::new(latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap())
-        .business_date
-}
 
 fn short_lease_job(batch_size: u32) -> FineSettlement {
     FineSettlement {
@@ -638,16 +615,27 @@ async fn a_serve_replica_frozen_inside_its_batch_is_taken_over_and_goes_back_to_
     eprintln!("frozen serve replica: the taker finished {took:?} after the lease expired");
 }
 
+/// A private cluster with `rows` loans of `month` (and a pool on it), and the same loans in a test
+/// database settled cleanly by `shards` shards, to compare with.
+async fn restart_fixture(
+    month: settlementd::calendar::BusinessDate,
+    rows: i64,
+    shards: u32,
+) -> (PrivateCluster, PgPool, TestDb) {
+    let cluster = PrivateCluster::start().await;
+    let pool = cluster.pool().await;
+    let clean = test_db().await;
+    seed_month(&pool, month, rows, 1).await;
+    seed_month(&clean.pool, month, rows, 1).await;
+    settle_shards(&clean.pool, month, shards, 200).await;
+    (cluster, pool, clean)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "stops a PostgreSQL server hard: run with --ignored"]
 async fn three_serve_replicas_ride_out_an_immediate_database_stop_and_end_as_one_clean_run() {
     let month = due_month();
-    let mut cluster = PrivateCluster::start().await;
-    let pool = cluster.pool().await;
-    let clean = test_db().await;
-    seed_month(&pool, month, 30_000, 1).await;
-    seed_month(&clean.pool, month, 30_000, 1).await;
-    settle_shards(&clean.pool, month, 3, 200).await;
+    let (mut cluster, pool, clean) = restart_fixture(month, 30_000, 3).await;
     // Slow batches down so the stop lands mid-run.
     for sql in [
         "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -765,12 +753,7 @@ use settlementd::jobs::Batch;
 #[ignore = "stops a PostgreSQL server hard: run with --ignored"]
 async fn a_database_restart_between_the_claim_and_the_first_batch_is_retried_to_one_clean_run() {
     let month = bd("2026-10-31");
-    let cluster = PrivateCluster::start().await;
-    let clean = test_db().await;
-    let pool = cluster.pool().await;
-    seed_month(&pool, month, 5_000, 1).await;
-    seed_month(&clean.pool, month, 5_000, 1).await;
-    settle_shards(&clean.pool, month, 1, 200).await;
+    let (cluster, pool, clean) = restart_fixture(month, 5_000, 1).await;
     let url = cluster.url.clone();
     let PrivateCluster {
         pg, data: _data, ..
@@ -827,12 +810,7 @@ async fn a_database_restart_between_the_claim_and_the_first_batch_is_retried_to_
 #[ignore = "stops a PostgreSQL server hard: run with --ignored"]
 async fn a_database_restart_during_the_success_write_leaves_a_running_row_the_next_run_completes() {
     let month = bd("2026-10-31");
-    let mut cluster = PrivateCluster::start().await;
-    let clean = test_db().await;
-    let pool = cluster.pool().await;
-    seed_month(&pool, month, 5_000, 1).await;
-    seed_month(&clean.pool, month, 5_000, 1).await;
-    settle_shards(&clean.pool, month, 1, 200).await;
+    let (mut cluster, pool, clean) = restart_fixture(month, 5_000, 1).await;
     // The SUCCESS write waits, so the stop lands while it is in flight.
     for sql in [
         "CREATE FUNCTION hold_success() RETURNS trigger LANGUAGE plpgsql AS $$
