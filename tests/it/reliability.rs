@@ -75,11 +75,15 @@ async fn a_writer_frozen_inside_its_batch_loses_its_session_and_locks_before_its
 
     // A peer writing the same row waits for the frozen writer's lock only until the server ends
     // that session: within the guard (1 s for a 3 s lease), before the lease could be taken over.
-    sqlx::query("UPDATE loans SET fine_cents = fine_cents WHERE id = $1")
-        .bind(locked)
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        sqlx::query("UPDATE loans SET fine_cents = fine_cents WHERE id = $1")
+            .bind(locked)
+            .execute(&db.pool),
+    )
+    .await
+    .expect("the frozen writer's lock is still held after 10 s")
+    .unwrap();
     let waited = frozen_since.elapsed();
     assert!(
         waited < Duration::from_secs(3),
