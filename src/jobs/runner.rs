@@ -143,7 +143,11 @@ async fn run_in_span<J: Job>(
                 return Err(lease_lost(&claim));
             }
             if odd > 0 {
-                tracing::warn!(odd, "settled loans whose dates contradict each other (returned or due before borrowed)");
+                // What "odd" means is the job's (fine settlement: contradictory loan dates).
+                tracing::warn!(
+                    odd,
+                    "done, including items the job flags as odd (not skipped)"
+                );
             }
             tracing::info!(scanned, updated, odd, batches, "SUCCESS");
             return Ok(RunReport {
