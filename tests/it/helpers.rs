@@ -326,8 +326,10 @@ impl ServeProcess {
 
 impl Drop for ServeProcess {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        // SAFETY: kill(2) on our own child's pid; no memory is involved. SIGCONT first: a test
+        // that failed while the process was stopped must not leave it (or itself) waiting.
         unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGCONT);
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
         let _ = self.child.wait();

@@ -499,6 +499,17 @@ async fn wait_for_stale_lease(pool: &PgPool) {
     );
 }
 
+/// Continues and kills a process when dropped, so a failing test leaves no stopped process.
+/// Forget it once the process has been waited for.
+struct KillOnDrop(u32);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        signal_pid(self.0, libc::SIGCONT);
+        signal_pid(self.0, libc::SIGKILL);
+    }
+}
+
 fn wait_exit(child: &mut Child, secs: u64) -> Option<std::process::ExitStatus> {
     let deadline = Instant::now() + Duration::from_secs(secs);
     while Instant::now() < deadline {
@@ -524,6 +535,7 @@ async fn a_run_frozen_inside_its_batch_is_taken_over_within_seconds_and_writes_n
     let args = ["run", "--business-date", "2026-10-31"];
 
     let mut zombie = spawn_logged(&chaos.url, &args, &dir.path().join("zombie.log"));
+    let reaper = KillOnDrop(zombie.id());
     wait_for_progress(&chaos.pool).await;
     freeze_inside_a_batch(&chaos.pool, &chaos.name, zombie.id()).await;
     let frozen_at = Instant::now();
@@ -552,6 +564,8 @@ async fn a_run_frozen_inside_its_batch_is_taken_over_within_seconds_and_writes_n
     // The zombie wakes up: it writes nothing and exits 1, saying it lost its lease.
     signal_pid(zombie.id(), libc::SIGCONT);
     let status = wait_exit(&mut zombie, 30).expect("the zombie exits");
+    // Reaped: its pid may be reused, so nothing must be sent to it any more.
+    std::mem::forget(reaper);
     assert_eq!(status.code(), Some(1));
     let log = std::fs::read_to_string(dir.path().join("zombie.log")).unwrap();
     assert!(log.contains("lease lost"), "{log}");
