@@ -160,13 +160,23 @@ impl Database {
             let pg = tokio::task::spawn_blocking(move || EmbeddedPg::start(opts))
                 .await
                 .map_err(|e| AppError::Failed(format!("embedded PostgreSQL: {e}")))??;
-            let pool = db::connect(&pg.url("postgres"), &settings.database).await?;
+            let pool = db::connect(
+                &pg.url("postgres"),
+                &settings.database,
+                settings.lease.guards(),
+            )
+            .await?;
             return Ok(Self {
                 pool,
                 embedded: Some(pg),
             });
         }
-        let pool = db::connect(settings.database_url()?, &settings.database).await?;
+        let pool = db::connect(
+            settings.database_url()?,
+            &settings.database,
+            settings.lease.guards(),
+        )
+        .await?;
         Ok(Self {
             pool,
             embedded: None,
@@ -230,5 +240,6 @@ pub fn settlement_job(settings: &Settings) -> FineSettlement {
     FineSettlement {
         rule: settings.fine,
         batch_size: settings.batch.size,
+        guards: settings.lease.guards(),
     }
 }

@@ -14,9 +14,35 @@ use secrecy::{ExposeSecret, SecretString};
 use serde::Deserialize;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 const ENV_PREFIX: &str = "SETTLEMENTD";
+
+/// Upper bounds of the numeric settings (the lower bounds are in [`Settings::validate`]). Each is
+/// far above any sensible value and low enough that a typo (an extra zero or three) is caught.
+pub const MAX_SHARDS: u32 = 1024;
+/// A batch is one transaction holding its rows' locks: a million rows is already minutes of locks.
+pub const MAX_BATCH_SIZE: u64 = 1_000_000;
+/// Each replica uses two connections at a time (batch, heartbeat) plus probes.
+pub const MAX_CONNECTIONS: u64 = 100;
+pub const MAX_ACQUIRE_TIMEOUT_SECS: u64 = 300;
+pub const MAX_HEARTBEAT_SECS: u64 = 3600;
+/// A day: a crashed replica's month waits at most this long for a takeover.
+pub const MAX_TTL_SECS: u64 = 86_400;
+pub const MAX_RETRY_SECS: u64 = 86_400;
+pub const MAX_GRACE_SECS: u64 = 3600;
+
+/// `min <= value <= max`, or an error naming the key and the range.
+fn in_range(key: &str, value: u64, min: u64, max: u64) -> Result<()> {
+    if (min..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(ConfigError(format!(
+            "{key} must be between {min} and {max}, got {value}"
+        )))
+    }
+}
 
 /// Invalid configuration: always exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -53,8 +79,10 @@ pub struct DatabaseSettings {
     /// Fail fast when the database is unreachable instead of sqlx's 30 s default.
     pub acquire_timeout_secs: u64,
     /// `serve` applies migrations at start (safe with N replicas: sqlx takes an advisory lock).
+    #[serde(deserialize_with = "de_bool")]
     pub migrate_on_start: bool,
     /// Use a private PostgreSQL in `embedded_dir` (run/serve/migrate/status/seed only when asked).
+    #[serde(deserialize_with = "de_bool")]
     pub embedded: bool,
     pub embedded_dir: PathBuf,
 }
@@ -75,9 +103,9 @@ impl ShardSpec {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.count < 1 {
+        if !(1..=MAX_SHARDS).contains(&self.count) {
             return Err(ConfigError(format!(
-                "shard.count must be >= 1, got {}",
+                "shard.count must be between 1 and {MAX_SHARDS}, got {}",
                 self.count
             )));
         }
@@ -106,6 +134,48 @@ pub struct LeaseSettings {
     pub heartbeat_secs: u64,
 }
 
+impl LeaseSettings {
+    /// The server-side limits derived from this lease (see [`SessionGuards`]).
+    pub fn guards(&self) -> SessionGuards {
+        let ttl_ms = self.ttl_secs.saturating_mul(1000);
+        SessionGuards {
+            idle_in_transaction: Duration::from_millis((ttl_ms / 3).max(1000)),
+            lock_timeout: Duration::from_millis((ttl_ms / 2).max(1000)),
+            statement_timeout: Duration::from_millis(ttl_ms.max(1000)),
+        }
+    }
+}
+
+/// Server-side limits on settlementd's sessions, derived from the lease, so that a client that
+/// stops (SIGSTOP, a long GC-like pause, a frozen VM, a half-open TCP connection) cannot hold row
+/// locks past its lease: the server itself ends its session and rolls its transaction back.
+///
+/// - `idle_in_transaction` (`ttl / 3`, at least 1 s): a session idle inside a transaction that
+///   long is terminated. A heartbeat is at most `ttl / 3` old when its holder stops (`ttl >= 3 x
+///   heartbeat`, and every batch renews it), so the server releases a frozen writer's locks before
+///   any peer may take its claim over: the taker never waits for them.
+/// - `lock_timeout` (`ttl / 2`): a batch never waits longer than that for a row lock (held, say,
+///   by a libraryd transaction); it fails, is retried, and the month does not stall behind a live
+///   heartbeat.
+/// - `statement_timeout` (`ttl`): no batch statement outlives one lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionGuards {
+    pub idle_in_transaction: Duration,
+    pub lock_timeout: Duration,
+    pub statement_timeout: Duration,
+}
+
+impl Default for SessionGuards {
+    /// The guards of the default lease (60 s).
+    fn default() -> Self {
+        LeaseSettings {
+            ttl_secs: 60,
+            heartbeat_secs: 10,
+        }
+        .guards()
+    }
+}
+
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSettings {
@@ -113,6 +183,7 @@ pub struct ScheduleSettings {
     pub cron: Cron,
     #[serde(deserialize_with = "de_tz")]
     pub timezone: Tz,
+    #[serde(deserialize_with = "de_bool")]
     pub catch_up: bool,
 }
 
@@ -206,6 +277,29 @@ pub fn parse_tz(text: &str) -> Result<Tz> {
     })
 }
 
+/// `true` or `false`, and nothing else: the config crate alone would read `2`, `on` or `yes` as
+/// true, and `embedded = 2` is more likely a slip than a wish.
+fn de_bool<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<bool, D::Error> {
+    struct Strict;
+    impl serde::de::Visitor<'_> for Strict {
+        type Value = bool;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("true or false")
+        }
+        fn visit_bool<E: serde::de::Error>(self, v: bool) -> std::result::Result<bool, E> {
+            Ok(v)
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> std::result::Result<bool, E> {
+            match v {
+                "true" => Ok(true),
+                "false" => Ok(false),
+                _ => Err(E::invalid_value(serde::de::Unexpected::Str(v), &self)),
+            }
+        }
+    }
+    d.deserialize_any(Strict)
+}
+
 fn de_cron<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Cron, D::Error> {
     let text = String::deserialize(d)?;
     parse_cron(&text).map_err(|e| serde::de::Error::custom(e.0))
@@ -256,6 +350,9 @@ impl Settings {
         let raw = builder
             .build()
             .map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        if let config::ValueKind::Table(table) = &raw.cache.kind {
+            reject_fractions("", table)?;
+        }
         let mut settings: Settings = raw
             .try_deserialize()
             .map_err(|e| ConfigError(one_line(&e.to_string())))?;
@@ -271,34 +368,44 @@ impl Settings {
         Ok(settings)
     }
 
-    /// Every rule that can be checked without a database.
+    /// Every rule that can be checked without a database. Each number has a range (README,
+    /// configuration table); a value outside it is rejected, never clamped: a typo like
+    /// `batch.size = 50000000` should stop a deployment, not quietly become something else.
     pub fn validate(&self) -> Result<()> {
         self.shard.validate()?;
-        if self.batch.size < 1 {
-            return Err(ConfigError("batch.size must be >= 1".into()));
-        }
-        if self.database.max_connections < 2 {
-            // One for the batches and one for the heartbeat, at the least.
-            return Err(ConfigError(format!(
-                "database.max_connections must be >= 2, got {}",
-                self.database.max_connections
-            )));
-        }
-        if self.database.acquire_timeout_secs < 1 {
+        in_range("batch.size", self.batch.size.into(), 1, MAX_BATCH_SIZE)?;
+        // One connection for the batches and one for the heartbeat, at the least.
+        in_range(
+            "database.max_connections",
+            self.database.max_connections.into(),
+            2,
+            MAX_CONNECTIONS,
+        )?;
+        in_range(
+            "database.acquire_timeout_secs",
+            self.database.acquire_timeout_secs,
+            1,
+            MAX_ACQUIRE_TIMEOUT_SECS,
+        )?;
+        if self.database.embedded_dir.as_os_str().is_empty() {
             return Err(ConfigError(
-                "database.acquire_timeout_secs must be >= 1".into(),
+                "database.embedded_dir must not be empty".into(),
             ));
         }
         let lease = self.lease;
-        if lease.heartbeat_secs < 1 {
-            return Err(ConfigError("lease.heartbeat_secs must be >= 1".into()));
-        }
+        in_range(
+            "lease.heartbeat_secs",
+            lease.heartbeat_secs,
+            1,
+            MAX_HEARTBEAT_SECS,
+        )?;
         if lease.ttl_secs < lease.heartbeat_secs.saturating_mul(3) {
             return Err(ConfigError(format!(
                 "lease.ttl_secs ({}) must be >= 3 x lease.heartbeat_secs ({})",
                 lease.ttl_secs, lease.heartbeat_secs
             )));
         }
+        in_range("lease.ttl_secs", lease.ttl_secs, 3, MAX_TTL_SECS)?;
         self.fine.validate().map_err(ConfigError)?;
         if self.retry.initial_secs < 1 || self.retry.max_secs < self.retry.initial_secs {
             return Err(ConfigError(format!(
@@ -306,6 +413,13 @@ impl Settings {
                 self.retry.initial_secs, self.retry.max_secs
             )));
         }
+        in_range("retry.max_secs", self.retry.max_secs, 1, MAX_RETRY_SECS)?;
+        in_range(
+            "shutdown.grace_secs",
+            self.shutdown.grace_secs,
+            0,
+            MAX_GRACE_SECS,
+        )?;
         if let Some(url) = &self.database.url {
             check_url(url.expose_secret(), "database.url")?;
         }
@@ -409,6 +523,24 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Every setting is a whole number, a string or a boolean; the config crate would round `2.5` to 3
+/// for an integer key. A number with a fraction is a slip: say which key. (`1e3` is a whole 1000.)
+fn reject_fractions(prefix: &str, table: &config::Map<String, config::Value>) -> Result<()> {
+    for (key, value) in table {
+        let path = format!("{prefix}{key}");
+        match &value.kind {
+            config::ValueKind::Float(f) if f.fract() != 0.0 || !f.is_finite() => {
+                return Err(ConfigError(format!(
+                    "{path} must be a whole number, got {f}"
+                )))
+            }
+            config::ValueKind::Table(inner) => reject_fractions(&format!("{path}."), inner)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// Config errors can span lines; operators get one.
 fn one_line(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
@@ -497,6 +629,136 @@ mod tests {
                 "{env:?}: '{err}' should name {needle}"
             );
             assert!(!err.contains('\n'), "{err}");
+        }
+    }
+
+    /// Every key of the configuration, with a value of the wrong type, one out of its range (where
+    /// it has one), and a misspelling: each is rejected, in one line naming the key.
+    #[test]
+    fn every_key_rejects_a_wrong_type_a_value_out_of_range_and_a_misspelling() {
+        let cases: &[(&str, &str, &str)] = &[
+            ("DATABASE__URL", "mysql://u@h/db", "database.url"),
+            ("DATABASE__MAX_CONNECTIONS", "many", "max_connections"),
+            ("DATABASE__MAX_CONNECTIONS", "1", "database.max_connections"),
+            (
+                "DATABASE__MAX_CONNECTIONS",
+                "101",
+                "database.max_connections",
+            ),
+            (
+                "DATABASE__ACQUIRE_TIMEOUT_SECS",
+                "-1",
+                "acquire_timeout_secs",
+            ),
+            (
+                "DATABASE__ACQUIRE_TIMEOUT_SECS",
+                "0",
+                "database.acquire_timeout_secs",
+            ),
+            (
+                "DATABASE__ACQUIRE_TIMEOUT_SECS",
+                "301",
+                "database.acquire_timeout_secs",
+            ),
+            ("DATABASE__MIGRATE_ON_START", "maybe", "migrate_on_start"),
+            ("DATABASE__EMBEDDED", "2", "embedded"),
+            ("DATABASE__EMBEDDED", "yes", "embedded"),
+            ("DATABASE__EMBEDDED_DIR", "", "database.embedded_dir"),
+            ("DATABASE__URL_FILES", "/x", "url_files"),
+            ("SHARD__INDEX", "one", "index"),
+            ("SHARD__INDEX", "-1", "index"),
+            ("SHARD__COUNT", "1025", "shard.count"),
+            ("SHARD__COUNT", "0", "shard.count"),
+            ("SHARD__COUNT", "99999999999", "count"),
+            ("BATCH__SIZE", "5k", "size"),
+            ("BATCH__SIZE", "0", "batch.size"),
+            ("BATCH__SIZE", "1000001", "batch.size"),
+            ("BATCH__ROWS", "10", "rows"),
+            (
+                "LEASE__TTL_SECS",
+                "90.5",
+                "lease.ttl_secs must be a whole number",
+            ),
+            ("LEASE__TTL_SECS", "86401", "lease.ttl_secs"),
+            ("LEASE__HEARTBEAT_SECS", "0", "lease.heartbeat_secs"),
+            ("LEASE__HEARTBEAT_SECS", "3601", "lease.heartbeat_secs"),
+            ("FINE__DAILY_RATE_CENTS", "fifty", "daily_rate_cents"),
+            ("FINE__DAILY_RATE_CENTS", "-1", "fine.daily_rate_cents"),
+            ("FINE__GRACE_DAYS", "36501", "fine.grace_days"),
+            ("FINE__MAX_CENTS", "-5", "fine.max_cents"),
+            (
+                "FINE__MAX_CENTS",
+                "10.5",
+                "fine.max_cents must be a whole number",
+            ),
+            ("SCHEDULE__CRON", "0 30 2 1 13 *", "schedule.cron"),
+            ("SCHEDULE__TIMEZONE", "UTC+8", "schedule.timezone"),
+            ("SCHEDULE__CATCH_UP", "yes please", "catch_up"),
+            ("RETRY__INITIAL_SECS", "0", "retry.initial_secs"),
+            ("RETRY__INITIAL_SECS", "soon", "initial_secs"),
+            ("RETRY__MAX_SECS", "86401", "retry.max_secs"),
+            ("SHUTDOWN__GRACE_SECS", "3601", "shutdown.grace_secs"),
+            ("SHUTDOWN__GRACE_SECS", "-3", "grace_secs"),
+            ("HTTP__LISTEN", "9464", "listen"),
+            ("HTTP__LISTEN", "0.0.0.0:99999", "listen"),
+            ("LOG__FORMAT", "yaml", "format"),
+            ("LOG__LEVEL", "debug", "level"),
+            ("TRACING__FORMAT", "json", "tracing"),
+        ];
+        for (key, value, needle) in cases {
+            let var = format!("SETTLEMENTD__{key}");
+            let err = match load(&[(var.as_str(), value)]) {
+                Ok(_) => panic!("{var}={value} was accepted"),
+                Err(e) => e.to_string(),
+            };
+            assert!(
+                err.contains(needle),
+                "{var}={value}: '{err}' should name {needle}"
+            );
+            assert!(!err.contains('\n'), "{err}");
+        }
+        // The edges of every range are accepted.
+        for (key, value) in [
+            ("DATABASE__MAX_CONNECTIONS", "2"),
+            ("DATABASE__MAX_CONNECTIONS", "100"),
+            ("DATABASE__ACQUIRE_TIMEOUT_SECS", "300"),
+            ("SHARD__COUNT", "1024"),
+            ("BATCH__SIZE", "1"),
+            ("BATCH__SIZE", "1000000"),
+            ("SHUTDOWN__GRACE_SECS", "0"),
+            ("RETRY__MAX_SECS", "86400"),
+            ("HTTP__LISTEN", "[::1]:0"),
+        ] {
+            let var = format!("SETTLEMENTD__{key}");
+            assert!(load(&[(var.as_str(), value)]).is_ok(), "{var}={value}");
+        }
+        let s = load(&[
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "3600"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "86400"),
+        ])
+        .unwrap();
+        assert_eq!(s.lease.ttl_secs, 86_400);
+    }
+
+    #[test]
+    fn the_guards_end_a_frozen_writer_before_its_lease_can_be_taken_over() {
+        for (ttl, heartbeat) in [(3, 1), (60, 10), (61, 20), (86_400, 3600)] {
+            let lease = LeaseSettings {
+                ttl_secs: ttl,
+                heartbeat_secs: heartbeat,
+            };
+            let g = lease.guards();
+            let ttl = Duration::from_secs(ttl);
+            // A stopped holder's heartbeat is at most one period old: the server ends its session
+            // (and releases its locks) before the heartbeat is older than the lease.
+            assert!(
+                Duration::from_secs(heartbeat) + g.idle_in_transaction < ttl,
+                "{g:?}"
+            );
+            assert!(
+                g.idle_in_transaction <= g.lock_timeout && g.lock_timeout <= g.statement_timeout
+            );
+            assert!(g.statement_timeout <= ttl, "{g:?}");
         }
     }
 

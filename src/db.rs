@@ -1,12 +1,20 @@
 //! Connecting and migrating. Migrations are embedded at compile time (see build.rs); sqlx takes a
 //! PostgreSQL advisory lock while migrating, so N replicas starting together is safe.
+//!
+//! Every pooled session gets server-side guards at connect ([`connect`]): a session idle inside a
+//! transaction longer than the lease's guard is ended by the server, and TCP keepalives and
+//! `client_connection_check_interval` let the server notice a client that vanished. These are
+//! session settings, so settlementd refuses, at start, a pooler that shares server sessions
+//! between client connections (transaction or statement pooling): there they would leak to other
+//! clients, and sqlx's named prepared statements and the migrations' advisory lock break.
 
-use crate::config::{redact_url, DatabaseSettings};
+use crate::config::{redact_url, DatabaseSettings, SessionGuards};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::PgPool;
+use sqlx::{Connection, Executor, PgConnection, PgPool, Row};
 use std::str::FromStr;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 pub static MIGRATOR: Migrator = sqlx::migrate!();
 
@@ -16,6 +24,20 @@ pub enum DbError {
     BadUrl { url: String, source: sqlx::Error },
     #[error("cannot connect to the database at {url}: {source}")]
     Connect { url: String, source: sqlx::Error },
+    /// The server refused the credentials: a configuration mistake that no retry fixes.
+    #[error(
+        "cannot connect to the database at {url}: the server refused the credentials ({reason}); \
+         check the user and the password of database.url, database.url_file or database.password_file"
+    )]
+    Auth { url: String, reason: String },
+    /// Two client connections shared one server session: a pooler in transaction mode.
+    #[error(
+        "database.url {url} leads to a connection pooler in transaction or statement pooling mode \
+         (two of settlementd's connections were served by one server session): settlementd needs \
+         session pooling; set pool_mode = session for its database in pgbouncer.ini, or connect \
+         directly"
+    )]
+    TransactionPooler { url: String },
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database error: {0}")]
@@ -25,27 +47,132 @@ pub enum DbError {
 impl DbError {
     /// Configuration mistakes (exit 2) versus failures that may pass (exit 1).
     pub fn is_config(&self) -> bool {
-        matches!(self, DbError::BadUrl { .. })
+        matches!(
+            self,
+            DbError::BadUrl { .. } | DbError::Auth { .. } | DbError::TransactionPooler { .. }
+        )
     }
 }
 
 pub type Result<T, E = DbError> = std::result::Result<T, E>;
 
-/// A pool on `url` that fails within `acquire_timeout_secs` when the database is unreachable.
-pub async fn connect(url: &str, settings: &DatabaseSettings) -> Result<PgPool> {
-    let options = PgConnectOptions::from_str(url).map_err(|source| DbError::BadUrl {
-        url: redact_url(url),
-        source,
-    })?;
-    PgPoolOptions::new()
-        .max_connections(settings.max_connections)
-        .acquire_timeout(Duration::from_secs(settings.acquire_timeout_secs))
-        .connect_with(options.application_name("settlementd"))
-        .await
-        .map_err(|source| DbError::Connect {
+/// A pool on `url` that fails within `acquire_timeout_secs` when the database is unreachable, whose
+/// sessions carry `guards` (see the module header). Refuses a transaction-pooling pooler first.
+pub async fn connect(
+    url: &str,
+    settings: &DatabaseSettings,
+    guards: SessionGuards,
+) -> Result<PgPool> {
+    let options = PgConnectOptions::from_str(url)
+        .map_err(|source| DbError::BadUrl {
             url: redact_url(url),
             source,
+        })?
+        .application_name("settlementd")
+        // Not sent at start-up: PgBouncer refuses start-up parameters it does not know
+        // ("unsupported startup parameter: extra_float_digits"), and every value settlementd
+        // reads is binary or an integer.
+        .extra_float_digits(None);
+    let connect_error = |source: sqlx::Error| connect_error(url, source);
+    let timeout = Duration::from_secs(settings.acquire_timeout_secs);
+    match tokio::time::timeout(timeout, sessions_are_shared(&options)).await {
+        Ok(Ok(false)) => {}
+        Ok(Ok(true)) => {
+            return Err(DbError::TransactionPooler {
+                url: redact_url(url),
+            })
+        }
+        Ok(Err(e)) => return Err(connect_error(e)),
+        Err(_) => return Err(connect_error(sqlx::Error::PoolTimedOut)),
+    }
+    let session = session_guards_sql(guards);
+    PgPoolOptions::new()
+        .max_connections(settings.max_connections)
+        .acquire_timeout(timeout)
+        .after_connect(move |conn, _meta| {
+            let sql = session.clone();
+            // A plain string runs as a simple query: no prepared statement is left behind.
+            Box::pin(async move { conn.execute(sql.as_str()).await.map(|_| ()) })
         })
+        .connect_with(options)
+        .await
+        .map_err(connect_error)
+}
+
+fn connect_error(url: &str, source: sqlx::Error) -> DbError {
+    match &source {
+        // 28P01 invalid_password, 28000 invalid_authorization_specification.
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("28P01" | "28000")) => {
+            DbError::Auth {
+                url: redact_url(url),
+                reason: db.message().to_string(),
+            }
+        }
+        _ => DbError::Connect {
+            url: redact_url(url),
+            source,
+        },
+    }
+}
+
+/// The session settings every pooled connection starts with: `set_config` of those the server
+/// knows (`client_connection_check_interval` is PostgreSQL 14+), one statement, simple protocol.
+/// The keepalives only apply to TCP connections (a Unix socket ignores them).
+pub fn session_guards_sql(guards: SessionGuards) -> String {
+    let idle_ms = guards.idle_in_transaction.as_millis();
+    let idle_s = guards.idle_in_transaction.as_secs().max(1);
+    format!(
+        "SELECT set_config(v.name, v.setting, false)
+           FROM (VALUES ('idle_in_transaction_session_timeout', '{idle_ms}'),
+                        ('client_connection_check_interval', '{idle_ms}'),
+                        ('tcp_keepalives_idle', '{idle_s}'),
+                        ('tcp_keepalives_interval', '{}'),
+                        ('tcp_keepalives_count', '3')) AS v(name, setting)
+          WHERE v.name IN (SELECT name FROM pg_settings)",
+        (idle_s / 3).max(1)
+    )
+}
+
+/// True when two client connections of ours are served by one server session, as behind a pooler
+/// in transaction (or statement) mode; never on a direct connection or in session pooling, where a
+/// client connection keeps its backend. Simple-protocol statements only, so the check itself is
+/// safe through any pooler, and nothing is written.
+///
+/// `a` holds a transaction (pinning a server session) while `b` asks for its backend pid, then `a`
+/// commits and `b` asks again. Directly, `b` sees its own backend twice and never `a`'s. Behind
+/// PgBouncer's transaction mode, `b` is served by whatever session is free: `a`'s once `a`
+/// commits (PgBouncer reuses the most recently used one), or `a`'s from the start when the pool
+/// has one session (then `b` waits for `a`'s commit, which is why `a` does not wait for `b`).
+async fn sessions_are_shared(options: &PgConnectOptions) -> sqlx::Result<bool> {
+    let mut a = PgConnection::connect_with(options).await?;
+    let mut b = PgConnection::connect_with(options).await?;
+    sqlx::raw_sql("BEGIN").execute(&mut a).await?;
+    let pid_a = backend_pid(&mut a).await?;
+    let pid_b1 = {
+        let first_b = backend_pid(&mut b);
+        tokio::pin!(first_b);
+        match tokio::time::timeout(Duration::from_millis(200), &mut first_b).await {
+            Ok(pid) => {
+                sqlx::raw_sql("COMMIT").execute(&mut a).await?;
+                pid?
+            }
+            Err(_) => {
+                sqlx::raw_sql("COMMIT").execute(&mut a).await?;
+                first_b.await?
+            }
+        }
+    };
+    let pid_b2 = backend_pid(&mut b).await?;
+    let _ = a.close().await;
+    let _ = b.close().await;
+    Ok(pid_a == pid_b1 || pid_a == pid_b2 || pid_b1 != pid_b2)
+}
+
+async fn backend_pid(conn: &mut PgConnection) -> sqlx::Result<i32> {
+    sqlx::raw_sql("SELECT pg_backend_pid()")
+        .fetch_one(conn)
+        .await?
+        .try_get(0)
 }
 
 /// Closes `pool` until it is really empty (at most 2 s). `PgPool::close` can return while a
@@ -78,4 +205,35 @@ pub async fn schema_is_current(pool: &PgPool) -> Result<bool> {
                 _ => Err(e),
             })?;
     Ok(applied == Some(latest))
+}
+
+/// Waits until every migration is applied (checking every `every`) or `shutdown`, for a replica
+/// that must not migrate by itself (`database.migrate_on_start = false`). Says so in one warning,
+/// not once per check: the replica is not ready meanwhile (`/readyz` 503), it does not crash-loop,
+/// and it starts by itself once `settlementd migrate` has run. Returns false on shutdown.
+pub async fn wait_for_schema(pool: &PgPool, every: Duration, shutdown: &CancellationToken) -> bool {
+    let mut warned = false;
+    loop {
+        match schema_is_current(pool).await {
+            Ok(true) => {
+                if warned {
+                    tracing::info!("database schema is current; starting");
+                }
+                return true;
+            }
+            Ok(false) if !warned => {
+                tracing::warn!(
+                    "database schema is not current (missing, or newer than this binary) and \
+                     database.migrate_on_start = false: not ready, waiting for `settlementd migrate`"
+                );
+                warned = true;
+            }
+            Ok(false) => {}
+            Err(e) => tracing::debug!(error = %e, "cannot check the schema yet"),
+        }
+        tokio::select! {
+            _ = shutdown.cancelled() => return false,
+            _ = tokio::time::sleep(every) => {}
+        }
+    }
 }

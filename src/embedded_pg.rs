@@ -81,6 +81,11 @@ pub struct EmbeddedPg {
     run_dir: Option<tempfile::TempDir>,
     socket_dir: PathBuf,
     data_dir: PathBuf,
+    bindir: PathBuf,
+    /// The unprivileged OS user the server runs as when settlementd runs as root.
+    as_user: Option<OsUser>,
+    /// A temporary data directory: started without durability.
+    temporary: bool,
     pid: i32,
     keeper: Option<std::thread::JoinHandle<()>>,
     version: String,
@@ -140,15 +145,43 @@ impl EmbeddedPg {
             }
         }
 
-        let log = run_dir.path().join("postgres.log");
-        let mut command = server_command(&bindir.join("postgres"), as_user, run_dir.path());
+        let version = fs::read_to_string(data_dir.join("PG_VERSION"))
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let mut pg = Self {
+            run_dir: Some(run_dir),
+            socket_dir,
+            data_dir,
+            bindir,
+            as_user,
+            temporary,
+            pid: 0,
+            keeper: None,
+            version,
+        };
+        pg.spawn_server()?;
+        Ok(pg)
+    }
+
+    /// Starts the postmaster on the data directory and socket directory of `self` and waits until
+    /// it accepts connections.
+    fn spawn_server(&mut self) -> Result<()> {
+        let run_dir = self
+            .run_dir
+            .as_ref()
+            .ok_or_else(|| EmbeddedError::Start("the cluster was stopped".into()))?
+            .path()
+            .to_path_buf();
+        let log = run_dir.join("postgres.log");
+        let mut command = server_command(&self.bindir.join("postgres"), self.as_user, &run_dir);
         command
             .arg("-D")
-            .arg(&data_dir)
+            .arg(&self.data_dir)
             .arg("-k")
-            .arg(&socket_dir)
+            .arg(&self.socket_dir)
             .args(["-c", "listen_addresses=", "-p", &PORT.to_string()]);
-        if temporary {
+        if self.temporary {
             // Throwaway data: durability buys nothing.
             command.args([
                 "-c",
@@ -190,29 +223,46 @@ impl EmbeddedPg {
                 }
             })
             .map_err(io("spawn a thread"))?;
-        let pid = pid_rx
+        self.pid = pid_rx
             .recv()
             .map_err(|_| EmbeddedError::Start("keeper thread died".into()))?
             .map_err(|e| {
                 EmbeddedError::Start(format!(
                     "cannot run {}: {e}",
-                    bindir.join("postgres").display()
+                    self.bindir.join("postgres").display()
                 ))
             })?;
-        let version = fs::read_to_string(data_dir.join("PG_VERSION"))
-            .unwrap_or_default()
-            .trim()
-            .to_string();
-        let mut pg = Self {
-            run_dir: Some(run_dir),
-            socket_dir,
-            data_dir,
-            pid,
-            keeper: Some(keeper),
-            version,
-        };
-        pg.wait_ready(&log)?;
-        Ok(pg)
+        self.keeper = Some(keeper);
+        self.wait_ready(&log)
+    }
+
+    /// Stops the server the hard way, as `pg_ctl stop -m immediate` does (SIGQUIT to the
+    /// postmaster: every backend exits at once, nothing is checkpointed, the next start runs crash
+    /// recovery), and waits until it is gone. Clients see their connections drop. For fault tests.
+    pub fn stop_immediately(&mut self) {
+        if let Some(keeper) = self.keeper.take() {
+            if !keeper.is_finished() {
+                // SAFETY: kill(2) on the server's pid, which the keeper thread has not reaped yet.
+                unsafe {
+                    libc::kill(self.pid, libc::SIGQUIT);
+                }
+            }
+            let _ = keeper.join();
+        }
+    }
+
+    /// Starts the server again on the same data directory and socket (so [`EmbeddedPg::url`] is
+    /// unchanged) after [`EmbeddedPg::stop_immediately`]; it recovers from its WAL first.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.keeper.as_ref().is_some_and(|k| !k.is_finished()) {
+            return Ok(());
+        }
+        self.spawn_server()
+    }
+
+    /// The cluster's data directory (`pg_hba.conf` and friends live there).
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
     }
 
     /// A connection URL for `database` over the private socket.
@@ -228,7 +278,8 @@ impl EmbeddedPg {
         &self.version
     }
 
-    /// Fast shutdown, waiting for the server to exit; removes a temporary data directory.
+    /// Fast shutdown, waiting for the server to exit; removes the run directory (socket, logs and
+    /// a temporary data directory).
     pub fn stop(mut self) {
         self.shutdown();
     }
@@ -252,9 +303,12 @@ impl EmbeddedPg {
         let deadline = Instant::now() + Duration::from_secs(60);
         let pid_file = self.data_dir.join("postmaster.pid");
         loop {
-            // Line 8 of postmaster.pid is the server's status; "ready" once it accepts connections.
+            // Line 1 of postmaster.pid is the postmaster's pid (so a file left by a server stopped
+            // the hard way does not count), line 8 its status: "ready" once it accepts connections.
             if let Ok(text) = fs::read_to_string(&pid_file) {
-                if text.lines().nth(7).map(str::trim) == Some("ready") {
+                let mut lines = text.lines().map(str::trim);
+                let ours = lines.next() == Some(self.pid.to_string().as_str());
+                if ours && lines.nth(6) == Some("ready") {
                     return Ok(());
                 }
             }

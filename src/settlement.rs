@@ -14,11 +14,12 @@
 //! here is done", and a settled month has no entries at all.
 
 use crate::calendar::BusinessDate;
-use crate::config::ShardSpec;
+use crate::config::{SessionGuards, ShardSpec};
 use crate::fine::FineRule;
 use crate::jobs::{Batch, Job, JobKey};
 use chrono::{NaiveDateTime, NaiveTime};
 use sqlx::{PgConnection, PgExecutor, PgPool};
+use std::borrow::Cow;
 
 pub const JOB_NAME: &str = "fine-settlement";
 
@@ -36,6 +37,9 @@ pub fn key(business_date: BusinessDate, shard: ShardSpec) -> JobKey {
 pub struct FineSettlement {
     pub rule: FineRule,
     pub batch_size: u32,
+    /// Server-side limits of every batch transaction, derived from the lease
+    /// ([`crate::config::LeaseSettings::guards`]).
+    pub guards: SessionGuards,
 }
 
 /// Bounds of one run, fixed after the claim.
@@ -62,6 +66,8 @@ const MONTH_KEY: &str = "date_trunc('month', returned_on::timestamp)";
 /// - **no wait for the WAL flush at commit.** A batch lost in a server crash is lost together with
 ///   its fenced progress (same transaction), so the next attempt resumes before it and settles
 ///   those rows again; the SUCCESS write commits synchronously and flushes every batch before it.
+///
+/// [`FineSettlement`] opens its batches with [`begin_batch_sql`]: this, plus the lease's guards.
 pub const BEGIN_BATCH: &str = "BEGIN;
     SET LOCAL enable_seqscan = off;
     SET LOCAL enable_bitmapscan = off;
@@ -69,11 +75,29 @@ pub const BEGIN_BATCH: &str = "BEGIN;
     SET LOCAL jit = off;
     SET LOCAL synchronous_commit = off";
 
+/// [`BEGIN_BATCH`] plus the lease's [`SessionGuards`] as `SET LOCAL`: transaction-scoped, so they
+/// hold for exactly the transactions that take row locks on `loans`, also through a pooler. A
+/// writer frozen inside a batch has its session ended by the server after
+/// `idle_in_transaction_session_timeout` (its batch rolls back, its locks go), before any peer can
+/// take its claim over; a batch waits at most `lock_timeout` for a row lock and runs at most
+/// `statement_timeout`.
+pub fn begin_batch_sql(guards: &SessionGuards) -> String {
+    format!(
+        "{BEGIN_BATCH};
+    SET LOCAL idle_in_transaction_session_timeout = {};
+    SET LOCAL lock_timeout = {};
+    SET LOCAL statement_timeout = {}",
+        guards.idle_in_transaction.as_millis(),
+        guards.lock_timeout.as_millis(),
+        guards.statement_timeout.as_millis()
+    )
+}
+
 impl Job for FineSettlement {
     type Plan = MonthPlan;
 
-    fn begin_batch(&self) -> &'static str {
-        BEGIN_BATCH
+    fn begin_batch(&self) -> Cow<'static, str> {
+        Cow::Owned(begin_batch_sql(&self.guards))
     }
 
     async fn plan(
@@ -133,26 +157,29 @@ impl Job for FineSettlement {
                 last_id: after,
                 scanned: 0,
                 updated: 0,
+                odd: 0,
                 done: true,
             });
         };
         let limit = i64::from(self.batch_size.max(1));
-        let (scanned, last_id, updated): (i64, Option<i64>, i64) = sqlx::query_as(&batch_sql())
-            .persistent(false)
-            .bind(plan.month)
-            .bind(from)
-            .bind(plan.shards)
-            .bind(plan.shard)
-            .bind(limit)
-            .bind(self.rule.grace_days)
-            .bind(self.rule.daily_rate_cents)
-            .bind(self.rule.max_cents)
-            .fetch_one(tx)
-            .await?;
+        let (scanned, last_id, updated, odd): (i64, Option<i64>, i64, i64) =
+            sqlx::query_as(&batch_sql())
+                .persistent(false)
+                .bind(plan.month)
+                .bind(from)
+                .bind(plan.shards)
+                .bind(plan.shard)
+                .bind(limit)
+                .bind(self.rule.grace_days)
+                .bind(self.rule.daily_rate_cents)
+                .bind(self.rule.max_cents)
+                .fetch_one(tx)
+                .await?;
         Ok(Batch {
             last_id,
             scanned: scanned as u64,
             updated: updated as u64,
+            odd: odd as u64,
             // A short page read every remaining row of the shard's month.
             done: scanned < limit,
         })
@@ -167,8 +194,16 @@ fn first_id_after(after: Option<i64>) -> Option<i64> {
     }
 }
 
+/// Loans whose dates contradict each other: returned, or due, before they were borrowed. They are
+/// settled by the same rule as every other loan (the rule only reads `due_on` and `returned_on`,
+/// saturating, so any dates give a fine between 0 and the cap), and counted: `odd` in the run's
+/// report, `settlementd_odd_rows_total`, a warning in the log. A loan returned decades late, or
+/// due decades after it came back, is consistent, not odd: it gets the cap, or 0.
+pub const ODD_ROW: &str = "(l.returned_on < l.borrowed_on OR l.due_on < l.borrowed_on)";
+
 /// The batch statement: `$1` month key, `$2` first id to read, `$3`/`$4` shard count and index,
-/// `$5` batch size, `$6`..`$8` the fine rule. Returns (rows read, last id read, rows updated).
+/// `$5` batch size, `$6`..`$8` the fine rule. Returns (rows read, last id read, rows updated, odd
+/// rows updated, see [`ODD_ROW`]).
 /// Run it in a transaction opened with [`BEGIN_BATCH`]. `id + 0` is the index's own id column
 /// (see [`BEGIN_BATCH`]); `$3 = 1 OR …` lets the planner drop the shard test for one shard.
 pub fn batch_sql() -> String {
@@ -188,9 +223,10 @@ pub fn batch_sql() -> String {
                 AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
                 AND l.id + 0 >= $2 AND l.id + 0 <= (SELECT last FROM stats)
                 AND ($3 = 1 OR (l.id % $3 + $3) % $3 = $4)
-             RETURNING 1
+             RETURNING {ODD_ROW} AS odd
          )
-         SELECT n, last, (SELECT count(*) FROM settled) FROM stats",
+         SELECT n, last, (SELECT count(*) FROM settled),
+                (SELECT count(*) FILTER (WHERE odd) FROM settled) FROM stats",
         fine = FineRule::SQL_EXPR
             .replace("$grace", "$6")
             .replace("$rate", "$7")

@@ -83,6 +83,7 @@ pub fn report_json(report: &RunReport) -> serde_json::Value {
         "skipped": report.skipped.is_some(),
         "scanned": report.scanned,
         "updated": report.updated,
+        "odd_rows": report.odd,
         "attempt": report.attempt,
         "elapsed_ms": report.elapsed.as_millis() as u64,
     })
@@ -103,11 +104,19 @@ pub fn report_line(report: &RunReport) -> String {
             format!("{head}: skipped, the run request was already served [{ms} ms]")
         }
         None => format!(
-            "{head}: SUCCESS attempt {}{}: scanned {}, updated {} in {ms} ms",
+            "{head}: SUCCESS attempt {}{}: scanned {}, updated {}{} in {ms} ms",
             report.attempt.unwrap_or_default(),
             if report.took_over { " (took over)" } else { "" },
             report.scanned,
-            report.updated
+            report.updated,
+            if report.odd > 0 {
+                format!(
+                    " ({} with contradictory dates, settled all the same)",
+                    report.odd
+                )
+            } else {
+                String::new()
+            }
         ),
     }
 }

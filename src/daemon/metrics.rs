@@ -6,7 +6,8 @@
 //!
 //! Metrics emitted by the job layer: `settlementd_claims_total{result=won|lost|done}`,
 //! `settlementd_takeovers_total`, `settlementd_fencing_rejections_total`,
-//! `settlementd_rows_scanned_total`, `settlementd_rows_updated_total`. Emitted here: the rest.
+//! `settlementd_rows_scanned_total`, `settlementd_rows_updated_total`,
+//! `settlementd_odd_rows_total`. Emitted here: the rest.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -139,6 +140,10 @@ pub fn describe() {
         "settlementd_rows_updated_total",
         "Loans settled by settlement batches"
     );
+    describe_counter!(
+        "settlementd_odd_rows_total",
+        "Loans settled whose dates contradict each other (returned or due before borrowed)"
+    );
     for outcome in ["settled", "skipped", "failed", "lease_lost"] {
         metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
     }
@@ -154,6 +159,7 @@ pub fn describe() {
         "settlementd_fencing_rejections_total",
         "settlementd_rows_scanned_total",
         "settlementd_rows_updated_total",
+        "settlementd_odd_rows_total",
     ] {
         metrics::counter!(name).increment(0);
     }

@@ -122,6 +122,14 @@ async fn run_replica(
             _ = shutdown.cancelled() => return Ok(()),
         }
         tracing::info!("migrations applied");
+    } else if !db::wait_for_schema(
+        &pool,
+        Duration::from_secs(settings.lease.heartbeat_secs),
+        &shutdown,
+    )
+    .await
+    {
+        return Ok(());
     }
 
     let wake = Arc::new(Notify::new());

@@ -19,6 +19,7 @@ pub mod runner;
 
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
+use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 
@@ -74,6 +75,9 @@ pub struct Batch {
     pub last_id: Option<i64>,
     pub scanned: u64,
     pub updated: u64,
+    /// Items done that the job flags for an operator's attention (for the fine settlement: loans
+    /// whose dates contradict each other). Counted in the report and a metric, never skipped.
+    pub odd: u64,
     /// No more work after this batch.
     pub done: bool,
 }
@@ -94,9 +98,10 @@ pub trait Job: Sync {
     ) -> impl Future<Output = sqlx::Result<(Self::Plan, Option<u64>)>> + Send;
 
     /// The statement that opens each batch transaction: `BEGIN`, optionally followed (in the same
-    /// round trip) by `SET LOCAL` settings the job's statements rely on.
-    fn begin_batch(&self) -> &'static str {
-        "BEGIN"
+    /// round trip) by `SET LOCAL` settings the job's statements rely on (plan settings, and the
+    /// server-side timeouts that keep a paused writer from holding locks past its lease).
+    fn begin_batch(&self) -> Cow<'static, str> {
+        Cow::Borrowed("BEGIN")
     }
 
     /// Does one batch inside the caller's transaction. Must be idempotent in effect: items already
@@ -113,7 +118,7 @@ pub trait Job: Sync {
 /// key again soon can help.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
-    #[error("database error: {0}")]
+    #[error("database error: {}", describe_db_error(.0))]
     Db(#[from] sqlx::Error),
     #[error("lease lost: {key} attempt {attempt} was taken over by another owner; stopped without writing")]
     LeaseLost { key: JobKey, attempt: i32 },
@@ -129,6 +134,37 @@ impl JobError {
             JobError::LeaseLost { .. } | JobError::Interrupted => false,
         }
     }
+}
+
+/// A database error, with what the server's guards and restarts mean in words: those are the
+/// errors an operator sees after a pause, a lock wait or a restart, and the SQLSTATE alone says
+/// little.
+fn describe_db_error(e: &sqlx::Error) -> String {
+    let code = match e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut => {
+            return format!(
+                "the connection to the database broke or none could be had (server down or \
+                 restarting, network cut, or the session ended by the server): {e}"
+            )
+        }
+        _ => None,
+    };
+    let meaning = match code.as_deref() {
+        Some("25P03") => {
+            "the server ended the session: it sat idle inside a transaction longer than \
+             idle_in_transaction_session_timeout (the process was paused or cut off)"
+        }
+        Some("55P03") => "a row lock was not granted within lock_timeout",
+        Some("57014") => "the statement was cancelled (statement_timeout, or an operator)",
+        Some("57P01" | "57P02" | "57P03") => "the database server is shutting down or restarting",
+        Some("26000" | "42P05") => {
+            "a prepared statement went missing or collided: a pooler in transaction mode \
+             (use pool_mode = session)"
+        }
+        _ => return e.to_string(),
+    };
+    format!("{meaning}: {e}")
 }
 
 pub type Result<T, E = JobError> = std::result::Result<T, E>;

@@ -47,6 +47,8 @@ pub struct RunReport {
     pub took_over: bool,
     pub scanned: u64,
     pub updated: u64,
+    /// Items the job flagged as odd (done, not skipped; see [`super::Batch::odd`]).
+    pub odd: u64,
     /// Batch transactions this run committed (0 when skipped).
     pub batches: u64,
     pub elapsed: Duration,
@@ -58,6 +60,7 @@ pub struct Progress {
     pub total: Option<u64>,
     pub scanned: u64,
     pub updated: u64,
+    pub odd: u64,
     pub batches: u64,
 }
 
@@ -148,6 +151,7 @@ async fn run_in_span<J: Job>(
         Ok(Progress {
             scanned,
             updated,
+            odd,
             batches,
             ..
         }) => {
@@ -156,7 +160,14 @@ async fn run_in_span<J: Job>(
                 events::fencing_rejected(pool, &claim, "SUCCESS").await;
                 return Err(lease_lost(&claim));
             }
-            tracing::info!(scanned, updated, batches, "SUCCESS");
+            if odd > 0 {
+                // What "odd" means is the job's (fine settlement: contradictory loan dates).
+                tracing::warn!(
+                    odd,
+                    "done, including items the job flags as odd (not skipped)"
+                );
+            }
+            tracing::info!(scanned, updated, odd, batches, "SUCCESS");
             return Ok(RunReport {
                 key,
                 skipped: None,
@@ -164,6 +175,7 @@ async fn run_in_span<J: Job>(
                 took_over: claim.took_over,
                 scanned,
                 updated,
+                odd,
                 batches,
                 elapsed: started.elapsed(),
             });
@@ -175,8 +187,12 @@ async fn run_in_span<J: Job>(
     match claim::mark_failed(pool, &claim, &failure.to_string()).await {
         Ok(true) => tracing::warn!(error = %failure, "marked FAILED"),
         Ok(false) => {
+            // A peer took the claim over while this run was stopped (paused, cut off, its session
+            // ended by the server's guards): say that, not the error it met on waking up.
+            tracing::warn!(error = %failure, "failed, and the claim was already taken over");
+            metrics::counter!("settlementd_fencing_rejections_total").increment(1);
             events::fencing_rejected(pool, &claim, "FAILED").await;
-            tracing::warn!(error = %failure, "failed, and the claim was already taken over")
+            return Err(lease_lost(&claim));
         }
         Err(e) => {
             tracing::warn!(error = %failure, mark_error = %e, "failed; could not mark FAILED")
@@ -221,9 +237,11 @@ async fn work<J: Job>(
         tx.commit().await?;
         progress.scanned += batch.scanned;
         progress.updated += batch.updated;
+        progress.odd += batch.odd;
         progress.batches += 1;
         metrics::counter!("settlementd_rows_scanned_total").increment(batch.scanned);
         metrics::counter!("settlementd_rows_updated_total").increment(batch.updated);
+        metrics::counter!("settlementd_odd_rows_total").increment(batch.odd);
         on_progress(progress);
         after = batch.last_id.or(after);
         if batch.done {
@@ -247,6 +265,7 @@ fn skipped(key: JobKey, reason: SkipReason, started: Instant) -> RunReport {
         took_over: false,
         scanned: 0,
         updated: 0,
+        odd: 0,
         batches: 0,
         elapsed: started.elapsed(),
     }

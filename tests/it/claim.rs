@@ -142,6 +142,7 @@ async fn success_blocks_a_rerun_unless_forced() {
             last_id: Some(42),
             scanned: 5,
             updated: 4,
+            odd: 0,
             done: true
         }
     )
@@ -172,6 +173,7 @@ async fn a_takeover_resumes_after_committed_progress() {
         last_id: Some(1000),
         scanned: 10,
         updated: 10,
+        odd: 0,
         done: false,
     };
     assert!(
@@ -196,6 +198,7 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
         last_id: Some(7),
         scanned: 1,
         updated: 1,
+        odd: 0,
         done: false,
     };
     assert!(

@@ -52,6 +52,7 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
             "attempt",
             "business_date",
             "elapsed_ms",
+            "odd_rows",
             "scanned",
             "shard",
             "shards",

@@ -2,8 +2,7 @@
 //! serve loop with its HTTP endpoints, and the binary's exit codes.
 
 use crate::helpers::*;
-use chrono::{DateTime, TimeZone, Utc};
-use chrono_tz::Asia::Shanghai;
+use chrono::{DateTime, Utc};
 use settlementd::calendar::BusinessDate;
 use settlementd::clock::{ManualClock, SystemClock};
 use settlementd::config::{Settings, ShardSpec};
@@ -16,22 +15,6 @@ use sqlx::PgPool;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-
-/// Settings as the binary would load them, with `overrides` as environment variables.
-fn settings(overrides: &[(&str, &str)]) -> Settings {
-    let env = overrides
-        .iter()
-        .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
-    Settings::load_from(None, env).expect("valid test settings")
-}
-
-/// Instant of a wall-clock time in Shanghai (the default zone).
-fn shanghai(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> DateTime<Utc> {
-    Shanghai
-        .with_ymd_and_hms(y, mo, d, h, mi, s)
-        .unwrap()
-        .with_timezone(&Utc)
-}
 
 fn replica(pool: &PgPool, s: &Settings, clock: &ManualClock) -> Replica {
     Replica::new(

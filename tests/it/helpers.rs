@@ -78,20 +78,7 @@ pub async fn test_db() -> TestDb {
         })
         .await;
     let name = format!("t_{:016x}", rand::random::<u64>());
-    let mut admin = admin().await;
-    // A template may not have other sessions; retry briefly if a sibling is cloning it right now.
-    for i in 0.. {
-        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
-            .execute(&mut admin)
-            .await
-        {
-            Ok(_) => break,
-            Err(e) if i < 50 && e.to_string().contains("being accessed") => {
-                tokio::time::sleep(std::time::Duration::from_millis(50)).await
-            }
-            Err(e) => panic!("create test database: {e}"),
-        }
-    }
+    create_from_template(&name, template).await;
     let url = url_for(&name);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(10)
@@ -239,6 +226,7 @@ pub async fn settle_shards(
     let job = settlementd::settlement::FineSettlement {
         rule: settlementd::fine::FineRule::default(),
         batch_size,
+        guards: Default::default(),
     };
     let mut updated = 0;
     for shard in 0..shards {
@@ -339,8 +327,10 @@ impl ServeProcess {
 
 impl Drop for ServeProcess {
     fn drop(&mut self) {
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        // SAFETY: kill(2) on our own child's pid; no memory is involved. SIGCONT first: a test
+        // that failed while the process was stopped must not leave it (or itself) waiting.
         unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGCONT);
             libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM);
         }
         let _ = self.child.wait();
@@ -420,4 +410,212 @@ pub async fn http(
         headers,
         body: body.to_string(),
     })
+}
+
+impl ServeProcess {
+    /// As [`ServeProcess::start`], with the replica's stderr (its logs) appended to `log`.
+    pub fn start_logged(url: &str, env: &[(&str, &str)], log: &std::path::Path) -> Self {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let child = settlementd(Some(url))
+            .arg("serve")
+            .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+            .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
+            .env("SETTLEMENTD__LOG__FORMAT", "json")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Self { child, addr }
+    }
+
+    /// The value of an unlabelled counter or gauge on `/metrics` (0 when absent).
+    pub async fn metric(&self, name: &str) -> f64 {
+        let (_, body) = get(self.addr, "/metrics").await.unwrap_or_default();
+        body.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    }
+
+    /// Sends `signal` to the process.
+    pub fn signal(&self, signal: libc::c_int) {
+        signal_pid(self.child.id(), signal);
+    }
+}
+
+/// kill(2) on one of our children.
+pub fn signal_pid(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) on a pid we spawned; no memory is involved.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+/// What settlement may change in the loans table, whole, in id order: `(id, fine_cents, settled)`.
+/// Two runs that end equal here are byte-identical but for the settlement timestamps.
+pub async fn settled_rows(pool: &PgPool) -> Vec<(i64, i64, bool)> {
+    sqlx::query_as("SELECT id, fine_cents, fine_settled_at IS NOT NULL FROM loans ORDER BY id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// A private, durable PostgreSQL cluster of its own (a test may stop it hard, restart it or change
+/// its pg_hba.conf without disturbing the others) with one migrated database, `settle`.
+pub struct PrivateCluster {
+    pub pg: EmbeddedPg,
+    pub url: String,
+    /// Holds the data directory; removed on drop (after the server is stopped).
+    pub data: tempfile::TempDir,
+}
+
+impl PrivateCluster {
+    pub async fn start() -> Self {
+        let data = tempfile::Builder::new()
+            .prefix("settlementd-private-")
+            .tempdir()
+            .unwrap();
+        // The server runs as the postgres OS user when the tests run as root: let it in.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let dir = data.path().join("pgdata");
+        let pg = tokio::task::spawn_blocking(move || {
+            EmbeddedPg::start(EmbeddedOptions {
+                data_dir: Some(dir),
+                bindir: None,
+            })
+        })
+        .await
+        .unwrap()
+        .expect("start a private PostgreSQL");
+        let mut admin = PgConnection::connect(&pg.url("postgres")).await.unwrap();
+        sqlx::query("CREATE DATABASE settle")
+            .execute(&mut admin)
+            .await
+            .unwrap();
+        let url = pg.url("settle");
+        let mut conn = PgConnection::connect(&url).await.unwrap();
+        settlementd::db::MIGRATOR.run(&mut conn).await.unwrap();
+        Self { pg, url, data }
+    }
+
+    /// A small pool on `settle` that gives up quickly while the server is down.
+    pub async fn pool(&self) -> PgPool {
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(std::time::Duration::from_secs(2))
+            .connect(&self.url)
+            .await
+            .unwrap()
+    }
+}
+
+/// Polls `check` every 50 ms until it is true, for at most `secs` seconds; false if it never was.
+pub async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(secs);
+    while std::time::Instant::now() < deadline {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A fresh database cloned from `template` (a test database whose pool is closed: PostgreSQL
+/// copies a template only while nobody is connected to it).
+pub async fn clone_of(template: &str) -> TestDb {
+    let name = format!("c_{:016x}", rand::random::<u64>());
+    create_from_template(&name, template).await;
+    let url = url_for(&name);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    TestDb { name, url, pool }
+}
+
+/// `CREATE DATABASE name TEMPLATE template`, retried while someone else is on the template: a
+/// sibling test cloning it right now, an autovacuum worker, or a pooled connection sqlx was still
+/// handing back when its pool closed. After a few tries those sessions are ended (no test keeps
+/// its own open on a template).
+async fn create_from_template(name: &str, template: &str) {
+    let mut admin = admin().await;
+    for i in 0.. {
+        match sqlx::query(&format!("CREATE DATABASE {name} TEMPLATE {template}"))
+            .execute(&mut admin)
+            .await
+        {
+            Ok(_) => return,
+            Err(e) if i < 50 && e.to_string().contains("being accessed") => {
+                if i >= 3 {
+                    sqlx::query(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                          WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    )
+                    .bind(template)
+                    .execute(&mut admin)
+                    .await
+                    .unwrap();
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("create database {name} from {template}: {e}"),
+        }
+    }
+}
+
+/// Settings as the binary would load them, with `overrides` (`SECTION__KEY`, value) as
+/// environment variables.
+pub fn settings(overrides: &[(&str, &str)]) -> settlementd::config::Settings {
+    let env = overrides
+        .iter()
+        .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
+    settlementd::config::Settings::load_from(None, env).expect("valid test settings")
+}
+
+/// Instant of a wall-clock time in Shanghai (the default zone).
+pub fn shanghai(y: i32, mo: u32, d: u32, h: u32, mi: u32, s: u32) -> chrono::DateTime<chrono::Utc> {
+    use chrono::TimeZone;
+    chrono_tz::Asia::Shanghai
+        .with_ymd_and_hms(y, mo, d, h, mi, s)
+        .unwrap()
+        .with_timezone(&chrono::Utc)
+}
+
+/// The month `serve` settles right now on the real clock (default schedule).
+pub fn due_month() -> BusinessDate {
+    let s = settings(&[]);
+    settlementd::schedule::Slot::new(
+        settlementd::schedule::latest_slot_at_or_before(
+            &s.schedule.cron,
+            s.schedule.timezone,
+            chrono::Utc::now(),
+        )
+        .unwrap(),
+    )
+    .business_date
+}
+
+/// Drops a test database, disconnecting whoever is still on it.
+pub async fn drop_db(db: TestDb) {
+    db.pool.close().await;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", db.name))
+        .execute(&mut admin().await)
+        .await
+        .unwrap();
 }

@@ -210,6 +210,7 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
     let job = FineSettlement {
         rule: FineRule::default(),
         batch_size: 500,
+        guards: Default::default(),
     };
     let opts = run_options(true, true);
     let key = settlement::key(oct, ShardSpec::new(0, 1).unwrap());

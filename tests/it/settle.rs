@@ -19,6 +19,7 @@ fn job(batch_size: u32) -> FineSettlement {
     FineSettlement {
         rule: FineRule::default(),
         batch_size,
+        guards: Default::default(),
     }
 }
 
@@ -218,6 +219,7 @@ async fn the_settlement_sql_agrees_with_the_pure_fine_rule() {
     let job = FineSettlement {
         rule,
         batch_size: 64,
+        guards: Default::default(),
     };
     run_job(&db.pool, &job, oct, shard(0, 1), false)
         .await
