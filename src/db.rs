@@ -192,19 +192,23 @@ pub async fn migrate(pool: &PgPool) -> Result<()> {
     Ok(())
 }
 
-/// True when every embedded migration is applied (what `/readyz` checks).
+/// True when every embedded migration is applied (what `/readyz` checks). Migrations a newer
+/// release applied as well do not count against it: migrations stay compatible with the release
+/// before them, so an old replica keeps serving during a rolling upgrade (docs/OPERATIONS.md).
 pub async fn schema_is_current(pool: &PgPool) -> Result<bool> {
-    let latest = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    let applied: Option<i64> =
-        sqlx::query_scalar("SELECT max(version) FROM _sqlx_migrations WHERE success")
-            .fetch_one(pool)
-            .await
-            .or_else(|e| match &e {
-                // No migrations table yet: not current.
-                sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(None),
-                _ => Err(e),
-            })?;
-    Ok(applied == Some(latest))
+    let mine: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
+    let applied: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM _sqlx_migrations WHERE success AND version = ANY($1)",
+    )
+    .bind(&mine)
+    .fetch_one(pool)
+    .await
+    .or_else(|e| match &e {
+        // No migrations table yet: not current.
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(0),
+        _ => Err(e),
+    })?;
+    Ok(applied == mine.len() as i64)
 }
 
 /// Waits until every migration is applied (checking every `every`) or `shutdown`, for a replica
@@ -223,7 +227,7 @@ pub async fn wait_for_schema(pool: &PgPool, every: Duration, shutdown: &Cancella
             }
             Ok(false) if !warned => {
                 tracing::warn!(
-                    "database schema is not current (missing, or newer than this binary) and \
+                    "database schema is not current (a migration of this binary is missing) and \
                      database.migrate_on_start = false: not ready, waiting for `settlementd migrate`"
                 );
                 warned = true;

@@ -55,7 +55,7 @@ pub struct MonthPlan {
 const MONTH_KEY: &str = "date_trunc('month', returned_on::timestamp)";
 
 /// Opens a batch transaction (one round trip; `SET LOCAL`, so every setting ends with the
-/// transaction and works through a transaction-mode pooler):
+/// transaction):
 ///
 /// - **plans pinned to what one batch costs.** With sequential scans, bitmap scans and sorts
 ///   disabled, the only way left to read "this month's unsettled rows from this id on, in id order"

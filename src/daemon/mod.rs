@@ -198,7 +198,7 @@ async fn tick_loop(mut replica: Replica, wake: Arc<Notify>, shutdown: Cancellati
 
 /// Wakes the tick loop whenever a run request is stored (`LISTEN`), so a replica serving its shard
 /// runs it within moments. On its own small pool (one connection held for good). If LISTEN is
-/// unavailable — a transaction-mode pooler does not carry it — or the connection drops, the tick
+/// unavailable or the connection drops, the tick
 /// loop's timer (at most one heartbeat) still finds stored requests; this only makes it prompt.
 async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
     let options = (*pool.connect_options()).clone();
