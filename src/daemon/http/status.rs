@@ -14,8 +14,9 @@
 
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
-use crate::overview::{Month, Overview, Progress, Scope, Shard, State, Totals, VIEW_BUDGET};
-use axum::extract::State as Extract;
+use crate::overview::{Month, Overview, Progress, Scope, Shard, State as ShardState, Totals};
+use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
+use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, TimeZone, Utc};
@@ -82,7 +83,7 @@ impl PageQuery {
     }
 }
 
-pub async fn page(Extract(state): Extract<HttpState>, uri: Uri) -> Response {
+pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
     if !state.settings.http.status_page {
         return respond(
             StatusCode::NOT_FOUND,
@@ -254,7 +255,7 @@ fn months(view: &Overview) -> Markup {
         section #months {
             h2 {
                 @match view.scope {
-                    Scope::Latest => { "Months (the latest " (crate::overview::MONTHS) " with any claim under " (view.shards) " shards, newest first)" }
+                    Scope::Latest => { "Months (the latest " (MONTHS) " with any claim under " (view.shards) " shards, newest first)" }
                     Scope::Month(month) => { "Month " (month) " under " (view.shards) " shards" }
                 }
             }
@@ -376,8 +377,8 @@ fn history(view: &Overview) -> Markup {
         section #history {
             h2 {
                 @match view.scope {
-                    Scope::Latest => { "Recent history (the audit trail: each shard's latest " (crate::overview::HISTORY_LATEST) " events, newest first)" }
-                    Scope::Month(_) => { "History (each shard's latest " (crate::overview::HISTORY_MONTH) " events of the month, newest first)" }
+                    Scope::Latest => { "Recent history (the audit trail: each shard's latest " (HISTORY_LATEST) " events, newest first)" }
+                    Scope::Month(_) => { "History (each shard's latest " (HISTORY_MONTH) " events of the month, newest first)" }
                 }
             }
             @for shard in 0..view.shards as i32 {
@@ -440,7 +441,7 @@ fn notice(title: &str, message: &str) -> Markup {
 
 /// "shard 1 RUNNING; shards 2, 3 missing".
 fn open_shards(month: &Month) -> String {
-    [State::Running, State::Failed, State::Missing]
+    [ShardState::Running, ShardState::Failed, ShardState::Missing]
         .into_iter()
         .filter_map(|state| {
             let shards = month.in_state(state);
