@@ -209,6 +209,9 @@ pub struct HttpSettings {
     pub admin_token: Option<SecretString>,
     /// A file holding the token (a mounted secret), read at load.
     pub admin_token_file: Option<PathBuf>,
+    /// Serve `GET /status` (read-only, no token); `false` answers 404, for sites that publish
+    /// nothing about their runs without authentication.
+    pub status_page: bool,
 }
 
 /// The shortest admin token accepted: anything shorter is guessable.

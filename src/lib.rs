@@ -22,7 +22,7 @@
 //! |---|---|---|
 //! | command line | [`cli`] | clap types, parsing, dispatch, printing |
 //! | commands and front ends | [`commands`], [`daemon`], [`demo`] | one file per command; `serve` (the schedule loop, HTTP); the demo |
-//! | shared by every command | [`app`] | error and exit codes, the database (configured or embedded), logging, shutdown signal, run options, default business date |
+//! | shared by every command | [`app`], [`overview`] | error and exit codes, the database (configured or embedded), logging, shutdown signal, run options, default business date; the settlement at a glance, read-only and time-bounded (the status page's data) |
 //! | the job's data and tools | [`settlement`], [`seed`], [`db`], [`embedded_pg`] | the loans SQL; synthetic loans; connect and migrate; a private PostgreSQL |
 //! | generic layers | [`jobs`], [`config`] | claim, lease, fencing, `run_once` (knows nothing of loans); typed, validated settings |
 //! | pure | [`calendar`], [`fine`], [`clock`], [`schedule`] | business dates, the fine rule, injected time, cron slots (`schedule` uses `calendar`; the others use nothing) |
@@ -41,6 +41,7 @@ pub mod demo;
 pub mod embedded_pg;
 pub mod fine;
 pub mod jobs;
+pub mod overview;
 pub mod schedule;
 pub mod seed;
 pub mod settlement;

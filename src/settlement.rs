@@ -51,6 +51,18 @@ pub struct MonthPlan {
     shard: i64,
 }
 
+impl MonthPlan {
+    fn for_key(key: &JobKey) -> sqlx::Result<Self> {
+        let business_date = BusinessDate::new(key.business_date)
+            .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
+        Ok(Self {
+            month: business_date.first_day().and_time(NaiveTime::MIN),
+            shards: key.shards.into(),
+            shard: key.shard.into(),
+        })
+    }
+}
+
 /// The month's key in `loans_unsettled_by_month`, as the index expression computes it.
 const MONTH_KEY: &str = "date_trunc('month', returned_on::timestamp)";
 
@@ -107,28 +119,12 @@ impl Job for FineSettlement {
         resume_after: Option<i64>,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
-        let business_date = BusinessDate::new(key.business_date)
-            .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
-        let plan = MonthPlan {
-            month: business_date.first_day().and_time(NaiveTime::MIN),
-            shards: key.shards.into(),
-            shard: key.shard.into(),
-        };
-        let Some(from) = (estimate.then(|| first_id_after(resume_after))).flatten() else {
-            return Ok((plan, estimate.then_some(0)));
-        };
-        let remaining: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM loans
-              WHERE {MONTH_KEY} = $1 AND fine_settled_at IS NULL AND returned_on IS NOT NULL
-                AND id + 0 >= $2 AND (id % $3 + $3) % $3 = $4"
-        ))
-        .bind(plan.month)
-        .bind(from)
-        .bind(plan.shards)
-        .bind(plan.shard)
-        .fetch_one(pool)
-        .await?;
-        Ok((plan, Some(remaining as u64)))
+        let plan = MonthPlan::for_key(key)?;
+        if !estimate {
+            return Ok((plan, None));
+        }
+        let remaining = unsettled(pool, &plan, resume_after).await?;
+        Ok((plan, Some(remaining)))
     }
 
     /// One batch: the next `batch_size` unsettled loans of this shard's month after `after`, in id
@@ -184,6 +180,40 @@ impl Job for FineSettlement {
             done: scanned < limit,
         })
     }
+}
+
+/// How many loans the run of `key` still has to read after `after` (its committed `last_id`): what
+/// its progress is measured against. One pass over the shard's month in `loans_unsettled_by_month`
+/// (all of the month's unsettled entries: the shard is a filter), so callers that show it often
+/// should keep it per attempt and bound it with a statement timeout.
+pub async fn unsettled_after(
+    db: impl PgExecutor<'_>,
+    key: &JobKey,
+    after: Option<i64>,
+) -> sqlx::Result<u64> {
+    unsettled(db, &MonthPlan::for_key(key)?, after).await
+}
+
+async fn unsettled(
+    db: impl PgExecutor<'_>,
+    plan: &MonthPlan,
+    after: Option<i64>,
+) -> sqlx::Result<u64> {
+    let Some(from) = first_id_after(after) else {
+        return Ok(0);
+    };
+    let remaining: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM loans
+          WHERE {MONTH_KEY} = $1 AND fine_settled_at IS NULL AND returned_on IS NOT NULL
+            AND id + 0 >= $2 AND (id % $3 + $3) % $3 = $4"
+    ))
+    .bind(plan.month)
+    .bind(from)
+    .bind(plan.shards)
+    .bind(plan.shard)
+    .fetch_one(db)
+    .await?;
+    Ok(remaining as u64)
 }
 
 /// The smallest id a walk resuming after `after` still has to read; `None` past `i64::MAX`.

@@ -92,10 +92,11 @@ pub async fn serve(
             settings: settings.clone(),
             clock: clock.clone(),
             owner: owner.0.clone(),
+            overview: Arc::new(crate::overview::Reader::new(&pool)),
         },
         http_stop.clone().cancelled_owned(),
     ));
-    tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics /v1/runs");
+    tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics /v1/runs /status");
 
     let result = run_replica(&settings, pool, clock, owner, shutdown).await;
 

@@ -333,17 +333,55 @@ pub async fn rows_for(
     business_date: chrono::NaiveDate,
     shards: u32,
 ) -> Result<Vec<JobRunRow>> {
+    let rows = latest_months(db, job_name, shards, Some(business_date), 1).await?;
+    Ok(rows.into_iter().map(|r| r.run).collect())
+}
+
+/// A [`JobRunRow`] with its business date.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct MonthRunRow {
+    pub business_date: chrono::NaiveDate,
+    /// The sum of the attempts of every claim of this business date, under any shard count. Every
+    /// claim and takeover raises it, so a reader that saw the same number before knows that no
+    /// run of the month has started since.
+    pub month_attempts: i64,
+    #[sqlx(flatten)]
+    pub run: JobRunRow,
+}
+
+/// The rows of `job_name` under `shards` for the latest `months` business dates that have any
+/// (only `month`, when given): newest month first, by shard.
+pub async fn latest_months(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+    month: Option<chrono::NaiveDate>,
+    months: u32,
+) -> Result<Vec<MonthRunRow>> {
     Ok(sqlx::query_as(
-        "SELECT shard, status, attempt, owner, started_at, finished_at,
-                extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age_secs,
-                last_id, scanned, updated, last_error
-           FROM job_runs
-          WHERE job_name = $1 AND business_date = $2 AND shards = $3
-          ORDER BY shard",
+        "WITH months AS (
+             SELECT business_date FROM job_runs
+              WHERE job_name = $1 AND shards = $2 AND ($3::date IS NULL OR business_date = $3)
+              GROUP BY business_date
+              ORDER BY business_date DESC
+              LIMIT $4
+         )
+         SELECT m.business_date,
+                (SELECT sum(a.attempt) FROM job_runs a
+                  WHERE a.job_name = $1 AND a.business_date = m.business_date)::bigint
+                  AS month_attempts,
+                j.shard, j.status, j.attempt, j.owner, j.started_at, j.finished_at,
+                extract(epoch FROM clock_timestamp() - j.heartbeat_at)::float8 AS heartbeat_age_secs,
+                j.last_id, j.scanned, j.updated, j.last_error
+           FROM months m
+           JOIN job_runs j
+             ON j.job_name = $1 AND j.business_date = m.business_date AND j.shards = $2
+          ORDER BY m.business_date DESC, j.shard",
     )
     .bind(job_name)
-    .bind(business_date)
     .bind(shards as i32)
+    .bind(month)
+    .bind(i64::from(months))
     .fetch_all(db)
     .await?)
 }

@@ -102,3 +102,46 @@ pub async fn for_key(db: impl PgExecutor<'_>, key: &JobKey) -> Result<Vec<JobEve
     .fetch_all(db)
     .await?)
 }
+
+/// An event with its month and, for an event of a run request, where that request stands for the
+/// event's shard now.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
+pub struct ShardEvent {
+    pub business_date: chrono::NaiveDate,
+    #[sqlx(flatten)]
+    #[serde(flatten)]
+    pub event: JobEvent,
+    /// `pending`, `running`, `succeeded` or `failed` (`run_request_shards.state`).
+    pub request_state: Option<String>,
+}
+
+/// The last `per_shard` events of each shard of `job_name` under `shards`, across months (only
+/// `month`'s, when given), newest first within each shard, shards in order; each run request's
+/// current state for the shard joined to its events.
+pub async fn latest_per_shard(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+    month: Option<chrono::NaiveDate>,
+    per_shard: u32,
+) -> Result<Vec<ShardEvent>> {
+    Ok(sqlx::query_as(
+        "SELECT e.business_date, e.shard, e.at, e.event, e.attempt, e.owner,
+                e.request_id::text AS request_id, e.message, r.state AS request_state
+           FROM generate_series(0, $2 - 1) AS s(shard)
+          CROSS JOIN LATERAL (
+                SELECT * FROM job_events e
+                 WHERE e.job_name = $1 AND e.shards = $2 AND e.shard = s.shard
+                   AND ($3::date IS NULL OR e.business_date = $3)
+                 ORDER BY e.id DESC
+                 LIMIT $4) e
+           LEFT JOIN run_request_shards r ON r.request_id = e.request_id AND r.shard = e.shard
+          ORDER BY e.shard, e.id DESC",
+    )
+    .bind(job_name)
+    .bind(shards as i32)
+    .bind(month)
+    .bind(i64::from(per_shard))
+    .fetch_all(db)
+    .await?)
+}

@@ -348,6 +348,7 @@ pub fn http_state(
         settings: std::sync::Arc::new(settings),
         clock: std::sync::Arc::new(settlementd::clock::SystemClock),
         owner: "test-replica".into(),
+        overview: std::sync::Arc::new(settlementd::overview::Reader::new(pool)),
     }
 }
 

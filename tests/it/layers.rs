@@ -8,7 +8,7 @@ use std::path::Path;
 const LAYERS: &[&[&str]] = &[
     &["cli"],
     &["commands", "daemon", "demo"],
-    &["app"],
+    &["app", "overview"],
     &["settlement", "seed", "db", "embedded_pg"],
     &["jobs", "config"],
     &["calendar", "fine", "clock", "schedule"],

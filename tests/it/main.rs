@@ -19,3 +19,4 @@ mod runs;
 mod schema;
 mod server_fetch;
 mod settle;
+mod status;

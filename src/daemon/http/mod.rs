@@ -2,13 +2,16 @@
 //!
 //! - [`probes`]: `GET /healthz`, `GET /readyz`, `GET /metrics` (no token);
 //! - [`runs`]: `POST /v1/runs`, `GET /v1/runs/{id}` — manual runs, applied once however often a
-//!   request is retried (bearer token, idempotency key).
+//!   request is retried (bearer token, idempotency key);
+//! - [`status`]: `GET /status` — the months and shards at a glance, an HTML page (no token;
+//!   `http.status_page = false` turns it off).
 //!
 //! Handlers are thin: parse and check the request, call the job layer, render. What they share is
 //! [`HttpState`].
 
 pub mod probes;
 pub mod runs;
+pub mod status;
 
 use crate::clock::Clock;
 use crate::config::Settings;
@@ -30,6 +33,8 @@ pub struct HttpState {
     pub clock: Arc<dyn Clock>,
     /// The replica's owner name, written into the audit trail of the requests it accepts.
     pub owner: String,
+    /// Reads the status page's data, on its own small pool, and keeps closed months' totals.
+    pub overview: Arc<crate::overview::Reader>,
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -39,6 +44,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(probes::render_metrics))
         .route("/v1/runs", post(runs::create))
         .route("/v1/runs/{id}", get(runs::show))
+        .route("/status", get(status::page))
         .with_state(state)
 }
 

@@ -1,0 +1,583 @@
+//! `GET /status`: the months and shards at a glance, as an HTML page a person opens in a browser.
+//!
+//! `GET /status` shows the latest business dates with any claim under the replica's shard count
+//! (`?shards=M` for another count); `GET /status?business_date=YYYY-MM-DD&shards=M` shows one
+//! month in detail. The page is read-only and needs no token; `http.status_page = false` answers
+//! 404. It has no external assets and no JavaScript (clusters are often offline): the CSS is
+//! inline, links are relative to the page (so a path prefix added by a proxy keeps working), and a
+//! page showing a RUNNING shard refreshes itself with `<meta http-equiv="refresh">`.
+//!
+//! The handler parses the query, asks [`crate::overview::Reader`] (bounded database time, closed
+//! months' totals kept) and renders with the maud templates below. maud escapes every value it
+//! interpolates, so owner names and error texts from the database show as text; the
+//! `Content-Security-Policy` header forbids scripts besides.
+
+use super::HttpState;
+use crate::calendar::{BusinessDate, CalendarError};
+use crate::overview::{Month, Overview, Progress, Scope, Shard, State as ShardState, Totals};
+use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
+use axum::extract::State;
+use axum::http::{header, HeaderValue, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use chrono::{DateTime, TimeZone, Utc};
+use chrono_tz::Tz;
+use maud::{html, Markup, PreEscaped, DOCTYPE};
+
+/// The most shards a page may show (the runs API's bound: a guard against typos like 30000).
+pub const MAX_SHARDS: u32 = super::runs::MAX_SHARDS;
+/// How often a page showing a RUNNING shard reloads itself.
+pub const REFRESH_SECS: u32 = 10;
+
+/// What the browser may do with the page: show it with its inline style, nothing else.
+const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; \
+                   form-action 'none'; frame-ancestors 'none'";
+
+/// A query string the page cannot show.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QueryError {
+    #[error("unknown parameter {0:?}: /status takes business_date=YYYY-MM-DD and shards=M")]
+    Unknown(String),
+    #[error("the parameter {0} is given more than once")]
+    Repeated(&'static str),
+    #[error("business_date: {0}")]
+    BusinessDate(#[from] CalendarError),
+    #[error("shards must be a whole number from 1 to {MAX_SHARDS}, got {0:?}")]
+    Shards(String),
+}
+
+/// What the query string asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageQuery {
+    pub scope: Scope,
+    pub shards: u32,
+}
+
+impl PageQuery {
+    /// Parses `business_date` and `shards` (default `default_shards`); an empty value counts as
+    /// absent, anything else unknown or malformed is refused.
+    pub fn parse(query: &str, default_shards: u32) -> Result<Self, QueryError> {
+        let (mut business_date, mut shards) = (None, None);
+        for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
+            let (slot, name) = match name.as_ref() {
+                "business_date" => (&mut business_date, "business_date"),
+                "shards" => (&mut shards, "shards"),
+                other => return Err(QueryError::Unknown(other.to_string())),
+            };
+            if slot.replace(value.into_owned()).is_some() {
+                return Err(QueryError::Repeated(name));
+            }
+        }
+        let scope = match business_date.filter(|v| !v.is_empty()) {
+            None => Scope::Latest,
+            Some(text) => Scope::Month(BusinessDate::parse(&text)?),
+        };
+        let shards = match shards.filter(|v| !v.is_empty()) {
+            None => default_shards,
+            Some(text) => text
+                .parse()
+                .ok()
+                .filter(|n| (1..=MAX_SHARDS).contains(n))
+                .ok_or(QueryError::Shards(text))?,
+        };
+        Ok(Self { scope, shards })
+    }
+}
+
+pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
+    if !state.settings.http.status_page {
+        return respond(
+            StatusCode::NOT_FOUND,
+            notice(
+                "Not found",
+                "The status page is turned off on this replica (http.status_page = false).",
+            ),
+        );
+    }
+    let query = match PageQuery::parse(uri.query().unwrap_or(""), state.settings.shard.count) {
+        Ok(query) => query,
+        Err(e) => {
+            return respond(
+                StatusCode::BAD_REQUEST,
+                notice("Bad request", &e.to_string()),
+            )
+        }
+    };
+    let now = state.clock.now();
+    let read = state
+        .overview
+        .read(&state.settings, now, query.scope, query.shards)
+        .await;
+    match read {
+        Ok(view) => {
+            let replica = Replica {
+                owner: &state.owner,
+                shard: state.settings.shard.index,
+                shards: state.settings.shard.count,
+            };
+            respond(StatusCode::OK, render(&view, &replica, now))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "status page: cannot read the database");
+            respond(
+                StatusCode::SERVICE_UNAVAILABLE,
+                notice("Database unavailable", &format!("{e}. Reload in a moment.")),
+            )
+        }
+    }
+}
+
+fn respond(status: StatusCode, page: Markup) -> Response {
+    let mut response = (status, page.into_string()).into_response();
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+        (header::CACHE_CONTROL, "no-store"),
+        (header::CONTENT_SECURITY_POLICY, CSP),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "no-referrer"),
+    ] {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+    response
+}
+
+// ---- Templates ----------------------------------------------------------------------------
+
+/// Who serves the page.
+struct Replica<'a> {
+    owner: &'a str,
+    shard: u32,
+    shards: u32,
+}
+
+const CSS: &str = "\
+body{font:14px/1.45 system-ui,'Liberation Sans',sans-serif;margin:1.5em;color:#1f2328;background:#fff}
+h1{font-size:1.5em;margin:0}h2{font-size:1.15em;margin:1.6em 0 .5em}h3{font-size:1em;margin:1em 0 .3em}
+a{color:#0550ae}.note{color:#59636e}.note,.small{font-size:.9em}
+table{border-collapse:collapse}th,td{border:1px solid #d1d9e0;padding:.35em .6em;vertical-align:top;text-align:left}
+thead th{background:#f6f8fa}.wrap{overflow-x:auto}td.cell{min-width:15em}
+.status{font-weight:700;letter-spacing:.03em}.num{text-align:right;font-variant-numeric:tabular-nums}
+.s-success{background:#dafbe1}.s-success .status,.closed{color:#116329}
+.s-running{background:#ddf4ff}.s-running .status{color:#0550ae}
+.s-failed{background:#ffebe9}.s-failed .status,.open,.error{color:#a40e26}
+.s-missing{background:#fff8c5}.s-missing .status{color:#7d4e00}
+.closed,.open{font-weight:700}.error{font-family:ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere;max-width:30em}
+progress{width:100%;height:.8em}code{font-family:ui-monospace,monospace}dt{font-weight:700}dd{margin:0 0 .5em 1em}
+th a,code,.nowrap{white-space:nowrap}
+";
+
+/// The whole page.
+fn render(view: &Overview, replica: &Replica, now: DateTime<Utc>) -> Markup {
+    let tz = view.schedule.timezone;
+    let title = match view.scope {
+        Scope::Latest => format!("settlementd status: {} shards", view.shards),
+        Scope::Month(month) => format!("settlementd status: {month}, {} shards", view.shards),
+    };
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                @if view.is_running() {
+                    meta http-equiv="refresh" content=(REFRESH_SECS);
+                }
+                title { (title) }
+                style { (PreEscaped(CSS)) }
+            }
+            body {
+                header {
+                    h1 { (title) }
+                    p.note {
+                        (crate::settlement::JOB_NAME) " · served by replica " code { (replica.owner) }
+                        " (shard " (replica.shard) " of " (replica.shards) ") · as of " (local(now, tz))
+                        @if view.is_running() {
+                            " · reloads every " (REFRESH_SECS) " s while a shard is RUNNING"
+                        }
+                    }
+                    @if let Scope::Month(_) = view.scope {
+                        p { a href=(format!("?shards={}", view.shards)) { "← every month" } }
+                    }
+                }
+                (schedule(view))
+                (months(view))
+                (history(view))
+                footer.note {
+                    p {
+                        "Read-only. A month is closed when every shard of the count is SUCCESS. "
+                        "Totals are the month's settled loans, whatever the shard count that settled them: "
+                        "computed once for a closed month, at each view for an open one, "
+                        "within " (VIEW_BUDGET.as_secs()) " s of database time per view. "
+                        "Heartbeat ages are on the database clock; times are in " (tz.name()) "."
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn schedule(view: &Overview) -> Markup {
+    let tz = view.schedule.timezone;
+    html! {
+        section #schedule {
+            h2 { "Schedule" }
+            dl {
+                dt { "Next fire" }
+                dd #next-fire {
+                    @match &view.schedule.next {
+                        Some(slot) => {
+                            (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) " (" (tz.name()) "), settles "
+                            a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) }
+                        }
+                        None => "none: the cron never fires again",
+                    }
+                }
+                @if let (Scope::Latest, Some(slot)) = (view.scope, &view.schedule.latest) {
+                    dt { "Latest fire" }
+                    dd #latest-fire {
+                        (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", settles "
+                        a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) } ": "
+                        @match view.month(slot.business_date.date()) {
+                            Some(month) if month.closed() => span.closed { "closed" },
+                            Some(month) => { span.open { "not closed" } " (" (open_shards(month)) ")" }
+                            None => { span.open { "not closed" } " (no shard of " (view.shards) " has claimed it)" }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn months(view: &Overview) -> Markup {
+    let detail = matches!(view.scope, Scope::Month(_));
+    html! {
+        section #months {
+            h2 {
+                @match view.scope {
+                    Scope::Latest => { "Months (the latest " (MONTHS) " with any claim under " (view.shards) " shards, newest first)" }
+                    Scope::Month(month) => { "Month " (month) " under " (view.shards) " shards" }
+                }
+            }
+            @if view.months.is_empty() {
+                p.open {
+                    @match view.scope {
+                        Scope::Latest => { "No claims under " (view.shards) " shards yet." }
+                        Scope::Month(month) => { "No shard of " (view.shards) " has claimed " (month) ": every shard is missing." }
+                    }
+                }
+            } @else {
+                div.wrap {
+                    table.grid {
+                        thead {
+                            tr {
+                                th { "Month" } th { "Closed" } th { "Settled totals" }
+                                @for shard in 0..view.shards { th { "shard " (shard) } }
+                            }
+                        }
+                        tbody {
+                            @for month in &view.months { (month_row(month, view, detail)) }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
+    let date = month.business_date;
+    html! {
+        tr #{ "month-" (date) } {
+            th { a href=(month_link_date(date, view.shards)) { (date) } }
+            td.verdict #{ "verdict-" (date) } {
+                @if month.closed() {
+                    span.closed { "closed" }
+                } @else {
+                    span.open { "not closed" } br; span.small { (open_shards(month)) }
+                }
+            }
+            td.totals #{ "totals-" (date) } { (totals(&month.totals, detail)) }
+            @for shard in &month.shards { (cell(date, shard, view.lease_ttl_secs, detail)) }
+        }
+    }
+}
+
+fn totals(totals: &Totals, detail: bool) -> Markup {
+    let settled = |t: &crate::settlement::MonthTotals, label: &str| {
+        let digest = if detail || t.digest.len() <= 12 {
+            t.digest.clone()
+        } else {
+            format!("{}…", &t.digest[..12])
+        };
+        html! {
+            div.small { (label) }
+            div { (count(t.settled_rows)) " rows" }
+            div { "fines " (money(t.fine_cents_sum)) }
+            div.small { "digest " code title=(t.digest) { (digest) } }
+        }
+    };
+    match totals {
+        Totals::Closed(t) => settled(t, "settled"),
+        Totals::SoFar(t) => settled(t, "settled so far"),
+        Totals::Computing => html! {
+            span.small { "totals being computed in the background (a closed month: once); reload in a moment" }
+        },
+        Totals::Unavailable(why) => html! { span.small { "totals unavailable: " (why) } },
+    }
+}
+
+fn cell(date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail: bool) -> Markup {
+    let state = shard.state();
+    let class = format!("cell s-{}", state.word().to_ascii_lowercase());
+    html! {
+        td class=(class) #{ "cell-" (date) "-" (shard.index) } data-status=(state.word()) {
+            div.status { (state.word()) }
+            @match &shard.run {
+                None => div.small { "no claim: no replica of this shard has started the month" },
+                Some(run) => {
+                    div { "attempt " (run.attempt) }
+                    div.small { "owner " code { (run.owner) } }
+                    div.small {
+                        "heartbeat " (age(run.heartbeat_age_secs)) " ago"
+                        @if shard.lease_expired(ttl_secs) {
+                            " · " strong { "lease expired" } ": a replica of this shard may take it over"
+                        }
+                    }
+                    div { (count(run.updated)) " rows updated" }
+                    @if let Some(progress) = shard.progress { (bar(progress)) }
+                    @if detail {
+                        div.small { "read " (count(run.scanned)) " · last id " (run.last_id.map_or("-".to_string(), |id| id.to_string())) }
+                        div.small { "started " (run.started_at.format("%Y-%m-%d %H:%M:%S UTC")) }
+                        @if let Some(finished) = run.finished_at {
+                            div.small { "finished " (finished.format("%Y-%m-%d %H:%M:%S UTC")) }
+                        }
+                    }
+                    @if let Some(error) = &run.last_error {
+                        div.error { (error) }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn bar(progress: Progress) -> Markup {
+    html! {
+        progress max=(progress.total) value=(progress.read.min(progress.total)) {}
+        div.small {
+            "read " (count(progress.read as i64)) " of " (count(progress.total as i64)) " (" (progress.percent()) " %)"
+        }
+    }
+}
+
+fn history(view: &Overview) -> Markup {
+    let tz = view.schedule.timezone;
+    html! {
+        section #history {
+            h2 {
+                @match view.scope {
+                    Scope::Latest => { "Recent history (the audit trail: each shard's latest " (HISTORY_LATEST) " events, newest first)" }
+                    Scope::Month(_) => { "History (each shard's latest " (HISTORY_MONTH) " events of the month, newest first)" }
+                }
+            }
+            @for shard in 0..view.shards as i32 {
+                div.shard-history #{ "history-" (shard) } {
+                    h3 { "shard " (shard) }
+                    @let events: Vec<_> = view.history.iter().filter(|e| e.event.shard == shard).collect();
+                    @if events.is_empty() {
+                        p.note { "No audit events (the trail starts with the version that added it)." }
+                    } @else {
+                        div.wrap {
+                            table.history {
+                                thead { tr { th { "When" } th { "Month" } th { "Event" } th { "Attempt" } th { "By" } th { "Detail" } } }
+                                tbody {
+                                    @for e in events {
+                                        tr {
+                                            td.small.nowrap { (local(e.event.at, tz)) }
+                                            td.nowrap { (e.business_date) }
+                                            td { (e.event.event) }
+                                            td.num { (e.event.attempt.map_or(String::new(), |a| a.to_string())) }
+                                            td.small { code { (e.event.owner) } }
+                                            td.small {
+                                                (e.event.message.as_deref().unwrap_or(""))
+                                                @if let Some(request) = &e.event.request_id {
+                                                    br; "request " code title=(request) { (request.get(..8).unwrap_or(request)) "…" }
+                                                    @if let Some(state) = &e.request_state { " · now " strong { (state) } }
+                                                }
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A short page for errors and the turned-off page.
+fn notice(title: &str, message: &str) -> Markup {
+    html! {
+        (DOCTYPE)
+        html lang="en" {
+            head {
+                meta charset="utf-8";
+                title { (title) " — settlementd status" }
+                style { (PreEscaped(CSS)) }
+            }
+            body {
+                h1 { (title) }
+                p { (message) }
+                p.note { "GET /status shows the latest months; GET /status?business_date=YYYY-MM-DD&shards=M one month." }
+            }
+        }
+    }
+}
+
+// ---- Formatting ---------------------------------------------------------------------------
+
+/// "shard 1 RUNNING; shards 2, 3 missing".
+fn open_shards(month: &Month) -> String {
+    [ShardState::Running, ShardState::Failed, ShardState::Missing]
+        .into_iter()
+        .filter_map(|state| {
+            let shards = month.in_state(state);
+            let list: Vec<String> = shards.iter().map(u32::to_string).collect();
+            match shards.len() {
+                0 => None,
+                1 => Some(format!("shard {} {}", list[0], state.word())),
+                _ => Some(format!("shards {} {}", list.join(", "), state.word())),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+fn month_link(month: BusinessDate, shards: u32) -> String {
+    month_link_date(month.date(), shards)
+}
+
+fn month_link_date(date: chrono::NaiveDate, shards: u32) -> String {
+    format!("?business_date={date}&shards={shards}")
+}
+
+fn local(at: DateTime<Utc>, tz: Tz) -> String {
+    tz.from_utc_datetime(&at.naive_utc())
+        .format("%Y-%m-%d %H:%M:%S %:z")
+        .to_string()
+}
+
+/// "12 s", "5 min 3 s", "3 h 12 min", "4 d 3 h".
+fn age(secs: f64) -> String {
+    let s = if secs.is_finite() && secs > 0.0 {
+        secs as u64
+    } else {
+        0
+    };
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min {} s", s / 60, s % 60),
+        3600..86400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
+        _ => format!("{} d {} h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+/// 1234567 → "1,234,567".
+fn count(n: i64) -> String {
+    let digits = n.unsigned_abs().to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 {
+        out.insert(0, '-');
+    }
+    out
+}
+
+/// Cents as money: 1572250 → "15,722.50".
+fn money(cents: i64) -> String {
+    let sign = if cents < 0 { "-" } else { "" };
+    let abs = cents.unsigned_abs();
+    format!("{sign}{}.{:02}", count((abs / 100) as i64), abs % 100)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_empty_query_is_the_overview_under_the_configured_count() {
+        assert_eq!(
+            PageQuery::parse("", 3),
+            Ok(PageQuery {
+                scope: Scope::Latest,
+                shards: 3
+            })
+        );
+        assert_eq!(
+            PageQuery::parse("business_date=&shards=", 3).unwrap().scope,
+            Scope::Latest
+        );
+    }
+
+    #[test]
+    fn a_month_and_a_count_select_one_month_in_detail() {
+        let query = PageQuery::parse("business_date=2026-10-31&shards=4", 3).unwrap();
+        assert_eq!(
+            query.scope,
+            Scope::Month(BusinessDate::parse("2026-10-31").unwrap())
+        );
+        assert_eq!(query.shards, 4);
+    }
+
+    #[test]
+    fn bad_queries_are_refused_with_the_reason() {
+        let cases = [
+            ("business_date=2026-10-30", "last day of a month"),
+            ("business_date=31.10.2026", "expected YYYY-MM-DD"),
+            ("shards=0", "from 1 to 1024"),
+            ("shards=1025", "from 1 to 1024"),
+            ("shards=-1", "from 1 to 1024"),
+            ("shards=two", "from 1 to 1024"),
+            ("shard=1", "unknown parameter \"shard\""),
+            ("shards=1&shards=2", "more than once"),
+            ("business_date=%3Cscript%3E", "expected YYYY-MM-DD"),
+        ];
+        for (query, expected) in cases {
+            let error = PageQuery::parse(query, 3).unwrap_err().to_string();
+            assert!(error.contains(expected), "{query}: {error}");
+        }
+    }
+
+    #[test]
+    fn numbers_ages_and_money_read_as_a_person_writes_them() {
+        assert_eq!(count(0), "0");
+        assert_eq!(count(999), "999");
+        assert_eq!(count(5379), "5,379");
+        assert_eq!(count(-1234567), "-1,234,567");
+        assert_eq!(money(1572250), "15,722.50");
+        assert_eq!(money(5), "0.05");
+        assert_eq!(money(-105), "-1.05");
+        assert_eq!(age(-1.0), "0 s");
+        assert_eq!(age(12.7), "12 s");
+        assert_eq!(age(303.0), "5 min 3 s");
+        assert_eq!(age(11_520.0), "3 h 12 min");
+        assert_eq!(age(356_400.0), "4 d 3 h");
+    }
+
+    #[test]
+    fn values_from_the_database_are_escaped() {
+        let markup = html! { div.error { ("<script>alert(1)</script>") } };
+        assert_eq!(
+            markup.into_string(),
+            r#"<div class="error">&lt;script&gt;alert(1)&lt;/script&gt;</div>"#
+        );
+    }
+}

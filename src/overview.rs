@@ -1,0 +1,764 @@
+//! The settlement at a glance: which months and shards are settled, what runs, what failed, what
+//! the schedule does next. The status page shows it; any other front end could.
+//!
+//! Reading is read-only and bounded:
+//! - A [`Reader`] has its own small pool (one connection for views, one for background totals), so
+//!   however many browsers refresh the page, it never takes a connection that the replica's runs
+//!   and heartbeats need; views take turns.
+//! - A view is read in one `REPEATABLE READ READ ONLY` transaction, one snapshot, so the grid, the
+//!   history and the totals agree. Its statements share [`VIEW_BUDGET`], enforced by the server:
+//!   `statement_timeout` is lowered before each statement to what is left. The claims and the
+//!   history are cheap (primary keys, the trail's indexes) and must be read; what is costly
+//!   degrades instead of making the view wait.
+//! - A month's settled totals ([`settlement::month_totals`]) read every settled row of the month:
+//!   no index covers settled rows. A **closed** month (every shard SUCCESS) cannot change while no
+//!   run of it starts again — the conditional update never touches a settled row, and every claim
+//!   raises [`MonthRunRow::month_attempts`] — so its totals are computed once and kept under that
+//!   number. One that does not fit in a view's budget is computed in the background (one task at
+//!   a time, [`BACKGROUND_TIMEOUT`]) and shown from a later view on. An **open** month's totals are
+//!   computed live within what is left of the budget, or shown as unavailable.
+//! - A running shard's progress bar needs how many loans its run still has to read
+//!   ([`settlement::unsettled_after`]); that is counted once per attempt, within the budget.
+
+use crate::calendar::BusinessDate;
+use crate::config::Settings;
+use crate::jobs::claim::{self, JobRunRow, MonthRunRow};
+use crate::jobs::events::{self, ShardEvent};
+use crate::jobs::{JobError, JobKey};
+use crate::schedule::{self, Slot};
+use crate::settlement::{self, MonthTotals};
+use chrono::{DateTime, NaiveDate, Utc};
+use chrono_tz::Tz;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+/// How many business dates the overview shows: a year of monthly runs.
+pub const MONTHS: u32 = 12;
+/// Audit events per shard in the overview (its latest, across months).
+pub const HISTORY_LATEST: u32 = 5;
+/// Audit events per shard in one month's view.
+pub const HISTORY_MONTH: u32 = 20;
+/// The database time one view may take, waiting for its turn included.
+pub const VIEW_BUDGET: Duration = Duration::from_secs(2);
+/// How long a closed month's totals may take in the background.
+pub const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(600);
+/// After a background computation failed, how long before a view starts another for that month.
+const RETRY_BACKGROUND_AFTER: Duration = Duration::from_secs(60);
+/// Kept entries beyond which the oldest months are forgotten (detail views can ask for any month).
+const KEEP_AT_MOST: usize = 240;
+/// SQLSTATE `query_canceled`: what `statement_timeout` raises.
+const QUERY_CANCELED: &str = "57014";
+
+#[derive(Debug, thiserror::Error)]
+pub enum OverviewError {
+    #[error("another view is reading the database and did not finish within {}s; try again", VIEW_BUDGET.as_secs())]
+    Busy,
+    #[error("the database did not answer within {}s", VIEW_BUDGET.as_secs())]
+    TooSlow,
+    #[error("database error: {0}")]
+    Db(sqlx::Error),
+    #[error(transparent)]
+    Job(JobError),
+}
+
+impl From<sqlx::Error> for OverviewError {
+    fn from(e: sqlx::Error) -> Self {
+        if is_timeout(&e) || matches!(e, sqlx::Error::PoolTimedOut) {
+            OverviewError::TooSlow
+        } else {
+            OverviewError::Db(e)
+        }
+    }
+}
+
+impl From<JobError> for OverviewError {
+    fn from(e: JobError) -> Self {
+        match e {
+            JobError::Db(e) => e.into(),
+            other => OverviewError::Job(other),
+        }
+    }
+}
+
+pub type Result<T, E = OverviewError> = std::result::Result<T, E>;
+
+fn is_timeout(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some(QUERY_CANCELED))
+}
+
+/// What a view shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// The latest [`MONTHS`] business dates with any claim.
+    Latest,
+    /// One month, in detail.
+    Month(BusinessDate),
+}
+
+impl Scope {
+    fn month(self) -> Option<NaiveDate> {
+        match self {
+            Scope::Latest => None,
+            Scope::Month(month) => Some(month.date()),
+        }
+    }
+}
+
+/// One view of the settlement under one shard count.
+#[derive(Debug, Clone)]
+pub struct Overview {
+    pub scope: Scope,
+    pub shards: u32,
+    /// Newest first; only months with at least one claim under `shards`.
+    pub months: Vec<Month>,
+    /// Each shard's latest audit events (across months, or of the month), by shard, newest first.
+    pub history: Vec<ShardEvent>,
+    pub schedule: Schedule,
+    /// `lease.ttl_secs`: a RUNNING claim whose heartbeat is older may be taken over.
+    pub lease_ttl_secs: u64,
+}
+
+impl Overview {
+    pub fn month(&self, business_date: NaiveDate) -> Option<&Month> {
+        self.months
+            .iter()
+            .find(|m| m.business_date == business_date)
+    }
+
+    /// Whether a shard of a shown month is RUNNING: the view is worth refreshing.
+    pub fn is_running(&self) -> bool {
+        self.months
+            .iter()
+            .flat_map(|m| &m.shards)
+            .any(|s| s.state() == State::Running)
+    }
+}
+
+/// The schedule as of the view.
+#[derive(Debug, Clone)]
+pub struct Schedule {
+    pub timezone: Tz,
+    /// The next fire and the month it will settle.
+    pub next: Option<Slot>,
+    /// The latest fire at or before now: the month that should be closed.
+    pub latest: Option<Slot>,
+}
+
+/// One business date under the view's shard count.
+#[derive(Debug, Clone)]
+pub struct Month {
+    pub business_date: NaiveDate,
+    /// Every shard of the count, in order.
+    pub shards: Vec<Shard>,
+    pub totals: Totals,
+}
+
+impl Month {
+    /// Every shard SUCCESS.
+    pub fn closed(&self) -> bool {
+        self.shards.iter().all(|s| s.state() == State::Success)
+    }
+
+    /// The shards in `state`.
+    pub fn in_state(&self, state: State) -> Vec<u32> {
+        self.shards
+            .iter()
+            .filter(|s| s.state() == state)
+            .map(|s| s.index)
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Success,
+    Running,
+    Failed,
+    /// No claim: no replica of this shard count has started the month's shard.
+    Missing,
+}
+
+impl State {
+    /// As `job_runs.status` spells it; `missing` for no row.
+    pub fn word(self) -> &'static str {
+        match self {
+            State::Success => "SUCCESS",
+            State::Running => "RUNNING",
+            State::Failed => "FAILED",
+            State::Missing => "missing",
+        }
+    }
+}
+
+/// One shard of a month.
+#[derive(Debug, Clone)]
+pub struct Shard {
+    pub index: u32,
+    /// Its claim; `None` when missing.
+    pub run: Option<JobRunRow>,
+    /// A running shard's loans read so far against all it has to read, when known.
+    pub progress: Option<Progress>,
+}
+
+impl Shard {
+    pub fn state(&self) -> State {
+        match self.run.as_ref().map(|r| r.status.as_str()) {
+            None => State::Missing,
+            Some("SUCCESS") => State::Success,
+            Some("RUNNING") => State::Running,
+            // The table allows nothing else.
+            Some(_) => State::Failed,
+        }
+    }
+
+    /// RUNNING with a heartbeat older than the lease: its holder is gone and a replica of the
+    /// shard may take it over.
+    pub fn lease_expired(&self, ttl_secs: u64) -> bool {
+        self.state() == State::Running
+            && self
+                .run
+                .as_ref()
+                .is_some_and(|r| r.heartbeat_age_secs > ttl_secs as f64)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Loans read by the run so far (all attempts since the month was last forced).
+    pub read: u64,
+    /// Loans read plus those left to read, as counted once for this attempt.
+    pub total: u64,
+}
+
+impl Progress {
+    /// 0 to 100.
+    pub fn percent(&self) -> u64 {
+        if self.total == 0 {
+            return 100;
+        }
+        (self.read.min(self.total) * 100) / self.total
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Totals {
+    /// A closed month's, computed once.
+    Closed(MonthTotals),
+    /// An open month's: what is settled so far, computed in this view.
+    SoFar(MonthTotals),
+    /// A closed month's totals are being computed in the background.
+    Computing,
+    /// Not computed: why.
+    Unavailable(String),
+}
+
+/// Reads overviews for one process and keeps what cannot change. Cheap to share (`Arc`).
+pub struct Reader {
+    pool: PgPool,
+    /// One view at a time.
+    turn: Semaphore,
+    kept: Arc<Mutex<Kept>>,
+}
+
+#[derive(Default)]
+struct Kept {
+    totals: BTreeMap<NaiveDate, KeptTotals>,
+    /// Loans read plus left to read, per run attempt (job key and attempt).
+    run_totals: HashMap<(JobKey, i32), u64>,
+    /// A background task is computing closed months' totals.
+    background: bool,
+}
+
+#[derive(Debug, Clone)]
+enum KeptTotals {
+    Ready {
+        month_attempts: i64,
+        totals: MonthTotals,
+    },
+    Computing {
+        month_attempts: i64,
+    },
+    Failed {
+        month_attempts: i64,
+        retry_at: Instant,
+        why: String,
+    },
+}
+
+impl KeptTotals {
+    fn month_attempts(&self) -> i64 {
+        match self {
+            KeptTotals::Ready { month_attempts, .. }
+            | KeptTotals::Computing { month_attempts }
+            | KeptTotals::Failed { month_attempts, .. } => *month_attempts,
+        }
+    }
+}
+
+impl Reader {
+    /// A reader on the database of `pool`, with its own pool of at most two connections (opened
+    /// when first needed, closed after a minute unused) named `settlementd-status`.
+    pub fn new(pool: &PgPool) -> Self {
+        let options = (*pool.connect_options())
+            .clone()
+            .application_name("settlementd-status");
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .min_connections(0)
+            .acquire_timeout(VIEW_BUDGET)
+            .idle_timeout(Some(Duration::from_secs(60)))
+            .connect_lazy_with(options);
+        Self {
+            pool,
+            turn: Semaphore::new(1),
+            kept: Arc::default(),
+        }
+    }
+
+    /// Reads what `scope` shows under `shards`, with the schedule as of `now`.
+    pub async fn read(
+        &self,
+        settings: &Settings,
+        now: DateTime<Utc>,
+        scope: Scope,
+        shards: u32,
+    ) -> Result<Overview> {
+        let deadline = Instant::now() + VIEW_BUDGET;
+        let _turn = tokio::time::timeout(VIEW_BUDGET, self.turn.acquire())
+            .await
+            .map_err(|_| OverviewError::Busy)?
+            .map_err(|_| OverviewError::Busy)?;
+        let mut tx = tokio::time::timeout_at(
+            deadline.into(),
+            self.pool
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"),
+        )
+        .await
+        .map_err(|_| OverviewError::TooSlow)??;
+        let months = match scope {
+            Scope::Latest => MONTHS,
+            Scope::Month(_) => 1,
+        };
+        let per_shard = match scope {
+            Scope::Latest => HISTORY_LATEST,
+            Scope::Month(_) => HISTORY_MONTH,
+        };
+        let job = settlement::JOB_NAME;
+        set_timeout(&mut tx, left(deadline)).await?;
+        let rows = claim::latest_months(&mut *tx, job, shards, scope.month(), months).await?;
+        set_timeout(&mut tx, left(deadline)).await?;
+        let history =
+            events::latest_per_shard(&mut *tx, job, shards, scope.month(), per_shard).await?;
+        let mut months = Vec::new();
+        for (business_date, month_attempts, runs) in by_month(rows) {
+            let month = self
+                .costly_reads(
+                    &mut tx,
+                    deadline,
+                    business_date,
+                    month_attempts,
+                    runs,
+                    shards,
+                )
+                .await?;
+            months.push(month);
+        }
+        // Read-only: nothing to commit.
+        tx.rollback().await?;
+        let (cron, timezone) = (&settings.schedule.cron, settings.schedule.timezone);
+        Ok(Overview {
+            scope,
+            shards,
+            months,
+            history,
+            schedule: Schedule {
+                timezone,
+                next: schedule::next_slot_after(cron, timezone, now).map(Slot::new),
+                latest: schedule::latest_slot_at_or_before(cron, timezone, now).map(Slot::new),
+            },
+            lease_ttl_secs: settings.lease.ttl_secs,
+        })
+    }
+
+    /// One month's shards, running shards' progress and totals, each costly read within what is
+    /// left of the view's budget.
+    async fn costly_reads(
+        &self,
+        tx: &mut PgConnection,
+        deadline: Instant,
+        business_date: NaiveDate,
+        month_attempts: i64,
+        runs: Vec<JobRunRow>,
+        shards: u32,
+    ) -> Result<Month> {
+        let mut runs: BTreeMap<u32, JobRunRow> =
+            runs.into_iter().map(|r| (r.shard as u32, r)).collect();
+        let mut month_shards = Vec::new();
+        for index in 0..shards {
+            let run = runs.remove(&index);
+            let progress = match &run {
+                Some(run) if run.status == "RUNNING" => {
+                    let key = JobKey {
+                        job_name: settlement::JOB_NAME.to_string(),
+                        business_date,
+                        shards,
+                        shard: index,
+                    };
+                    self.progress(tx, deadline, key, run).await?
+                }
+                _ => None,
+            };
+            month_shards.push(Shard {
+                index,
+                run,
+                progress,
+            });
+        }
+        let closed = month_shards.iter().all(|s| s.state() == State::Success);
+        let totals = match BusinessDate::new(business_date) {
+            // Claims are made for month ends only; a row written by hand may not be one.
+            Err(e) => Totals::Unavailable(e.to_string()),
+            Ok(date) if closed => {
+                self.closed_totals(tx, deadline, date, month_attempts)
+                    .await?
+            }
+            Ok(date) => match costly(tx, deadline, totals_of, date).await? {
+                Ok(totals) => Totals::SoFar(totals),
+                Err(why) => Totals::Unavailable(why),
+            },
+        };
+        Ok(Month {
+            business_date,
+            shards: month_shards,
+            totals,
+        })
+    }
+
+    async fn progress(
+        &self,
+        tx: &mut PgConnection,
+        deadline: Instant,
+        key: JobKey,
+        run: &JobRunRow,
+    ) -> Result<Option<Progress>> {
+        let read = run.scanned.max(0) as u64;
+        let id = (key.clone(), run.attempt);
+        let known = self.kept().run_totals.get(&id).copied();
+        let total = match known {
+            Some(total) => total,
+            None => match costly(tx, deadline, unsettled_of, (key, run.last_id)).await? {
+                Ok(left) => {
+                    let total = read + left;
+                    let mut kept = self.kept();
+                    if kept.run_totals.len() >= KEEP_AT_MOST {
+                        kept.run_totals.clear();
+                    }
+                    kept.run_totals.insert(id, total);
+                    total
+                }
+                Err(_) => return Ok(None),
+            },
+        };
+        Ok(Some(Progress { read, total }))
+    }
+
+    /// A closed month's totals: kept, computed now within the budget and kept, or computed in the
+    /// background when the budget does not suffice.
+    async fn closed_totals(
+        &self,
+        tx: &mut PgConnection,
+        deadline: Instant,
+        month: BusinessDate,
+        month_attempts: i64,
+    ) -> Result<Totals> {
+        let date = month.date();
+        let kept = self
+            .kept()
+            .totals
+            .get(&date)
+            .filter(|k| k.month_attempts() == month_attempts)
+            .cloned();
+        match kept {
+            Some(KeptTotals::Ready { totals, .. }) => return Ok(Totals::Closed(totals)),
+            Some(KeptTotals::Computing { .. }) => return Ok(Totals::Computing),
+            Some(KeptTotals::Failed { retry_at, why, .. }) if Instant::now() < retry_at => {
+                return Ok(Totals::Unavailable(why))
+            }
+            Some(KeptTotals::Failed { .. }) => {
+                return Ok(self.compute_in_background(month, month_attempts))
+            }
+            None => {}
+        }
+        match costly(tx, deadline, totals_of, month).await? {
+            Ok(totals) => {
+                self.keep(
+                    date,
+                    KeptTotals::Ready {
+                        month_attempts,
+                        totals: totals.clone(),
+                    },
+                );
+                Ok(Totals::Closed(totals))
+            }
+            Err(_) => Ok(self.compute_in_background(month, month_attempts)),
+        }
+    }
+
+    /// Starts computing `month`'s totals in the background unless another month's are being
+    /// computed (a later view starts this one then).
+    fn compute_in_background(&self, month: BusinessDate, month_attempts: i64) -> Totals {
+        {
+            let mut kept = self.kept();
+            if kept.background {
+                return Totals::Unavailable(
+                    "waiting: another closed month's totals are being computed in the background"
+                        .into(),
+                );
+            }
+            kept.background = true;
+        }
+        self.keep(month.date(), KeptTotals::Computing { month_attempts });
+        let (pool, kept) = (self.pool.clone(), self.kept.clone());
+        tokio::spawn(async move {
+            let entry = match totals_in_background(pool, month).await {
+                Ok(totals) => KeptTotals::Ready {
+                    month_attempts,
+                    totals,
+                },
+                Err(e) => {
+                    tracing::warn!(business_date = %month, error = %e, "status page: cannot compute a closed month's totals");
+                    KeptTotals::Failed {
+                        month_attempts,
+                        retry_at: Instant::now() + RETRY_BACKGROUND_AFTER,
+                        why: format!(
+                            "the last attempt failed ({e}); tried again after {} s",
+                            RETRY_BACKGROUND_AFTER.as_secs()
+                        ),
+                    }
+                }
+            };
+            let mut kept = lock(&kept);
+            kept.background = false;
+            // Unless a run of the month started meanwhile (its entry is another one now).
+            let date = month.date();
+            if matches!(kept.totals.get(&date), Some(k @ KeptTotals::Computing { .. }) if k.month_attempts() == month_attempts)
+            {
+                kept.totals.insert(date, entry);
+            }
+        });
+        Totals::Computing
+    }
+
+    fn keep(&self, date: NaiveDate, entry: KeptTotals) {
+        let mut kept = self.kept();
+        kept.totals.insert(date, entry);
+        while kept.totals.len() > KEEP_AT_MOST {
+            kept.totals.pop_first();
+        }
+    }
+
+    fn kept(&self) -> MutexGuard<'_, Kept> {
+        lock(&self.kept)
+    }
+}
+
+/// A closed month's totals on a connection of its own, with a timeout of its own.
+async fn totals_in_background(pool: PgPool, month: BusinessDate) -> sqlx::Result<MonthTotals> {
+    let mut tx = pool.begin_with("BEGIN READ ONLY").await?;
+    set_timeout(&mut tx, BACKGROUND_TIMEOUT).await?;
+    let totals = totals_of(&mut tx, month).await?;
+    tx.rollback().await?;
+    Ok(totals)
+}
+
+/// Never held across an await; a panic while held cannot leave it half-written in a way that
+/// matters (at worst a month's totals are computed again).
+fn lock(kept: &Mutex<Kept>) -> MutexGuard<'_, Kept> {
+    kept.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Rows grouped by business date, newest first (the order they come in).
+fn by_month(rows: Vec<MonthRunRow>) -> Vec<(NaiveDate, i64, Vec<JobRunRow>)> {
+    let mut out: Vec<(NaiveDate, i64, Vec<JobRunRow>)> = Vec::new();
+    for row in rows {
+        match out.last_mut() {
+            Some((date, _, runs)) if *date == row.business_date => runs.push(row.run),
+            _ => out.push((row.business_date, row.month_attempts, vec![row.run])),
+        }
+    }
+    out
+}
+
+fn left(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+/// `SET LOCAL statement_timeout` (until the transaction, or the savepoint, ends); at least 1 ms,
+/// since 0 would mean no limit.
+async fn set_timeout(tx: &mut PgConnection, limit: Duration) -> sqlx::Result<()> {
+    let ms = limit.as_millis().clamp(1, i32::MAX as u128);
+    sqlx::query("SELECT set_config('statement_timeout', $1, true)")
+        .bind(ms.to_string())
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// A read of the database, boxed so [`costly`] can hand it its connection.
+type Read<'a, T> = Pin<Box<dyn Future<Output = sqlx::Result<T>> + Send + 'a>>;
+
+fn totals_of(c: &mut PgConnection, month: BusinessDate) -> Read<'_, MonthTotals> {
+    Box::pin(settlement::month_totals(c, month))
+}
+
+fn unsettled_of(c: &mut PgConnection, (key, after): (JobKey, Option<i64>)) -> Read<'_, u64> {
+    Box::pin(async move { settlement::unsettled_after(c, &key, after).await })
+}
+
+/// Runs one costly read in a savepoint, limited to what is left of the budget. `Ok(Err(why))`
+/// when it did not fit or failed: the view goes on without it. `Err` only when the transaction
+/// itself is broken.
+async fn costly<A, T>(
+    tx: &mut PgConnection,
+    deadline: Instant,
+    read: for<'a> fn(&'a mut PgConnection, A) -> Read<'a, T>,
+    arg: A,
+) -> Result<Result<T, String>> {
+    let budget = left(deadline);
+    if budget.is_zero() {
+        return Ok(Err(spent()));
+    }
+    sqlx::query("SAVEPOINT costly").execute(&mut *tx).await?;
+    set_timeout(tx, budget).await?;
+    match read(&mut *tx, arg).await {
+        Ok(value) => {
+            sqlx::query("RELEASE SAVEPOINT costly")
+                .execute(&mut *tx)
+                .await?;
+            Ok(Ok(value))
+        }
+        Err(e) => {
+            // Also undoes the SET LOCAL above.
+            sqlx::query("ROLLBACK TO SAVEPOINT costly")
+                .execute(&mut *tx)
+                .await?;
+            Ok(Err(if is_timeout(&e) {
+                spent()
+            } else {
+                format!("failed: {e}")
+            }))
+        }
+    }
+}
+
+fn spent() -> String {
+    format!(
+        "did not fit in this view's {} s of database time",
+        VIEW_BUDGET.as_secs()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Datelike;
+
+    fn run(shard: i32, status: &str, heartbeat_age_secs: f64) -> JobRunRow {
+        JobRunRow {
+            shard,
+            status: status.into(),
+            attempt: 1,
+            owner: "o".into(),
+            started_at: Utc::now(),
+            finished_at: None,
+            heartbeat_age_secs,
+            last_id: None,
+            scanned: 0,
+            updated: 0,
+            last_error: None,
+        }
+    }
+
+    fn month(runs: Vec<Option<JobRunRow>>) -> Month {
+        Month {
+            business_date: NaiveDate::from_ymd_opt(2026, 10, 31).unwrap(),
+            shards: runs
+                .into_iter()
+                .enumerate()
+                .map(|(index, run)| Shard {
+                    index: index as u32,
+                    run,
+                    progress: None,
+                })
+                .collect(),
+            totals: Totals::Computing,
+        }
+    }
+
+    #[test]
+    fn a_month_is_closed_only_when_every_shard_of_the_count_is_success() {
+        let all = month(vec![
+            Some(run(0, "SUCCESS", 1.0)),
+            Some(run(1, "SUCCESS", 1.0)),
+        ]);
+        assert!(all.closed());
+        let one_missing = month(vec![Some(run(0, "SUCCESS", 1.0)), None]);
+        assert!(!one_missing.closed());
+        assert_eq!(one_missing.in_state(State::Missing), vec![1]);
+        let one_failed = month(vec![
+            Some(run(0, "FAILED", 1.0)),
+            Some(run(1, "SUCCESS", 1.0)),
+        ]);
+        assert!(!one_failed.closed());
+        assert_eq!(one_failed.in_state(State::Failed), vec![0]);
+    }
+
+    #[test]
+    fn only_a_running_claim_older_than_the_lease_has_an_expired_lease() {
+        let shard = |status, age| Shard {
+            index: 0,
+            run: Some(run(0, status, age)),
+            progress: None,
+        };
+        assert!(shard("RUNNING", 61.0).lease_expired(60));
+        assert!(!shard("RUNNING", 59.0).lease_expired(60));
+        assert!(!shard("FAILED", 600.0).lease_expired(60));
+        assert!(!shard("SUCCESS", 600.0).lease_expired(60));
+    }
+
+    #[test]
+    fn progress_is_a_percentage_that_never_passes_100() {
+        let percent = |read, total| Progress { read, total }.percent();
+        assert_eq!(percent(150, 361), 41);
+        assert_eq!(percent(0, 10), 0);
+        assert_eq!(percent(12, 10), 100, "rows added to the month meanwhile");
+        assert_eq!(percent(0, 0), 100, "nothing to read");
+    }
+
+    #[test]
+    fn rows_are_grouped_by_month_in_the_order_they_come() {
+        let row = |day, shard| MonthRunRow {
+            business_date: NaiveDate::from_ymd_opt(2026, 10, day).unwrap(),
+            month_attempts: i64::from(day),
+            run: run(shard, "SUCCESS", 1.0),
+        };
+        let grouped = by_month(vec![row(31, 0), row(31, 2), row(30, 1)]);
+        let shape: Vec<_> = grouped
+            .iter()
+            .map(|(d, a, runs)| {
+                (
+                    d.day(),
+                    *a,
+                    runs.iter().map(|r| r.shard).collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        assert_eq!(shape, vec![(31, 31, vec![0, 2]), (30, 30, vec![1])]);
+    }
+}

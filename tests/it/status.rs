@@ -1,0 +1,881 @@
+//! The status page (`GET /status`) as a person sees it: a replica over a database holding a month
+//! in each state, opened in headless Chromium; and at the HTTP level: escaping, the setting that
+//! turns it off, bad queries, kept and live totals, and a slow database.
+
+use crate::helpers::*;
+use chrono::{DateTime, Utc};
+use settlementd::calendar::BusinessDate;
+use settlementd::clock::ManualClock;
+use settlementd::config::{Settings, ShardSpec};
+use settlementd::daemon;
+use settlementd::jobs::claim::{self, Claim, ClaimOutcome};
+use settlementd::jobs::requests::{self, NewRequest};
+use settlementd::jobs::{events, Job, Owner};
+use settlementd::schedule::{self, Slot};
+use settlementd::settlement::{self, FineSettlement};
+use sqlx::{Connection, PgPool};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// A replica (`daemon::serve`: HTTP and the schedule loop) on `pool`, in process, with the default
+/// schedule and `catch_up = false` on a clock stopped at `now`: its schedule never fires during a
+/// test, so it changes nothing the test did not.
+struct Replica {
+    addr: SocketAddr,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<settlementd::app::Result<()>>,
+}
+
+impl Replica {
+    async fn start(pool: &PgPool, overrides: &[(&str, &str)], now: DateTime<Utc>) -> Self {
+        let mut env = vec![
+            ("SETTLEMENTD__SCHEDULE__CATCH_UP", "false"),
+            ("SETTLEMENTD__DATABASE__MIGRATE_ON_START", "false"),
+        ];
+        env.extend_from_slice(overrides);
+        let env: Vec<(String, String)> = env
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let settings = Settings::load_from(None, env).expect("valid test settings");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(daemon::serve(
+            settings,
+            pool.clone(),
+            listener,
+            Arc::new(ManualClock::new(now)),
+            stop.clone(),
+        ));
+        for _ in 0..200 {
+            if matches!(get(addr, "/healthz").await, Ok((200, _))) {
+                return Self { addr, stop, task };
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("the replica's HTTP endpoints never came up");
+    }
+
+    async fn get(&self, path: &str) -> Answer {
+        http(self.addr, "GET", path, &[], "").await.unwrap()
+    }
+
+    async fn page(&self, path: &str) -> String {
+        let answer = self.get(path).await;
+        assert_eq!(answer.status, 200, "{path}: {}", answer.body);
+        answer.body
+    }
+
+    async fn stop(self) {
+        self.stop.cancel();
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn job(batch_size: u32) -> FineSettlement {
+    FineSettlement {
+        rule: settlementd::fine::FineRule::default(),
+        batch_size,
+        guards: Default::default(),
+    }
+}
+
+fn key(month: BusinessDate, shards: u32, shard: u32) -> settlementd::jobs::JobKey {
+    settlement::key(month, ShardSpec::new(shard, shards).unwrap())
+}
+
+/// Settles one shard of `month` to SUCCESS as `owner`, as a replica would.
+async fn settle_as(pool: &PgPool, month: BusinessDate, shards: u32, shard: u32, owner: &str) {
+    let options = settlementd::jobs::RunOptions {
+        owner: Owner(owner.into()),
+        ..run_options(false, false)
+    };
+    let report = settlementd::jobs::run_once(
+        pool,
+        &job(500),
+        key(month, shards, shard),
+        &options,
+        &CancellationToken::new(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
+    assert!(report.skipped.is_none(), "{report:?}");
+}
+
+/// Claims one shard of `month` as `owner` and commits one batch of `batch` loans, as a replica
+/// that is still working on it: the row is RUNNING with a fresh heartbeat.
+async fn claim_with_one_batch(
+    pool: &PgPool,
+    month: BusinessDate,
+    shards: u32,
+    shard: u32,
+    owner: &str,
+    batch: u32,
+) -> Claim {
+    let key = key(month, shards, shard);
+    let mut conn = pool.acquire().await.unwrap();
+    let outcome = claim::claim(
+        &mut conn,
+        &key,
+        &Owner(owner.into()),
+        Duration::from_secs(60),
+        false,
+    )
+    .await
+    .unwrap();
+    let ClaimOutcome::Won(claim) = outcome else {
+        panic!("expected to win {key}: {outcome:?}");
+    };
+    let job = job(batch);
+    let (plan, _) = job.plan(pool, &key, None, false).await.unwrap();
+    let mut tx = conn.begin_with(job.begin_batch()).await.unwrap();
+    let done = job.run_batch(&mut tx, &plan, None).await.unwrap();
+    assert!(claim::record_batch(&mut tx, &claim, &done).await.unwrap());
+    tx.commit().await.unwrap();
+    claim
+}
+
+/// Elements that flow within a line: no space between their text and what surrounds it.
+const INLINE: &[&str] = &["a", "span", "code", "strong", "b", "em", "small"];
+
+/// The text a person reads in the element with `id`: tags dropped (a line break between blocks),
+/// entities decoded, white space folded.
+fn text_of(html: &str, id: &str) -> String {
+    let at = html
+        .find(&format!("id=\"{id}\""))
+        .unwrap_or_else(|| panic!("no element #{id} in the page:\n{html}"));
+    let open = html[..at].rfind('<').unwrap();
+    let tag: String = html[open + 1..]
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    let content_start = open + html[open..].find('>').unwrap() + 1;
+    // The element ends at its closing tag, counting nested elements of the same name.
+    let (mut depth, mut pos) = (0usize, open);
+    let end = loop {
+        let lt = pos + html[pos..].find('<').expect("the element is closed");
+        let gt = lt + html[lt..].find('>').unwrap();
+        let inner = &html[lt + 1..gt];
+        let (closing, name) = match inner.strip_prefix('/') {
+            Some(name) => (true, name),
+            None => (false, inner),
+        };
+        let name: String = name
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric())
+            .collect();
+        if name == tag {
+            if closing {
+                depth -= 1;
+                if depth == 0 {
+                    break lt;
+                }
+            } else {
+                depth += 1;
+            }
+        }
+        pos = gt + 1;
+    };
+    let mut text = String::new();
+    let mut rest = &html[content_start..end];
+    while let Some(lt) = rest.find('<') {
+        text.push_str(&rest[..lt]);
+        let gt = lt + rest[lt..].find('>').unwrap();
+        let name: String = rest[lt + 1..gt]
+            .trim_start_matches('/')
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric())
+            .collect();
+        if !INLINE.contains(&name.as_str()) {
+            text.push('\n');
+        }
+        rest = &rest[gt + 1..];
+    }
+    text.push_str(rest);
+    let text = text
+        .replace("&lt;", "<")
+        .replace("&gt;", ">")
+        .replace("&quot;", "\"")
+        .replace("&#39;", "'")
+        .replace("&nbsp;", " ")
+        .replace("&amp;", "&");
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Headless Chromium as `.ci/run` installs it (Debian's `chromium`); `SETTLEMENTD_CHROMIUM` names
+/// another binary. Missing, the test fails: it must not pass without looking at the page.
+fn chromium_binary() -> PathBuf {
+    let found = match std::env::var_os("SETTLEMENTD_CHROMIUM") {
+        Some(path) => Some(PathBuf::from(path)).filter(|p| p.is_file()),
+        None => std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+            .flat_map(|dir| ["chromium", "chromium-browser"].map(|name| dir.join(name)))
+            .find(|p| p.is_file()),
+    };
+    found.unwrap_or_else(|| {
+        panic!(
+            "this test opens the status page in headless Chromium, which was not found: \
+             `apt-get install chromium` (Debian; .ci/run installs it), or set \
+             SETTLEMENTD_CHROMIUM to a Chromium binary"
+        )
+    })
+}
+
+/// Runs headless Chromium with `args` in a fresh profile; returns its stdout. (JavaScript stays
+/// on: `--dump-dom` needs it. The page has no script for it to run, which the test checks.)
+async fn chromium(args: &[String]) -> String {
+    let profile = tempfile::tempdir().unwrap();
+    let mut command = tokio::process::Command::new(chromium_binary());
+    command
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--disable-dev-shm-usage",
+            "--hide-scrollbars",
+        ])
+        .arg(format!("--user-data-dir={}", profile.path().display()))
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(Duration::from_secs(90), command.output())
+        .await
+        .expect("chromium finished within 90 s")
+        .expect("chromium starts");
+    assert!(
+        out.status.success(),
+        "chromium failed ({:?}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+async fn totals_of(pool: &PgPool, month: BusinessDate) -> settlement::MonthTotals {
+    settlement::month_totals(pool, month).await.unwrap()
+}
+
+/// "15,722.50" for 1572250 cents; "5,379" for 5379.
+fn grouped(n: i64) -> String {
+    let digits = n.to_string();
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn money(cents: i64) -> String {
+    format!("{}.{:02}", grouped(cents / 100), cents % 100)
+}
+
+const SEP: &str = "2026-09-30";
+const OCT: &str = "2026-10-31";
+const FAILURE: &str = "database error: canceling statement due to statement timeout";
+
+fn owner(shard: u32) -> String {
+    format!("settlementd-{shard}/7-{:08x}", 0x3f2a_9c10 + shard)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_person_opening_status_in_a_browser_sees_which_months_are_closed_and_which_shard_runs_failed_or_is_missing(
+) {
+    // Before any work: without a browser this test cannot look at the page, and says so.
+    chromium_binary();
+    let db = test_db().await;
+    let pool = &db.pool;
+    // The month the latest fire settles and the three before it, whenever the test runs.
+    let now = Utc::now();
+    let settings = Settings::load_from(None, []).unwrap();
+    let (cron, tz) = (&settings.schedule.cron, settings.schedule.timezone);
+    let latest = Slot::new(schedule::latest_slot_at_or_before(cron, tz, now).unwrap());
+    let next = Slot::new(schedule::next_slot_after(cron, tz, now).unwrap());
+    let running = latest.business_date;
+    let failed = BusinessDate::month_before(running.first_day());
+    let missing = BusinessDate::month_before(failed.first_day());
+    let closed = BusinessDate::month_before(missing.first_day());
+    for (i, month) in [closed, missing, failed, running].into_iter().enumerate() {
+        seed_month(pool, month, 1200, 1 + 10_000 * i as i64).await;
+    }
+    // `closed`: every shard SUCCESS. `missing`: shard 2 never claimed. `failed`: shard 1 FAILED
+    // after one batch, and an operator asked for it again (a request no replica of shard 1 has
+    // served yet). `running`, the month the latest fire settles: shard 1 RUNNING, one batch in.
+    for shard in 0..3 {
+        settle_as(pool, closed, 3, shard, &owner(shard)).await;
+    }
+    for shard in [0, 1] {
+        settle_as(pool, missing, 3, shard, &owner(shard)).await;
+    }
+    for shard in [0, 2] {
+        settle_as(pool, failed, 3, shard, &owner(shard)).await;
+        settle_as(pool, running, 3, shard, &owner(shard)).await;
+    }
+    let claim = claim_with_one_batch(pool, failed, 3, 1, &owner(1), 100).await;
+    assert!(claim::mark_failed(pool, &claim, FAILURE).await.unwrap());
+    let rerun_key = format!("rerun-{failed}-shard-1");
+    let request = NewRequest {
+        idempotency_key: rerun_key.clone(),
+        job_name: settlement::JOB_NAME.into(),
+        business_date: failed.date(),
+        shards: 3,
+        shard: Some(1),
+        force: false,
+    };
+    let mut conn = pool.acquire().await.unwrap();
+    requests::store(&mut conn, &request, &owner(0), |_| "{}".into())
+        .await
+        .unwrap();
+    drop(conn);
+    let claim = claim_with_one_batch(pool, running, 3, 1, &owner(1), 150).await;
+    // What the running shard has to read in all: its month's returned loans with id % 3 = 1.
+    let shard_total: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE returned_on BETWEEN $1 AND $2 AND id % 3 = 1",
+    )
+    .bind(running.first_day())
+    .bind(running.date())
+    .fetch_one(pool)
+    .await
+    .unwrap();
+
+    let replica = Replica::start(
+        pool,
+        &[
+            ("SETTLEMENTD__SHARD__COUNT", "3"),
+            ("SETTLEMENTD__SHARD__INDEX", "0"),
+        ],
+        now,
+    )
+    .await;
+    let url = format!("http://{}/status", replica.addr);
+    let dom = chromium(&["--dump-dom".into(), url.clone()]).await;
+
+    // Each month, newest first, with its verdict.
+    let rows: Vec<usize> = [running, failed, missing, closed]
+        .iter()
+        .map(|m| {
+            dom.find(&format!("id=\"month-{m}\""))
+                .unwrap_or_else(|| panic!("no row for {m} in the page:\n{dom}"))
+        })
+        .collect();
+    assert!(rows.windows(2).all(|w| w[0] < w[1]), "newest month first");
+    assert_eq!(text_of(&dom, &format!("verdict-{closed}")), "closed");
+    assert_eq!(
+        text_of(&dom, &format!("verdict-{missing}")),
+        "not closed shard 2 missing"
+    );
+    assert_eq!(
+        text_of(&dom, &format!("verdict-{failed}")),
+        "not closed shard 1 FAILED"
+    );
+    assert_eq!(
+        text_of(&dom, &format!("verdict-{running}")),
+        "not closed shard 1 RUNNING"
+    );
+
+    // The cells: status in words, attempt, owner, heartbeat age, progress, error.
+    for shard in 0..3 {
+        let cell = text_of(&dom, &format!("cell-{closed}-{shard}"));
+        assert!(
+            cell.starts_with(&format!("SUCCESS attempt 1 owner {}", owner(shard))),
+            "{cell}"
+        );
+        assert!(cell.contains("rows updated"), "{cell}");
+    }
+    let cell = text_of(&dom, &format!("cell-{missing}-2"));
+    assert!(cell.starts_with("missing no claim"), "{cell}");
+    let cell = text_of(&dom, &format!("cell-{failed}-1"));
+    assert!(
+        cell.starts_with(&format!("FAILED attempt 1 owner {}", owner(1))),
+        "{cell}"
+    );
+    assert!(cell.contains("100 rows updated"), "{cell}");
+    assert!(cell.ends_with(FAILURE), "{cell}");
+    let cell = text_of(&dom, &format!("cell-{running}-1"));
+    assert!(
+        cell.starts_with(&format!(
+            "RUNNING attempt {} owner {} heartbeat",
+            claim.attempt,
+            owner(1)
+        )),
+        "{cell}"
+    );
+    let age: u64 = cell
+        .split("heartbeat ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("a heartbeat age in seconds: {cell}"));
+    assert!(age < 60, "{cell}");
+    assert!(!cell.contains("lease expired"), "{cell}");
+    assert!(
+        cell.ends_with(&format!(
+            "150 rows updated read 150 of {} ({} %)",
+            grouped(shard_total),
+            150 * 100 / shard_total
+        )),
+        "{cell}"
+    );
+    assert!(dom.contains("<progress"), "a bar for the running shard");
+
+    // Totals: a closed month's settled totals, an open month's so far.
+    let closed_totals = totals_of(pool, closed).await;
+    assert_eq!(
+        text_of(&dom, &format!("totals-{closed}")),
+        format!(
+            "settled {} rows fines {} digest {}…",
+            grouped(closed_totals.settled_rows),
+            money(closed_totals.fine_cents_sum),
+            &closed_totals.digest[..12]
+        )
+    );
+    let so_far = totals_of(pool, running).await;
+    let shown = text_of(&dom, &format!("totals-{running}"));
+    assert!(
+        shown.starts_with(&format!(
+            "settled so far {} rows fines {}",
+            grouped(so_far.settled_rows),
+            money(so_far.fine_cents_sum)
+        )),
+        "{shown}"
+    );
+
+    // The schedule in the configured zone (the default: 02:30 on the 1st, Asia/Shanghai), and the
+    // month the latest fire should have closed.
+    let first_of = |slot: &Slot| slot.fire_at.format("%Y-%m-01 02:30:00 +08:00").to_string();
+    assert_eq!(
+        text_of(&dom, "next-fire"),
+        format!(
+            "{} (Asia/Shanghai), settles {}",
+            first_of(&next),
+            next.business_date
+        )
+    );
+    assert_eq!(
+        text_of(&dom, "latest-fire"),
+        format!(
+            "{}, settles {running}: not closed (shard 1 RUNNING)",
+            first_of(&latest)
+        )
+    );
+
+    // History: shard 1's trail across months, the manual request and where it stands.
+    let history = text_of(&dom, "history-1");
+    for expected in [
+        "claimed",
+        "failed",
+        FAILURE,
+        "requested",
+        &rerun_key,
+        "now pending",
+    ] {
+        assert!(history.contains(expected), "{expected:?} in {history}");
+    }
+    assert!(
+        history.find("claimed").unwrap() < history.find("requested").unwrap(),
+        "newest first: the running month's claim before the request: {history}"
+    );
+
+    // A page showing a RUNNING shard refreshes itself; nothing is loaded from elsewhere, and no
+    // script runs: the page reads the same without JavaScript.
+    assert!(
+        dom.contains(r#"<meta http-equiv="refresh" content="10">"#),
+        "{dom}"
+    );
+    for external in [
+        "<script", "http://", "https://", "<link", "<img", "@import", "url(",
+    ] {
+        assert!(!dom.contains(external), "{external:?} in the page");
+    }
+
+    // One month in detail: the closed one does not refresh and shows its whole digest.
+    let detail = chromium(&[
+        "--dump-dom".into(),
+        format!("{url}?business_date={closed}&shards=3"),
+    ])
+    .await;
+    assert!(!detail.contains("http-equiv=\"refresh\""));
+    assert!(text_of(&detail, &format!("totals-{closed}")).contains(&closed_totals.digest));
+    assert!(!detail.contains(&format!("id=\"month-{missing}\"")));
+    let detail = chromium(&[
+        "--dump-dom".into(),
+        format!("{url}?business_date={running}&shards=3"),
+    ])
+    .await;
+    assert!(detail.contains(r#"<meta http-equiv="refresh" content="10">"#));
+    assert!(text_of(&detail, &format!("cell-{running}-1")).contains("read 150 · last id"));
+
+    // What the README shows (docs/status-page.png): the page as a browser draws it.
+    let scratch = tempfile::tempdir().unwrap();
+    let screenshot = std::env::var_os("SETTLEMENTD_STATUS_SCREENSHOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| scratch.path().join("status.png"));
+    chromium(&[
+        format!("--screenshot={}", screenshot.display()),
+        "--window-size=1280,1800".into(),
+        url,
+    ])
+    .await;
+    let png = std::fs::read(&screenshot).unwrap();
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"), "a PNG");
+    assert_eq!(
+        u32::from_be_bytes(png[16..20].try_into().unwrap()),
+        1280,
+        "the window's width"
+    );
+    replica.stop().await;
+}
+
+#[tokio::test]
+async fn status_shows_owner_names_and_error_texts_from_the_database_as_text_without_a_token() {
+    let db = test_db().await;
+    sqlx::query(
+        "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
+                               started_at, heartbeat_at, finished_at, last_error)
+         VALUES ($1, $2, 1, 0, 'FAILED', 2, $3, now(), now(), now(), $4)",
+    )
+    .bind(settlement::JOB_NAME)
+    .bind(bd(OCT).date())
+    .bind("<script>alert('owner')</script>")
+    .bind("<script>alert(\"last_error\")</script> & <b>bold</b>")
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO job_events (job_name, business_date, shards, shard, event, attempt, owner, message)
+         VALUES ($1, $2, 1, 0, 'failed', 2, $3, $4)",
+    )
+    .bind(settlement::JOB_NAME)
+    .bind(bd(OCT).date())
+    .bind("<script>alert('owner')</script>")
+    .bind("<script>alert('message')</script>")
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let replica = Replica::start(&db.pool, &[], Utc::now()).await;
+    for path in ["/status", "/status?business_date=2026-10-31&shards=1"] {
+        let answer = replica.get(path).await;
+        assert_eq!(answer.status, 200, "{path}: {}", answer.body);
+        assert_eq!(
+            answer.header("content-type"),
+            Some("text/html; charset=utf-8")
+        );
+        assert!(answer
+            .header("content-security-policy")
+            .is_some_and(|csp| csp.starts_with("default-src 'none'")));
+        let body = &answer.body;
+        assert!(!body.contains("<script"), "{path}: {body}");
+        assert!(!body.contains("<b>"), "{path}: {body}");
+        for shown in [
+            "&lt;script&gt;alert('owner')&lt;/script&gt;",
+            "&lt;script&gt;alert(&quot;last_error&quot;)&lt;/script&gt; &amp; &lt;b&gt;bold&lt;/b&gt;",
+            "&lt;script&gt;alert('message')&lt;/script&gt;",
+        ] {
+            assert!(body.contains(shown), "{path}: {shown} in {body}");
+        }
+        let cell = text_of(body, &format!("cell-{OCT}-0"));
+        assert!(
+            cell.starts_with("FAILED attempt 2 owner <script>alert('owner')</script> heartbeat"),
+            "{cell}"
+        );
+        assert!(
+            cell.ends_with("<script>alert(\"last_error\")</script> & <b>bold</b>"),
+            "{cell}"
+        );
+    }
+    replica.stop().await;
+}
+
+#[tokio::test]
+async fn status_page_false_answers_404() {
+    let db = test_db().await;
+    let replica = Replica::start(
+        &db.pool,
+        &[("SETTLEMENTD__HTTP__STATUS_PAGE", "false")],
+        Utc::now(),
+    )
+    .await;
+    for path in ["/status", "/status?business_date=2026-10-31"] {
+        let answer = replica.get(path).await;
+        assert_eq!(answer.status, 404, "{path}");
+        assert!(
+            answer.body.contains("http.status_page = false"),
+            "{answer:?}"
+        );
+    }
+    assert_eq!(replica.get("/healthz").await.status, 200);
+    replica.stop().await;
+}
+
+#[tokio::test]
+async fn a_bad_status_query_is_a_400_page_that_names_the_problem() {
+    let db = test_db().await;
+    let replica = Replica::start(&db.pool, &[], Utc::now()).await;
+    for (query, expected) in [
+        (
+            "business_date=2026-10-30",
+            "must be the last day of a month (e.g. 2026-10-31)",
+        ),
+        ("business_date=yesterday", "expected YYYY-MM-DD"),
+        ("shards=0", "shards must be a whole number from 1 to 1024"),
+        (
+            "shards=99999999999",
+            "shards must be a whole number from 1 to 1024",
+        ),
+        ("month=2026-10", "unknown parameter &quot;month&quot;"),
+        ("shards=1&shards=2", "more than once"),
+        (
+            "business_date=%3Cscript%3E",
+            "invalid date '&lt;script&gt;'",
+        ),
+    ] {
+        let answer = replica.get(&format!("/status?{query}")).await;
+        assert_eq!(answer.status, 400, "{query}: {}", answer.body);
+        assert_eq!(
+            answer.header("content-type"),
+            Some("text/html; charset=utf-8")
+        );
+        assert!(answer.body.contains(expected), "{query}: {}", answer.body);
+        assert!(!answer.body.contains("<script"), "{query}: {}", answer.body);
+    }
+    replica.stop().await;
+}
+
+/// Changes one settled loan's fine behind settlement's back: the month's totals change although
+/// no run happened.
+async fn nudge_a_settled_fine(pool: &PgPool, month: BusinessDate) {
+    sqlx::query(
+        "UPDATE loans SET fine_cents = fine_cents + 1
+          WHERE id = (SELECT min(id) FROM loans
+                       WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NOT NULL)",
+    )
+    .bind(month.first_day())
+    .bind(month.date())
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn a_closed_months_totals_are_computed_once_until_a_run_of_it_starts_an_open_months_at_every_view(
+) {
+    let db = test_db().await;
+    let pool = &db.pool;
+    seed_month(pool, bd(SEP), 600, 1).await;
+    seed_month(pool, bd(OCT), 600, 10_001).await;
+    for shard in [0, 1] {
+        settle_as(pool, bd(SEP), 2, shard, &owner(shard)).await;
+    }
+    settle_as(pool, bd(OCT), 2, 0, &owner(0)).await;
+    let replica = Replica::start(pool, &[("SETTLEMENTD__SHARD__COUNT", "2")], Utc::now()).await;
+    let fines = |page: &str, month: &str| {
+        let totals = text_of(page, &format!("totals-{month}"));
+        totals
+            .split("fines ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .unwrap_or_else(|| panic!("fines in {totals}"))
+            .to_string()
+    };
+    let sep = totals_of(pool, bd(SEP)).await;
+    let oct = totals_of(pool, bd(OCT)).await;
+    let page = replica.page("/status").await;
+    assert_eq!(fines(&page, SEP), money(sep.fine_cents_sum));
+    assert_eq!(fines(&page, OCT), money(oct.fine_cents_sum));
+
+    nudge_a_settled_fine(pool, bd(SEP)).await;
+    nudge_a_settled_fine(pool, bd(OCT)).await;
+    let page = replica.page("/status").await;
+    assert_eq!(
+        fines(&page, SEP),
+        money(sep.fine_cents_sum),
+        "closed: kept from the first view"
+    );
+    assert_eq!(
+        fines(&page, OCT),
+        money(oct.fine_cents_sum + 1),
+        "open: computed at each view"
+    );
+
+    // A forced re-run of a September shard is a new attempt: the kept totals are computed again.
+    let options = settlementd::jobs::RunOptions {
+        owner: Owner(owner(1)),
+        ..run_options(true, false)
+    };
+    settlementd::jobs::run_once(
+        pool,
+        &job(500),
+        key(bd(SEP), 2, 1),
+        &options,
+        &CancellationToken::new(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
+    let page = replica.page("/status").await;
+    assert_eq!(fines(&page, SEP), money(sep.fine_cents_sum + 1));
+    replica.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_database_makes_the_page_show_totals_unavailable_within_its_budget_instead_of_hanging(
+) {
+    let db = test_db().await;
+    let pool = &db.pool;
+    seed_month(pool, bd(SEP), 300, 1).await;
+    seed_month(pool, bd(OCT), 300, 10_001).await;
+    settle_as(pool, bd(SEP), 1, 0, &owner(0)).await;
+    claim_with_one_batch(pool, bd(OCT), 1, 0, &owner(0), 50).await;
+    let replica = Replica::start(pool, &[], Utc::now()).await;
+
+    // Someone holds a lock on loans: every read of it waits.
+    let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut locker).await.unwrap();
+    sqlx::query("LOCK TABLE loans IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut locker)
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let page = tokio::time::timeout(Duration::from_secs(10), replica.page("/status"))
+        .await
+        .expect("the page answers while loans is locked");
+    let took = started.elapsed();
+    assert!(
+        took < settlementd::overview::VIEW_BUDGET + Duration::from_secs(2),
+        "took {took:?}"
+    );
+    let oct = text_of(&page, &format!("totals-{OCT}"));
+    assert!(
+        oct.starts_with("totals unavailable: did not fit in this view's 2 s"),
+        "{oct}"
+    );
+    let sep = text_of(&page, &format!("totals-{SEP}"));
+    assert!(sep.contains("being computed in the background"), "{sep}");
+    // The claims still show, without a progress bar (it needs the loans too).
+    let cell = text_of(&page, &format!("cell-{OCT}-0"));
+    assert!(cell.starts_with("RUNNING attempt 1"), "{cell}");
+    assert!(!page.contains("<progress"));
+
+    // Once the lock is gone the background computation finishes, and the next views show it.
+    sqlx::query("ROLLBACK").execute(&mut locker).await.unwrap();
+    let expected = totals_of(pool, bd(SEP)).await;
+    let mut shown = String::new();
+    for _ in 0..100 {
+        shown = text_of(&replica.page("/status").await, &format!("totals-{SEP}"));
+        if shown.starts_with("settled ") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        shown,
+        format!(
+            "settled {} rows fines {} digest {}…",
+            grouped(expected.settled_rows),
+            money(expected.fine_cents_sum),
+            &expected.digest[..12]
+        )
+    );
+    replica.stop().await;
+}
+
+#[tokio::test]
+async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_count() {
+    let db = test_db().await;
+    let mut conn = db.pool.acquire().await.unwrap();
+    // 2025-01 … 2026-02: fourteen months, oldest first.
+    let months: Vec<BusinessDate> = (0..14)
+        .map(|i| BusinessDate::from_month(&format!("{}-{:02}", 2025 + i / 12, i % 12 + 1)))
+        .map(Result::unwrap)
+        .collect();
+    for (i, month) in months.iter().enumerate() {
+        // Shard 1 only in every other month; shard 0 always.
+        for shard in 0..2 {
+            if shard == 1 && i % 2 == 1 {
+                continue;
+            }
+            let outcome = claim::claim(
+                &mut conn,
+                &key(*month, 2, shard),
+                &Owner(owner(shard)),
+                Duration::from_secs(60),
+                false,
+            )
+            .await
+            .unwrap();
+            assert!(matches!(outcome, ClaimOutcome::Won(_)));
+        }
+    }
+    // The newest month also under three shards, one of them taken over once: not in the grid of
+    // two shards, but part of the month's attempts.
+    let newest = *months.last().unwrap();
+    for _ in 0..2 {
+        let outcome = claim::claim(
+            &mut conn,
+            &key(newest, 3, 0),
+            &Owner("elsewhere".into()),
+            Duration::ZERO,
+            false,
+        )
+        .await
+        .unwrap();
+        assert!(matches!(outcome, ClaimOutcome::Won(_)));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rows = claim::latest_months(&mut *conn, settlement::JOB_NAME, 2, None, 12)
+        .await
+        .unwrap();
+    let dates: Vec<_> = rows.iter().map(|r| r.business_date).collect();
+    let mut expected: Vec<_> = Vec::new();
+    for (i, month) in months.iter().enumerate().rev().take(12) {
+        expected.push(month.date());
+        if i % 2 == 0 {
+            expected.push(month.date());
+        }
+    }
+    assert_eq!(dates, expected, "newest first, by shard, twelve months");
+    assert_eq!(rows[0].run.shard, 0);
+    assert_eq!(
+        rows[0].month_attempts,
+        1 + 2,
+        "the attempts under every shard count"
+    );
+    let one = claim::latest_months(
+        &mut *conn,
+        settlement::JOB_NAME,
+        2,
+        Some(months[0].date()),
+        12,
+    )
+    .await
+    .unwrap();
+    assert_eq!(one.len(), 2);
+    assert!(one.iter().all(|r| r.business_date == months[0].date()));
+
+    let history = events::latest_per_shard(&mut *conn, settlement::JOB_NAME, 2, None, 3)
+        .await
+        .unwrap();
+    let shard0: Vec<_> = history.iter().filter(|e| e.event.shard == 0).collect();
+    assert_eq!(shard0.len(), 3, "at most three per shard");
+    assert_eq!(
+        shard0.iter().map(|e| e.business_date).collect::<Vec<_>>(),
+        months
+            .iter()
+            .rev()
+            .take(3)
+            .map(|m| m.date())
+            .collect::<Vec<_>>(),
+        "across months, newest first"
+    );
+}
