@@ -11,7 +11,7 @@
 use crate::config::{redact_url, DatabaseSettings, SessionGuards};
 use sqlx::migrate::Migrator;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, Executor, PgConnection, PgPool, Row};
+use sqlx::{Executor, PgConnection, PgPool, Row};
 use std::str::FromStr;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -75,18 +75,8 @@ pub async fn connect(
         .extra_float_digits(None);
     let connect_error = |source: sqlx::Error| connect_error(url, source);
     let timeout = Duration::from_secs(settings.acquire_timeout_secs);
-    match tokio::time::timeout(timeout, sessions_are_shared(&options)).await {
-        Ok(Ok(false)) => {}
-        Ok(Ok(true)) => {
-            return Err(DbError::TransactionPooler {
-                url: redact_url(url),
-            })
-        }
-        Ok(Err(e)) => return Err(connect_error(e)),
-        Err(_) => return Err(connect_error(sqlx::Error::PoolTimedOut)),
-    }
     let session = session_guards_sql(guards);
-    PgPoolOptions::new()
+    let pool = PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .acquire_timeout(timeout)
         .after_connect(move |conn, _meta| {
@@ -96,7 +86,24 @@ pub async fn connect(
         })
         .connect_with(options)
         .await
-        .map_err(connect_error)
+        .map_err(connect_error)?;
+    // The check uses two of the pool's own connections (a run needs two anyway: batches and the
+    // heartbeat), so it costs a few round trips, not two more connections.
+    let shared = tokio::time::timeout(timeout, async {
+        let (mut a, mut b) = tokio::try_join!(pool.acquire(), pool.acquire())?;
+        sessions_are_shared(&mut a, &mut b).await
+    })
+    .await;
+    let refused = match shared {
+        Ok(Ok(false)) => return Ok(pool),
+        Ok(Ok(true)) => DbError::TransactionPooler {
+            url: redact_url(url),
+        },
+        Ok(Err(e)) => connect_error(e),
+        Err(_) => connect_error(sqlx::Error::PoolTimedOut),
+    };
+    pool.close().await;
+    Err(refused)
 }
 
 fn connect_error(url: &str, source: sqlx::Error) -> DbError {
@@ -143,28 +150,24 @@ pub fn session_guards_sql(guards: SessionGuards) -> String {
 /// PgBouncer's transaction mode, `b` is served by whatever session is free: `a`'s once `a`
 /// commits (PgBouncer reuses the most recently used one), or `a`'s from the start when the pool
 /// has one session (then `b` waits for `a`'s commit, which is why `a` does not wait for `b`).
-async fn sessions_are_shared(options: &PgConnectOptions) -> sqlx::Result<bool> {
-    let mut a = PgConnection::connect_with(options).await?;
-    let mut b = PgConnection::connect_with(options).await?;
-    sqlx::raw_sql("BEGIN").execute(&mut a).await?;
-    let pid_a = backend_pid(&mut a).await?;
+async fn sessions_are_shared(a: &mut PgConnection, b: &mut PgConnection) -> sqlx::Result<bool> {
+    sqlx::raw_sql("BEGIN").execute(&mut *a).await?;
+    let pid_a = backend_pid(a).await?;
     let pid_b1 = {
-        let first_b = backend_pid(&mut b);
+        let first_b = backend_pid(&mut *b);
         tokio::pin!(first_b);
         match tokio::time::timeout(Duration::from_millis(200), &mut first_b).await {
             Ok(pid) => {
-                sqlx::raw_sql("COMMIT").execute(&mut a).await?;
+                sqlx::raw_sql("COMMIT").execute(&mut *a).await?;
                 pid?
             }
             Err(_) => {
-                sqlx::raw_sql("COMMIT").execute(&mut a).await?;
+                sqlx::raw_sql("COMMIT").execute(&mut *a).await?;
                 first_b.await?
             }
         }
     };
-    let pid_b2 = backend_pid(&mut b).await?;
-    let _ = a.close().await;
-    let _ = b.close().await;
+    let pid_b2 = backend_pid(b).await?;
     Ok(pid_a == pid_b1 || pid_a == pid_b2 || pid_b1 != pid_b2)
 }
 

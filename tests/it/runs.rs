@@ -280,8 +280,11 @@ async fn wait_until_served(pool: &sqlx::PgPool, request_id: &str) -> Vec<request
     }
 }
 
+/// Settings of a replica whose schedule's latest fire settles October 2026 whatever today is (the
+/// cron fires once a year, on 1 November), so its catch-up is the "cron fire" of these tests.
 fn replica_env(shards: u32, shard: u32) -> Vec<(&'static str, String)> {
     vec![
+        ("SETTLEMENTD__SCHEDULE__CRON", "0 30 2 1 11 *".to_string()),
         ("SETTLEMENTD__HTTP__ADMIN_TOKEN", TOKEN.to_string()),
         ("SETTLEMENTD__SHARD__COUNT", shards.to_string()),
         ("SETTLEMENTD__SHARD__INDEX", shard.to_string()),
