@@ -7,7 +7,7 @@
 use super::claim::{self, ClaimOutcome};
 use super::lease::Heartbeat;
 use super::{events, Job, JobError, JobKey, Owner, Result};
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -98,18 +98,18 @@ async fn run_in_span<J: Job>(
     span: tracing::Span,
 ) -> Result<RunReport> {
     let started = Instant::now();
-    let outcome = {
-        let mut conn = pool.acquire().await?;
-        claim::claim_for(
-            &mut conn,
-            &key,
-            &opts.owner,
-            opts.lease_ttl,
-            opts.force,
-            opts.request.as_deref(),
-        )
-        .await?
-    };
+    // One connection carries the run: the claim, every batch, SUCCESS. (The heartbeat takes its own
+    // from the pool, and FAILED is written on a fresh one, in case this one is what broke.)
+    let mut conn = pool.acquire().await?;
+    let outcome = claim::claim_for(
+        &mut conn,
+        &key,
+        &opts.owner,
+        opts.lease_ttl,
+        opts.force,
+        opts.request.as_deref(),
+    )
+    .await?;
     let claim = match outcome {
         ClaimOutcome::Won(claim) => claim,
         ClaimOutcome::Held { owner, attempt } => {
@@ -137,6 +137,7 @@ async fn run_in_span<J: Job>(
     let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
     let worked = work(
         pool,
+        &mut conn,
         job,
         &claim,
         opts.estimate,
@@ -155,7 +156,7 @@ async fn run_in_span<J: Job>(
             batches,
             ..
         }) => {
-            if !claim::mark_success(pool, &claim).await? {
+            if !claim::mark_success(&mut *conn, &claim).await? {
                 metrics::counter!("settlementd_fencing_rejections_total").increment(1);
                 events::fencing_rejected(pool, &claim, "SUCCESS").await;
                 return Err(lease_lost(&claim));
@@ -201,8 +202,10 @@ async fn run_in_span<J: Job>(
     Err(failure)
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn work<J: Job>(
     pool: &PgPool,
+    conn: &mut PgConnection,
     job: &J,
     claim: &claim::Claim,
     estimate: bool,
@@ -226,7 +229,7 @@ async fn work<J: Job>(
         if shutdown.is_cancelled() {
             return Err(JobError::Interrupted);
         }
-        let mut tx = pool.begin_with(job.begin_batch()).await?;
+        let mut tx = conn.begin_with(job.begin_batch()).await?;
         let batch = job.run_batch(&mut tx, &plan, after).await?;
         if !claim::record_batch(&mut tx, claim, &batch).await? {
             tx.rollback().await?;

@@ -843,8 +843,9 @@ async fn a_database_restart_during_the_success_write_leaves_a_running_row_the_ne
     assert!(
         eventually(30, || async {
             sqlx::query_scalar::<_, i64>(
+                // Only the trigger on the SUCCESS write sleeps.
                 "SELECT count(*) FROM pg_stat_activity
-                  WHERE wait_event = 'PgSleep' AND query LIKE '%status = ''SUCCESS''%'",
+                  WHERE wait_event = 'PgSleep' AND application_name = 'settlementd'",
             )
             .fetch_one(&pool)
             .await
