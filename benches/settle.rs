@@ -405,10 +405,7 @@ async fn settle_before(db: &mut PgConnection, month: BusinessDate) -> Result<(),
     let sql = format!(
         "UPDATE loans l SET fine_cents = {}, fine_settled_at = now()
           WHERE l.returned_on < $1 AND l.fine_settled_at IS NULL",
-        FineRule::SQL_EXPR
-            .replace("$grace", "$2")
-            .replace("$rate", "$3")
-            .replace("$max", "$4")
+        FineRule::sql_params(2)
     );
     sqlx::query(&sql)
         .bind(month.first_day())
@@ -487,10 +484,7 @@ async fn set_based(db: &mut PgConnection, month: BusinessDate) -> Result<Sample,
         "UPDATE loans l SET fine_cents = {}, fine_settled_at = now()
           WHERE date_trunc('month', l.returned_on::timestamp) = $1
             AND l.returned_on IS NOT NULL AND l.fine_settled_at IS NULL",
-        FineRule::SQL_EXPR
-            .replace("$grace", "$2")
-            .replace("$rate", "$3")
-            .replace("$max", "$4")
+        FineRule::sql_params(2)
     );
     let t = Instant::now();
     let n = sqlx::query(&sql)

@@ -40,6 +40,24 @@ impl FineRule {
     pub const SQL_EXPR: &'static str =
         "LEAST(GREATEST((l.returned_on - l.due_on)::bigint - $grace, 0) * $rate, $max)";
 
+    /// [`FineRule::SQL_EXPR`] with `grace`, `rate` and `max` (SQL text: parameters or literals).
+    pub fn sql_expr(grace: &str, rate: &str, max: &str) -> String {
+        Self::SQL_EXPR
+            .replace("$grace", grace)
+            .replace("$rate", rate)
+            .replace("$max", max)
+    }
+
+    /// [`FineRule::SQL_EXPR`] reading the rule from the statement's parameters `$first`,
+    /// `$first + 1` and `$first + 2`: bind `grace_days`, `daily_rate_cents`, `max_cents` there.
+    pub fn sql_params(first: usize) -> String {
+        Self::sql_expr(
+            &format!("${first}"),
+            &format!("${}", first + 1),
+            &format!("${}", first + 2),
+        )
+    }
+
     /// The fine for a loan returned on `returned_on` that was due on `due_on`.
     /// Saturating arithmetic: absurd inputs give the cap, never an overflow panic.
     pub fn fine_cents(&self, due_on: NaiveDate, returned_on: NaiveDate) -> Cents {

@@ -257,10 +257,7 @@ pub fn batch_sql() -> String {
          )
          SELECT n, last, (SELECT count(*) FROM settled),
                 (SELECT count(*) FILTER (WHERE odd) FROM settled) FROM stats",
-        fine = FineRule::SQL_EXPR
-            .replace("$grace", "$6")
-            .replace("$rate", "$7")
-            .replace("$max", "$8"),
+        fine = FineRule::sql_params(6),
     )
 }
 

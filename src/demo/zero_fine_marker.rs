@@ -18,10 +18,7 @@ pub async fn settle_with_zero_fine_marker(
     let sql = format!(
         "UPDATE loans l SET fine_cents = {fine}
           WHERE l.returned_on BETWEEN $1 AND $2 AND l.fine_cents = 0",
-        fine = FineRule::SQL_EXPR
-            .replace("$grace", "$3")
-            .replace("$rate", "$4")
-            .replace("$max", "$5"),
+        fine = FineRule::sql_params(3),
     );
     Ok(sqlx::query(&sql)
         .bind(business_date.first_day())

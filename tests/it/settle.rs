@@ -549,10 +549,7 @@ async fn wrongly_settled(pool: &PgPool, month: BusinessDate) -> i64 {
     let sql = format!(
         "SELECT count(*) FROM loans l WHERE l.returned_on BETWEEN $1 AND $2
             AND (l.fine_settled_at IS NULL OR l.fine_cents <> {})",
-        FineRule::SQL_EXPR
-            .replace("$grace", "0")
-            .replace("$rate", "50")
-            .replace("$max", "10000")
+        FineRule::sql_expr("0", "50", "10000")
     );
     sqlx::query_scalar(&sql)
         .bind(month.first_day())
