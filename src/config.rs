@@ -564,7 +564,7 @@ mod tests {
     fn defaults_are_valid() {
         let s = load(&[]).unwrap();
         assert_eq!(s.shard, ShardSpec { index: 0, count: 1 });
-        assert_eq!(s.batch.size, 5000);
+        assert_eq!(s.batch.size, 10000);
         assert_eq!(s.schedule.timezone, chrono_tz::Asia::Shanghai);
         assert_eq!(s.fine, FineRule::default());
         assert!(s.database.url.is_none());

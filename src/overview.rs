@@ -24,7 +24,7 @@ use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::jobs::claim::{self, JobRunRow, MonthRunRow};
 use crate::jobs::events::{self, ShardEvent};
-use crate::jobs::{JobError, JobKey};
+use crate::jobs::{Cursor, JobError, JobKey};
 use crate::schedule::{self, Slot};
 use crate::settlement::{self, MonthTotals};
 use chrono::{DateTime, NaiveDate, Utc};
@@ -452,7 +452,7 @@ impl Reader {
         let known = self.kept().run_totals.get(&id).copied();
         let total = match known {
             Some(total) => total,
-            None => match costly(tx, deadline, unsettled_of, (key, run.last_id)).await? {
+            None => match costly(tx, deadline, unsettled_of, (key, run.cursor())).await? {
                 Ok(left) => {
                     let total = read + left;
                     let mut kept = self.kept();
@@ -617,8 +617,8 @@ fn totals_of(c: &mut PgConnection, month: BusinessDate) -> Read<'_, MonthTotals>
     Box::pin(settlement::month_totals(c, month))
 }
 
-fn unsettled_of(c: &mut PgConnection, (key, after): (JobKey, Option<i64>)) -> Read<'_, u64> {
-    Box::pin(async move { settlement::unsettled_after(c, &key, after).await })
+fn unsettled_of(c: &mut PgConnection, (key, cursor): (JobKey, Cursor)) -> Read<'_, u64> {
+    Box::pin(async move { settlement::unsettled_after(c, &key, cursor).await })
 }
 
 /// Runs one costly read in a savepoint, limited to what is left of the budget. `Ok(Err(why))`
@@ -679,6 +679,7 @@ mod tests {
             finished_at: None,
             heartbeat_age_secs,
             last_id: None,
+            last_id_desc: None,
             scanned: 0,
             updated: 0,
             last_error: None,

@@ -7,6 +7,7 @@ use crate::clock::SystemClock;
 use crate::config::Settings;
 use crate::jobs::claim::{self, JobRunRow};
 use crate::jobs::events::{self, JobEvent};
+use crate::jobs::Cursor;
 use crate::settlement::{self, MonthTotals};
 use std::fmt::Write;
 
@@ -114,7 +115,7 @@ impl MonthStatus {
         let _ = writeln!(
             out,
             "{:<6} {:<8} {:>7} {:<28} {:>10} {:>12} {:>10} {:>10}  last_error",
-            "shard", "status", "attempt", "owner", "heartbeat", "last_id", "scanned", "updated"
+            "shard", "status", "attempt", "owner", "heartbeat", "cursor", "scanned", "updated"
         );
         for s in 0..self.shards as i32 {
             let _ = match self.row(s) {
@@ -126,9 +127,7 @@ impl MonthStatus {
                     r.attempt,
                     r.owner,
                     r.heartbeat_age_secs,
-                    r.last_id
-                        .map(|i| i.to_string())
-                        .unwrap_or_else(|| "-".into()),
+                    compact(r.cursor()),
                     r.scanned,
                     r.updated,
                     r.last_error.as_deref().unwrap_or("")
@@ -166,5 +165,17 @@ impl MonthStatus {
             );
         }
         out
+    }
+}
+
+/// A run's cursor in a table cell: `↑id` for an ascending walk's `last_id`, `↓id` for a
+/// descending walk's `last_id_desc`, `-` before the first batch.
+fn compact(cursor: Cursor) -> String {
+    let up = cursor.last_id.map(|id| format!("↑{id}"));
+    let down = cursor.last_id_desc.map(|id| format!("↓{id}"));
+    match (up, down) {
+        (None, None) => "-".into(),
+        (Some(one), None) | (None, Some(one)) => one,
+        (Some(up), Some(down)) => format!("{up} {down}"),
     }
 }

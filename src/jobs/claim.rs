@@ -5,7 +5,7 @@
 //! takeover, SUCCESS and FAILED is appended to `job_events` in the transaction that makes it, and
 //! moves the state of the run request it serves, if any (`job_runs.request_id`).
 
-use super::{events, requests, Batch, JobKey, Owner, Result};
+use super::{events, requests, Batch, Cursor, JobKey, Owner, Result};
 use sqlx::{Connection, PgConnection, PgExecutor};
 use std::time::Duration;
 
@@ -15,8 +15,8 @@ pub struct Claim {
     pub key: JobKey,
     pub attempt: i32,
     pub owner: Owner,
-    /// Progress committed by an earlier attempt; a takeover resumes after it.
-    pub resume_after: Option<i64>,
+    /// Progress committed by earlier attempts; a takeover resumes inside it.
+    pub resume: Cursor,
     /// True when this claim replaced an earlier attempt (FAILED, stale or forced).
     pub took_over: bool,
 }
@@ -92,7 +92,7 @@ pub async fn claim_for(
             key: key.clone(),
             attempt,
             owner: owner.clone(),
-            resume_after: None,
+            resume: Cursor::default(),
             took_over: false,
         };
         won(&mut tx, &claim, "claimed", lineage.as_deref()).await?;
@@ -103,7 +103,7 @@ pub async fn claim_for(
     // The row exists. Take it over only if its holder is gone (or it is done and we force).
     // A forced re-run starts from the beginning and serves only its own request (none from the
     // CLI); a takeover resumes after committed progress and keeps serving the request it served.
-    let taken: Option<(i32, Option<i64>, String, Option<String>)> = sqlx::query_as(
+    let taken: Option<Taken> = sqlx::query_as(
         "WITH prior AS (
              SELECT status FROM job_runs
               WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
@@ -114,6 +114,7 @@ pub async fn claim_for(
                 started_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
                 finished_at = NULL, last_error = NULL,
                 last_id = CASE WHEN j.status = 'SUCCESS' THEN NULL ELSE j.last_id END,
+                last_id_desc = CASE WHEN j.status = 'SUCCESS' THEN NULL ELSE j.last_id_desc END,
                 scanned = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.scanned END,
                 updated = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.updated END,
                 request_id = CASE WHEN j.status = 'SUCCESS' THEN $8::uuid
@@ -124,7 +125,8 @@ pub async fn claim_for(
                  OR (j.status = 'RUNNING'
                      AND j.heartbeat_at < clock_timestamp() - make_interval(secs => $6))
                  OR (j.status = 'SUCCESS' AND $7))
-         RETURNING j.attempt, j.last_id, prior.status, j.request_id::text",
+         RETURNING j.attempt, j.last_id, j.last_id_desc, prior.status AS prior,
+                   j.request_id::text AS lineage",
     )
     .bind(&key.job_name)
     .bind(key.business_date)
@@ -136,12 +138,22 @@ pub async fn claim_for(
     .bind(request)
     .fetch_optional(&mut *tx)
     .await?;
-    if let Some((attempt, resume_after, prior, lineage)) = taken {
+    if let Some(Taken {
+        attempt,
+        last_id,
+        last_id_desc,
+        prior,
+        lineage,
+    }) = taken
+    {
         let claim = Claim {
             key: key.clone(),
             attempt,
             owner: owner.clone(),
-            resume_after,
+            resume: Cursor {
+                last_id,
+                last_id_desc,
+            },
             took_over: true,
         };
         let event = if prior == "SUCCESS" {
@@ -190,6 +202,17 @@ pub async fn claim_for(
     Ok(outcome)
 }
 
+/// The row a takeover leaves: its new attempt, the progress it resumes, the status it replaced and
+/// the request it serves.
+#[derive(sqlx::FromRow)]
+struct Taken {
+    attempt: i32,
+    last_id: Option<i64>,
+    last_id_desc: Option<i64>,
+    prior: String,
+    lineage: Option<String>,
+}
+
 /// What every won claim writes besides the row: the audit event, and the state of the request the
 /// attempt serves.
 async fn won(
@@ -198,10 +221,8 @@ async fn won(
     event: &str,
     request: Option<&str>,
 ) -> Result<()> {
-    let message = match claim.resume_after {
-        Some(id) if event == "took_over" => Some(format!("resumes after id {id}")),
-        _ => None,
-    };
+    let message = (event == "took_over" && !claim.resume.is_start())
+        .then(|| format!("resumes {}", claim.resume));
     events::append(&mut *tx, claim, event, request, message.as_deref()).await?;
     if let Some(request) = request {
         requests::start(&mut *tx, request, claim.key.shard, claim.attempt).await?;
@@ -216,7 +237,8 @@ pub async fn record_batch(conn: &mut PgConnection, claim: &Claim, batch: &Batch)
         "UPDATE job_runs
             SET heartbeat_at = clock_timestamp(),
                 last_id = COALESCE($6, last_id),
-                scanned = scanned + $7, updated = updated + $8
+                last_id_desc = COALESCE($7, last_id_desc),
+                scanned = scanned + $8, updated = updated + $9
           WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
             AND attempt = $5 AND status = 'RUNNING'",
     )
@@ -225,7 +247,8 @@ pub async fn record_batch(conn: &mut PgConnection, claim: &Claim, batch: &Batch)
     .bind(claim.key.shards as i32)
     .bind(claim.key.shard as i32)
     .bind(claim.attempt)
-    .bind(batch.last_id)
+    .bind(batch.cursor.last_id)
+    .bind(batch.cursor.last_id_desc)
     .bind(batch.scanned as i64)
     .bind(batch.updated as i64)
     .execute(conn)
@@ -321,9 +344,20 @@ pub struct JobRunRow {
     /// Seconds since the last heartbeat, on the database clock.
     pub heartbeat_age_secs: f64,
     pub last_id: Option<i64>,
+    pub last_id_desc: Option<i64>,
     pub scanned: i64,
     pub updated: i64,
     pub last_error: Option<String>,
+}
+
+impl JobRunRow {
+    /// The run's committed progress.
+    pub fn cursor(&self) -> Cursor {
+        Cursor {
+            last_id: self.last_id,
+            last_id_desc: self.last_id_desc,
+        }
+    }
 }
 
 /// Every row of `job_name` for one business date and shard count, by shard.
@@ -372,7 +406,7 @@ pub async fn latest_months(
                   AS month_attempts,
                 j.shard, j.status, j.attempt, j.owner, j.started_at, j.finished_at,
                 extract(epoch FROM clock_timestamp() - j.heartbeat_at)::float8 AS heartbeat_age_secs,
-                j.last_id, j.scanned, j.updated, j.last_error
+                j.last_id, j.last_id_desc, j.scanned, j.updated, j.last_error
            FROM months m
            JOIN job_runs j
              ON j.job_name = $1 AND j.business_date = m.business_date AND j.shards = $2

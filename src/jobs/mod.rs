@@ -68,11 +68,56 @@ impl fmt::Display for Owner {
     }
 }
 
+/// A run's committed progress over its key's ids, walked from either end: every item with id up to
+/// `last_id`, and every item with id from `last_id_desc` on, is done; what is left lies between.
+///
+/// Each is its own `job_runs` column, so a walk in one direction never reinterprets the other's
+/// cursor: a run resumed by a binary that knows only `last_id` starts below whatever a descending
+/// walk left (redoing, never skipping), and a run resumed by this one stays inside both.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Cursor {
+    /// `job_runs.last_id`: the last id an ascending walk read.
+    pub last_id: Option<i64>,
+    /// `job_runs.last_id_desc`: the last id a descending walk read.
+    pub last_id_desc: Option<i64>,
+}
+
+impl Cursor {
+    /// The ids still to walk (inclusive bounds); `None` when the two ends have met.
+    pub fn remaining(&self) -> Option<(i64, i64)> {
+        let low = match self.last_id {
+            None => i64::MIN,
+            Some(id) => id.checked_add(1)?,
+        };
+        let high = match self.last_id_desc {
+            None => i64::MAX,
+            Some(id) => id.checked_sub(1)?,
+        };
+        (low <= high).then_some((low, high))
+    }
+
+    /// True when no walk has committed anything.
+    pub fn is_start(&self) -> bool {
+        self.last_id.is_none() && self.last_id_desc.is_none()
+    }
+}
+
+impl fmt::Display for Cursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.last_id, self.last_id_desc) {
+            (None, None) => f.write_str("the start"),
+            (Some(after), None) => write!(f, "after id {after}"),
+            (None, Some(before)) => write!(f, "before id {before}"),
+            (Some(after), Some(before)) => write!(f, "between ids {after} and {before}"),
+        }
+    }
+}
+
 /// What one committed batch did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Batch {
-    /// Keyset cursor after this batch (the last id read); `None` when nothing was read.
-    pub last_id: Option<i64>,
+    /// The run's cursor after this batch (unchanged when nothing was read).
+    pub cursor: Cursor,
     pub scanned: u64,
     pub updated: u64,
     /// Items done that the job flags for an operator's attention (for the fine settlement: loans
@@ -87,13 +132,13 @@ pub trait Job: Sync {
     /// Per-run state computed once after the claim (bounds, parameters).
     type Plan: Send + Sync;
 
-    /// Prepares a run of `key` that resumes after `resume_after`. With `estimate`, also returns
-    /// how many items remain, for progress display only.
+    /// Prepares a run of `key` that resumes at `resume` (the committed progress of earlier
+    /// attempts). With `estimate`, also returns how many items remain, for progress display only.
     fn plan(
         &self,
         pool: &PgPool,
         key: &JobKey,
-        resume_after: Option<i64>,
+        resume: Cursor,
         estimate: bool,
     ) -> impl Future<Output = sqlx::Result<(Self::Plan, Option<u64>)>> + Send;
 
@@ -104,13 +149,14 @@ pub trait Job: Sync {
         Cow::Borrowed("BEGIN")
     }
 
-    /// Does one batch inside the caller's transaction. Must be idempotent in effect: items already
-    /// done count as scanned but not updated.
+    /// Does one batch inside the caller's transaction, from `cursor` (the run's progress so far),
+    /// and returns the cursor moved past it. Must be idempotent in effect: items already done
+    /// count as scanned but not updated, and nothing outside `cursor.remaining()` is touched.
     fn run_batch(
         &self,
         tx: &mut PgConnection,
         plan: &Self::Plan,
-        after: Option<i64>,
+        cursor: Cursor,
     ) -> impl Future<Output = sqlx::Result<Batch>> + Send;
 }
 
@@ -168,3 +214,39 @@ fn describe_db_error(e: &sqlx::Error) -> String {
 }
 
 pub type Result<T, E = JobError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::Cursor;
+
+    fn cursor(last_id: Option<i64>, last_id_desc: Option<i64>) -> Cursor {
+        Cursor {
+            last_id,
+            last_id_desc,
+        }
+    }
+
+    #[test]
+    fn a_cursor_leaves_the_ids_between_its_two_ends() {
+        assert_eq!(cursor(None, None).remaining(), Some((i64::MIN, i64::MAX)));
+        assert_eq!(cursor(Some(10), None).remaining(), Some((11, i64::MAX)));
+        assert_eq!(cursor(None, Some(10)).remaining(), Some((i64::MIN, 9)));
+        assert_eq!(cursor(Some(10), Some(12)).remaining(), Some((11, 11)));
+    }
+
+    #[test]
+    fn a_cursor_whose_ends_met_or_reached_the_extreme_ids_leaves_nothing() {
+        assert_eq!(cursor(Some(10), Some(11)).remaining(), None);
+        assert_eq!(cursor(Some(10), Some(3)).remaining(), None);
+        assert_eq!(cursor(Some(i64::MAX), None).remaining(), None);
+        assert_eq!(cursor(None, Some(i64::MIN)).remaining(), None);
+    }
+
+    #[test]
+    fn a_cursor_says_where_a_run_resumes() {
+        assert_eq!(cursor(None, None).to_string(), "the start");
+        assert_eq!(cursor(Some(7), None).to_string(), "after id 7");
+        assert_eq!(cursor(None, Some(9)).to_string(), "before id 9");
+        assert_eq!(cursor(Some(7), Some(9)).to_string(), "between ids 7 and 9");
+    }
+}

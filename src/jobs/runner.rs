@@ -132,7 +132,7 @@ async fn run_in_span<J: Job>(
     if claim.took_over {
         metrics::counter!("settlementd_takeovers_total").increment(1);
     }
-    tracing::info!(took_over = claim.took_over, resume_after = ?claim.resume_after, "claimed");
+    tracing::info!(took_over = claim.took_over, resume = %claim.resume, "claimed");
 
     let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
     let worked = work(
@@ -213,15 +213,13 @@ async fn work<J: Job>(
     shutdown: &CancellationToken,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<Progress> {
-    let (plan, total) = job
-        .plan(pool, &claim.key, claim.resume_after, estimate)
-        .await?;
+    let (plan, total) = job.plan(pool, &claim.key, claim.resume, estimate).await?;
     let mut progress = Progress {
         total,
         ..Progress::default()
     };
     on_progress(progress);
-    let mut after = claim.resume_after;
+    let mut cursor = claim.resume;
     loop {
         if lost.is_cancelled() {
             return Err(lease_lost(claim));
@@ -230,7 +228,7 @@ async fn work<J: Job>(
             return Err(JobError::Interrupted);
         }
         let mut tx = conn.begin_with(job.begin_batch()).await?;
-        let batch = job.run_batch(&mut tx, &plan, after).await?;
+        let batch = job.run_batch(&mut tx, &plan, cursor).await?;
         if !claim::record_batch(&mut tx, claim, &batch).await? {
             tx.rollback().await?;
             metrics::counter!("settlementd_fencing_rejections_total").increment(1);
@@ -246,7 +244,7 @@ async fn work<J: Job>(
         metrics::counter!("settlementd_rows_updated_total").increment(batch.updated);
         metrics::counter!("settlementd_odd_rows_total").increment(batch.odd);
         on_progress(progress);
-        after = batch.last_id.or(after);
+        cursor = batch.cursor;
         if batch.done {
             return Ok(progress);
         }

@@ -2,7 +2,7 @@
 
 use crate::helpers::*;
 use settlementd::jobs::claim::{self, ClaimOutcome};
-use settlementd::jobs::{Batch, JobKey, Owner};
+use settlementd::jobs::{Batch, Cursor, JobKey, Owner};
 use std::time::Duration;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -139,7 +139,10 @@ async fn success_blocks_a_rerun_unless_forced() {
         &mut db.pool.acquire().await.unwrap(),
         &first,
         &Batch {
-            last_id: Some(42),
+            cursor: Cursor {
+                last_id: Some(42),
+                last_id_desc: Some(900),
+            },
             scanned: 5,
             updated: 4,
             odd: 0,
@@ -155,35 +158,88 @@ async fn success_blocks_a_rerun_unless_forced() {
     );
     let forced = won(claim_as(&db, "b", true).await);
     assert_eq!(forced.attempt, 2);
-    // A forced re-run starts from the beginning, not from the old cursor.
-    assert_eq!(forced.resume_after, None);
-    let (scanned, last_id): (i64, Option<i64>) =
-        sqlx::query_as("SELECT scanned, last_id FROM job_runs")
+    // A forced re-run starts from the beginning, not from the old cursors.
+    assert_eq!(forced.resume, Cursor::default());
+    let (scanned, last_id, last_id_desc): (i64, Option<i64>, Option<i64>) =
+        sqlx::query_as("SELECT scanned, last_id, last_id_desc FROM job_runs")
             .fetch_one(&db.pool)
             .await
             .unwrap();
-    assert_eq!((scanned, last_id), (0, None));
+    assert_eq!((scanned, last_id, last_id_desc), (0, None, None));
 }
 
 #[tokio::test]
 async fn a_takeover_resumes_after_committed_progress() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
-    let batch = Batch {
+    // An ascending batch, then a descending one: each moves its own cursor only.
+    for cursor in [(Some(1000), None), (None, Some(5000))] {
+        let batch = Batch {
+            cursor: Cursor {
+                last_id: cursor.0,
+                last_id_desc: cursor.1,
+            },
+            scanned: 10,
+            updated: 10,
+            odd: 0,
+            done: false,
+        };
+        assert!(
+            claim::record_batch(&mut db.pool.acquire().await.unwrap(), &first, &batch)
+                .await
+                .unwrap()
+        );
+    }
+    set_status(&db, "FAILED").await;
+    let second = won(claim_as(&db, "b", false).await);
+    let both = Cursor {
         last_id: Some(1000),
-        scanned: 10,
-        updated: 10,
+        last_id_desc: Some(5000),
+    };
+    assert_eq!(second.resume, both);
+    assert_eq!(both.remaining(), Some((1001, 4999)));
+}
+
+/// A binary older than the descending cursor re-runs a SUCCESS row with its own claim statement,
+/// which resets `last_id` only. The cursor a descending walk left must not survive into that
+/// re-run, or a later takeover by this binary would skip the ids above it.
+#[tokio::test]
+async fn a_rerun_claimed_by_an_older_binary_forgets_the_descending_cursor() {
+    let db = test_db().await;
+    let first = won(claim_as(&db, "a", false).await);
+    let batch = Batch {
+        cursor: Cursor {
+            last_id: None,
+            last_id_desc: Some(900),
+        },
+        scanned: 5,
+        updated: 5,
         odd: 0,
-        done: false,
+        done: true,
     };
     assert!(
         claim::record_batch(&mut db.pool.acquire().await.unwrap(), &first, &batch)
             .await
             .unwrap()
     );
+    assert!(claim::mark_success(&db.pool, &first).await.unwrap());
+    // The previous release's forced takeover, as it was written.
+    sqlx::query(
+        "UPDATE job_runs j
+            SET status = 'RUNNING', attempt = j.attempt + 1, owner = 'old-binary',
+                started_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
+                finished_at = NULL, last_error = NULL,
+                last_id = CASE WHEN j.status = 'SUCCESS' THEN NULL ELSE j.last_id END,
+                scanned = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.scanned END,
+                updated = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.updated END",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
     set_status(&db, "FAILED").await;
-    let second = won(claim_as(&db, "b", false).await);
-    assert_eq!(second.resume_after, Some(1000));
+    let heir = won(claim_as(&db, "b", false).await);
+    assert_eq!(heir.attempt, 3);
+    assert_eq!(heir.resume, Cursor::default(), "the re-run starts over");
 }
 
 #[tokio::test]
@@ -195,7 +251,10 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
     assert_eq!(heir.attempt, 2);
 
     let batch = Batch {
-        last_id: Some(7),
+        cursor: Cursor {
+            last_id: Some(7),
+            last_id_desc: Some(9),
+        },
         scanned: 1,
         updated: 1,
         odd: 0,

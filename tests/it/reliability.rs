@@ -58,12 +58,18 @@ async fn a_writer_frozen_inside_its_batch_loses_its_session_and_locks_before_its
     seed_month(&db.pool, month, 400, 1).await;
     let job = short_lease_job(100);
     let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
-    let (plan, _) = job.plan(&db.pool, &key, None, false).await.unwrap();
+    let (plan, _) = job
+        .plan(&db.pool, &key, Cursor::default(), false)
+        .await
+        .unwrap();
 
     // The "frozen" writer: a batch that updated its rows, and then nothing — no commit, no
     // rollback, its connection simply stops talking (what SIGSTOP does to a client).
     let mut frozen = db.pool.begin_with(job.begin_batch()).await.unwrap();
-    let batch = job.run_batch(&mut frozen, &plan, None).await.unwrap();
+    let batch = job
+        .run_batch(&mut frozen, &plan, Cursor::default())
+        .await
+        .unwrap();
     assert_eq!(batch.updated, 100);
     let locked: i64 = sqlx::query_scalar(
         "SELECT min(id) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'",
@@ -741,7 +747,7 @@ impl Job for StopBeforeFirstBatch {
         &self,
         pool: &PgPool,
         key: &JobKey,
-        after: Option<i64>,
+        cursor: Cursor,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         if !self.fired.swap(true, Ordering::SeqCst) {
@@ -752,19 +758,19 @@ impl Job for StopBeforeFirstBatch {
                 pg.lock().unwrap().restart().unwrap();
             });
         }
-        self.inner.plan(pool, key, after, estimate).await
+        self.inner.plan(pool, key, cursor, estimate).await
     }
     async fn run_batch(
         &self,
         tx: &mut PgConnection,
         plan: &MonthPlan,
-        after: Option<i64>,
+        cursor: Cursor,
     ) -> sqlx::Result<Batch> {
-        self.inner.run_batch(tx, plan, after).await
+        self.inner.run_batch(tx, plan, cursor).await
     }
 }
 
-use settlementd::jobs::Batch;
+use settlementd::jobs::{Batch, Cursor};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "stops a PostgreSQL server hard: run with --ignored"]

@@ -1,6 +1,6 @@
 //! Tests: schema and plans. A batch reads only the month's entries of `loans_unsettled_by_month`
 //! whatever the statistics say, and a re-run over a settled month reads nothing, checked on the
-//! engine's real statement (EXPLAIN ANALYZE, BUFFERS, in a transaction that is rolled back).
+//! engine's real statements (EXPLAIN ANALYZE, BUFFERS, in a transaction that is rolled back).
 
 use crate::helpers::{bd, eligible, run_options, seed_month, settle_shards, test_db};
 use serde_json::Value;
@@ -8,7 +8,7 @@ use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::fine::FineRule;
 use settlementd::jobs;
-use settlementd::settlement::{self, FineSettlement};
+use settlementd::settlement::{self, BatchSql, FineSettlement, Walk};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
@@ -16,36 +16,80 @@ async fn settle(pool: &PgPool, month: BusinessDate) {
     assert!(settle_shards(pool, month, 1, 500).await > 0);
 }
 
-/// The plan of one batch of shard `shard` of `shards` after `after`, exactly as the engine runs
-/// it (plan pinned, same statement, same parameters), executed and rolled back.
+/// The plans of one batch of shard `shard` of `shards` over the ids `low..=high`, exactly as the
+/// engine runs it (plan pinned, the shard's walk, the same two statements with the same
+/// parameters), executed and rolled back: the page statement, then the settle statement (none
+/// when the page is empty).
 async fn explain_batch(
     pool: &PgPool,
     month: BusinessDate,
     (shard, shards): (i64, i64),
-    after: i64,
+    (low, high): (i64, i64),
     batch: i64,
-) -> Value {
+) -> Vec<Value> {
     let mut tx = pool.begin_with(settlement::BEGIN_BATCH).await.unwrap();
     let rule = FineRule::default();
-    let sql = format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-        settlement::batch_sql()
-    );
-    let plan: Value = sqlx::query_scalar(&sql)
+    let walk = Walk::of_shard(shard as u32);
+    let sql = BatchSql::of(walk);
+    let month_key = month.first_day().and_time(chrono::NaiveTime::MIN);
+    // Where the page will end, read before the page statement settles the odd rows: the page
+    // statement without its update.
+    let page_only = &sql.page[..sql.page.find("), odd AS (").expect("the odd rows' CTE")];
+    let last: Option<i64> = sqlx::query_scalar(&format!("{page_only}) SELECT last FROM stats"))
         .persistent(false)
-        .bind(month.first_day().and_time(chrono::NaiveTime::MIN))
-        .bind(after)
+        .bind(month_key)
+        .bind(low)
+        .bind(high)
         .bind(shards)
         .bind(shard)
         .bind(batch)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let mut plans = Vec::new();
+    let page: Value = sqlx::query_scalar(&format!(
+        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+        sql.page
+    ))
+    .persistent(false)
+    .bind(month_key)
+    .bind(low)
+    .bind(high)
+    .bind(shards)
+    .bind(shard)
+    .bind(batch)
+    .bind(rule.grace_days)
+    .bind(rule.daily_rate_cents)
+    .bind(rule.max_cents)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    plans.push(page[0]["Plan"].clone());
+    if let Some(last) = last {
+        let (from, to) = match walk {
+            Walk::Up => (low, last),
+            Walk::Down => (last, high),
+        };
+        let settle: Value = sqlx::query_scalar(&format!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+            sql.settle
+        ))
+        .persistent(false)
+        .bind(month_key)
+        .bind(from)
+        .bind(to)
+        .bind(shards)
+        .bind(shard)
         .bind(rule.grace_days)
         .bind(rule.daily_rate_cents)
         .bind(rule.max_cents)
         .fetch_one(&mut *tx)
         .await
         .unwrap();
+        plans.push(settle[0]["Plan"].clone());
+    }
     tx.rollback().await.unwrap();
-    plan[0]["Plan"].clone()
+    plans
 }
 
 /// Every node of a plan tree, depth first.
@@ -85,6 +129,11 @@ fn assert_month_index_only(plan: &Value) -> i64 {
                 + scan["Rows Removed by Filter"].as_i64().unwrap_or(0));
     }
     read
+}
+
+/// [`assert_month_index_only`] over every statement of a batch: the entries read in all.
+fn month_index_reads(plans: &[Value]) -> i64 {
+    plans.iter().map(assert_month_index_only).sum()
 }
 
 fn blocks(plan: &Value) -> i64 {
@@ -131,8 +180,9 @@ async fn a_batch_reads_only_its_share_of_the_month_index_with_fresh_missing_or_s
     seed_interleaved(&db.pool, oct, 10_000, 4000).await;
     let rows = eligible(&db.pool, oct).await;
     assert!(rows > 10 * batch * shards, "{rows}");
-    // The page reads about `shards` entries per row of its shard, the update the same range again.
-    let bound = 2 * (2 * shards * batch + 2 * shards);
+    // The page reads about `shards` entries per row of its shard; the odd rows' update and the
+    // settle statement read the same range again.
+    let bound = 3 * (2 * shards * batch + 2 * shards);
     for stats in ["stale", "fresh", "missing"] {
         match stats {
             "fresh" => sqlx::query("ANALYZE loans")
@@ -146,13 +196,20 @@ async fn a_batch_reads_only_its_share_of_the_month_index_with_fresh_missing_or_s
             _ => Ok(()),
         }
         .unwrap();
-        for after in [i64::MIN, 37 * 14_000] {
-            let plan = explain_batch(&db.pool, oct, (1, shards), after, batch).await;
-            let read = assert_month_index_only(&plan);
+        // Shard 0 walks up, shard 1 down; each from its end and from the middle of the month.
+        let middle = 37 * 14_000;
+        for (shard, ids) in [
+            (0, (i64::MIN, i64::MAX)),
+            (0, (middle, i64::MAX)),
+            (1, (i64::MIN, i64::MAX)),
+            (1, (i64::MIN, middle)),
+        ] {
+            let plans = explain_batch(&db.pool, oct, (shard, shards), ids, batch).await;
+            let read = month_index_reads(&plans);
             assert!(
                 read <= bound,
-                "{stats} statistics, after {after}: read {read} index entries for a batch of \
-                 {batch} (the month has {rows}): {plan:#}"
+                "{stats} statistics, shard {shard}, ids {ids:?}: read {read} index entries for a \
+                 batch of {batch} (the month has {rows}): {plans:#?}"
             );
         }
     }
@@ -173,10 +230,21 @@ async fn unsettled_loans_of_a_month_are_found_through_the_partial_index_not_the_
         .unwrap();
 
     let rows = eligible(&db.pool, oct).await;
-    // One batch as large as the month: the page reads the month's entries, the update reads the
-    // same range once more, and nothing else is read.
-    let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 1_000_000).await;
-    assert_eq!(assert_month_index_only(&plan), 2 * rows, "{plan:#}");
+    let odd: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM loans l
+          WHERE l.returned_on BETWEEN '2026-10-01' AND '2026-10-31' AND {}",
+        settlement::ODD_ROW
+    ))
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(odd > 0, "the seed has loans with contradictory dates");
+    // One batch as large as the month: the page reads the month's entries, the odd rows' update
+    // reads the same range once more and settles those, the settle statement reads the range a
+    // third time (the odd rows' entries are no longer visible to it), and nothing else is read.
+    let plans = explain_batch(&db.pool, oct, (0, 1), (i64::MIN, i64::MAX), 1_000_000).await;
+    assert_eq!(plans.len(), 2);
+    assert_eq!(month_index_reads(&plans), 3 * rows - odd, "{plans:#?}");
 }
 
 #[tokio::test]
@@ -190,10 +258,12 @@ async fn a_rerun_over_a_settled_month_reads_no_row_and_no_table_page() {
         .await
         .unwrap();
 
-    let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 500).await;
-    assert_eq!(assert_month_index_only(&plan), 0, "{plan:#}");
+    let plans = explain_batch(&db.pool, oct, (0, 1), (i64::MIN, i64::MAX), 500).await;
+    assert_eq!(plans.len(), 1, "an empty page: no settle statement");
+    let plan = &plans[0];
+    assert_eq!(assert_month_index_only(plan), 0, "{plan:#}");
     // One probe of an empty index range: a page or two of the index, and not one table page.
-    let read = blocks(&plan);
+    let read = blocks(plan);
     let pages = loans_pages(&db.pool).await;
     assert!(
         read <= 4,
@@ -226,6 +296,8 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
     .unwrap();
     assert_eq!((report.scanned, report.updated), (0, 0));
     // Without VACUUM the dead index entries are still there; the batch still finds no row.
-    let plan = explain_batch(&db.pool, oct, (0, 1), i64::MIN, 500).await;
-    assert_eq!(assert_month_index_only(&plan), 0, "{plan:#}");
+    let plans = explain_batch(&db.pool, oct, (0, 1), (i64::MIN, i64::MAX), 500).await;
+    assert_eq!(plans.len(), 1, "an empty page: no settle statement");
+    let plan = &plans[0];
+    assert_eq!(assert_month_index_only(plan), 0, "{plan:#}");
 }

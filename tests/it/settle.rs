@@ -5,7 +5,7 @@ use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::demo::zero_fine_marker;
 use settlementd::fine::FineRule;
-use settlementd::jobs::{self, claim, Batch, Job, JobError, JobKey, Owner, RunReport};
+use settlementd::jobs::{self, claim, Batch, Cursor, Job, JobError, JobKey, Owner, RunReport};
 use settlementd::settlement::{self, FineSettlement, MonthPlan};
 use sqlx::{PgConnection, PgPool};
 use std::sync::Arc;
@@ -283,18 +283,18 @@ impl Job for PausedFirstBatch {
         &self,
         pool: &PgPool,
         key: &JobKey,
-        after: Option<i64>,
+        cursor: Cursor,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
-        self.inner.plan(pool, key, after, estimate).await
+        self.inner.plan(pool, key, cursor, estimate).await
     }
     async fn run_batch(
         &self,
         tx: &mut PgConnection,
         plan: &MonthPlan,
-        after: Option<i64>,
+        cursor: Cursor,
     ) -> sqlx::Result<Batch> {
-        let batch = self.inner.run_batch(tx, plan, after).await?;
+        let batch = self.inner.run_batch(tx, plan, cursor).await?;
         self.reached.notify_one();
         self.resume.notified().await;
         Ok(batch)
@@ -643,82 +643,177 @@ async fn a_month_interleaved_with_years_of_other_months_settles_only_its_own_row
     assert_eq!(updated as i64, eligible(&db.pool, oct).await);
     assert_eq!(wrongly_settled(&db.pool, oct).await, 0);
     assert_eq!(settled_outside(&db.pool, oct).await, 0);
-    // Each shard's cursor ends at its month's largest id.
-    let cursors: Vec<(i32, Option<i64>, Option<i64>)> = sqlx::query_as(
-        "SELECT j.shard, j.last_id,
-                (SELECT max(id) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
-                    AND id % 3 = j.shard)
-           FROM job_runs j ORDER BY shard",
+    // Shards 0 and 2 walk up and end at their month's largest id; shard 1 walks down and ends
+    // at its smallest.
+    type Cursors = (i32, Option<i64>, Option<i64>, Option<i64>, Option<i64>);
+    let cursors: Vec<Cursors> = sqlx::query_as(
+        "SELECT j.shard, j.last_id, j.last_id_desc, m.max, m.min
+           FROM job_runs j,
+                LATERAL (SELECT max(id), min(id) FROM loans
+                          WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+                            AND id % 3 = j.shard) m
+          ORDER BY shard",
     )
     .fetch_all(&db.pool)
     .await
     .unwrap();
-    for (shard, cursor, max) in cursors {
-        assert_eq!(cursor, max, "shard {shard}");
+    assert_eq!(cursors.len(), 3);
+    for (shard, up, down, max, min) in cursors {
+        let expected = if shard == 1 { (None, min) } else { (max, None) };
+        assert_eq!((up, down), expected, "shard {shard}");
     }
 }
 
+/// A takeover resumes after the committed cursor, on both walks: shard 0 of 2 walks up
+/// (`last_id`), shard 1 of 2 walks down (`last_id_desc`).
 #[tokio::test]
 async fn a_takeover_resumes_after_the_committed_cursor_of_the_month_walk() {
     let db = test_db().await;
     let oct = bd(OCT);
     seed_history(&db.pool, 20_000, 3, "2025-06-01", "2026-12-20").await;
-    let rows = eligible(&db.pool, oct).await;
-    // The first owner commits two batches of 60, then stops without marking anything: its lease
-    // goes stale as if it had been killed.
-    let shutdown = CancellationToken::new();
-    let stop = {
-        let shutdown = shutdown.clone();
-        move |p: jobs::Progress| {
-            if p.batches == 2 {
-                shutdown.cancel();
-            }
-        }
-    };
-    let key = settlement::key(oct, shard(0, 1));
-    let err = jobs::run_once(
-        &db.pool,
-        &job(60),
-        key,
-        &run_options(false, false),
-        &shutdown,
-        &stop,
-    )
-    .await
-    .unwrap_err();
-    assert!(matches!(err, JobError::Interrupted));
-    sqlx::query("UPDATE job_runs SET status = 'RUNNING'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
-    age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
-
-    // The cursor means "every row of the month up to here is done, none after it".
-    let last_id: i64 = sqlx::query_scalar("SELECT last_id FROM job_runs")
+    for index in [0, 1] {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+                AND fine_settled_at IS NULL AND id % 2 = $1",
+        )
+        .bind(i64::from(index))
         .fetch_one(&db.pool)
         .await
         .unwrap();
-    let (done_below, done_above, open_below): (i64, i64, i64) = sqlx::query_as(
-        "SELECT count(*) FILTER (WHERE fine_settled_at IS NOT NULL AND id <= $1),
-                count(*) FILTER (WHERE fine_settled_at IS NOT NULL AND id > $1),
-                count(*) FILTER (WHERE fine_settled_at IS NULL AND id <= $1)
-           FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'",
+        // The first owner commits two batches of 60, then stops without marking anything: its
+        // lease goes stale as if it had been killed.
+        let shutdown = CancellationToken::new();
+        let stop = {
+            let shutdown = shutdown.clone();
+            move |p: jobs::Progress| {
+                if p.batches == 2 {
+                    shutdown.cancel();
+                }
+            }
+        };
+        let key = settlement::key(oct, shard(index, 2));
+        let err = jobs::run_once(
+            &db.pool,
+            &job(60),
+            key,
+            &run_options(false, false),
+            &shutdown,
+            &stop,
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, JobError::Interrupted));
+        sqlx::query("UPDATE job_runs SET status = 'RUNNING' WHERE shard = $1")
+            .bind(index as i32)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        age_heartbeat(&db.pool, oct, 2, index as i32, 3600).await;
+
+        // The cursor means "every row of the shard's month on this side of here is done, none
+        // on the other".
+        let (up, down): (Option<i64>, Option<i64>) =
+            sqlx::query_as("SELECT last_id, last_id_desc FROM job_runs WHERE shard = $1")
+                .bind(index as i32)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        let (cursor, walked_up) = match (up, down) {
+            (Some(id), None) if index == 0 => (id, true),
+            (None, Some(id)) if index == 1 => (id, false),
+            other => panic!("shard {index}: cursors {other:?}"),
+        };
+        let (done_inside, done_beyond, open_inside): (i64, i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE fine_settled_at IS NOT NULL AND inside),
+                    count(*) FILTER (WHERE fine_settled_at IS NOT NULL AND NOT inside),
+                    count(*) FILTER (WHERE fine_settled_at IS NULL AND inside)
+               FROM (SELECT fine_settled_at, CASE WHEN $3 THEN id <= $2 ELSE id >= $2 END AS inside
+                       FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+                        AND id % 2 = $1) s",
+        )
+        .bind(i64::from(index))
+        .bind(cursor)
+        .bind(walked_up)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (done_inside, done_beyond, open_inside),
+            (120, 0, 0),
+            "shard {index}"
+        );
+
+        let heir = run_job(&db.pool, &job(60), oct, shard(index, 2), false)
+            .await
+            .unwrap();
+        assert!(heir.took_over);
+        assert_eq!(heir.attempt, Some(2));
+        assert_eq!(
+            heir.scanned as i64,
+            rows - 120,
+            "shard {index} resumed from id {cursor}"
+        );
+    }
+    assert_eq!(settled_count(&db.pool).await, eligible(&db.pool, oct).await);
+    assert_eq!(wrongly_settled(&db.pool, oct).await, 0);
+}
+
+/// An attempt of a binary that walked every shard up left `last_id`; this binary walks shard 1
+/// down and stops where that attempt's progress begins. The rows the cursor calls done are left
+/// unsettled here, so a walk that went past the cursor would show.
+#[tokio::test]
+async fn a_descending_walk_stops_at_the_ascending_cursor_of_an_earlier_attempt() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_history(&db.pool, 20_000, 3, "2025-06-01", "2026-12-20").await;
+    let ids: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+            AND id % 2 = 1 ORDER BY id",
     )
-    .bind(last_id)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert!(ids.len() > 300, "{}", ids.len());
+    // The earlier attempt committed the shard's month up to its 100th id, then failed.
+    let cursor = ids[99];
+    sqlx::query(
+        "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
+                               started_at, heartbeat_at, last_id, scanned, updated)
+         VALUES ($1, $2, 2, 1, 'FAILED', 1, 'older-binary', now(), now(), $3, 100, 100)",
+    )
+    .bind(settlement::JOB_NAME)
+    .bind(oct.date())
+    .bind(cursor)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    let heir = run_job(&db.pool, &job(60), oct, shard(1, 2), false)
+        .await
+        .unwrap();
+    assert_eq!(heir.attempt, Some(2));
+    assert_eq!(
+        (heir.scanned as usize, heir.updated as usize),
+        (ids.len() - 100, ids.len() - 100),
+        "stopped at id {cursor}"
+    );
+    let (settled_above, settled_below): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE id > $1), count(*) FILTER (WHERE id <= $1)
+           FROM loans WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+            AND id % 2 = 1 AND fine_settled_at IS NOT NULL",
+    )
+    .bind(cursor)
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    assert_eq!((done_below, done_above, open_below), (120, 0, 0));
-
-    let heir = run_job(&db.pool, &job(60), oct, shard(0, 1), false)
-        .await
-        .unwrap();
-    assert!(heir.took_over);
-    assert_eq!(heir.attempt, Some(2));
     assert_eq!(
-        heir.scanned as i64,
-        rows - 120,
-        "resumed after id {last_id}"
+        (settled_above as usize, settled_below),
+        (ids.len() - 100, 0)
     );
-    assert_eq!(wrongly_settled(&db.pool, oct).await, 0);
+    let (up, down): (Option<i64>, Option<i64>) =
+        sqlx::query_as("SELECT last_id, last_id_desc FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((up, down), (Some(cursor), Some(ids[100])));
 }

@@ -10,7 +10,7 @@ use settlementd::config::{Settings, ShardSpec};
 use settlementd::daemon;
 use settlementd::jobs::claim::{self, Claim, ClaimOutcome};
 use settlementd::jobs::requests::{self, NewRequest};
-use settlementd::jobs::{events, Job, Owner};
+use settlementd::jobs::{events, Cursor, Job, Owner};
 use settlementd::schedule::{self, Slot};
 use settlementd::settlement::{self, FineSettlement};
 use sqlx::{Connection, PgPool};
@@ -132,9 +132,15 @@ async fn claim_with_one_batch(
         panic!("expected to win {key}: {outcome:?}");
     };
     let job = job(batch);
-    let (plan, _) = job.plan(pool, &key, None, false).await.unwrap();
+    let (plan, _) = job
+        .plan(pool, &key, Cursor::default(), false)
+        .await
+        .unwrap();
     let mut tx = conn.begin_with(job.begin_batch()).await.unwrap();
-    let done = job.run_batch(&mut tx, &plan, None).await.unwrap();
+    let done = job
+        .run_batch(&mut tx, &plan, Cursor::default())
+        .await
+        .unwrap();
     assert!(claim::record_batch(&mut tx, &claim, &done).await.unwrap());
     tx.commit().await.unwrap();
     claim
@@ -514,7 +520,7 @@ async fn a_person_opening_status_in_a_browser_sees_which_months_are_closed_and_w
     ])
     .await;
     assert!(detail.contains(r#"<meta http-equiv="refresh" content="10">"#));
-    assert!(text_of(&detail, &format!("cell-{running}-1")).contains("read 150 · last id"));
+    assert!(text_of(&detail, &format!("cell-{running}-1")).contains("read 150 · resumes before id"));
 
     // What the README shows (docs/status-page.png): the page as a browser draws it.
     let scratch = tempfile::tempdir().unwrap();

@@ -347,7 +347,7 @@ fn cell(date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail: bool) -> 
                     div { (count(run.updated)) " rows updated" }
                     @if let Some(progress) = shard.progress { (bar(progress)) }
                     @if detail {
-                        div.small { "read " (count(run.scanned)) " · last id " (run.last_id.map_or("-".to_string(), |id| id.to_string())) }
+                        div.small { "read " (count(run.scanned)) " · resumes " (run.cursor()) }
                         div.small { "started " (run.started_at.format("%Y-%m-%d %H:%M:%S UTC")) }
                         @if let Some(finished) = run.finished_at {
                             div.small { "finished " (finished.format("%Y-%m-%d %H:%M:%S UTC")) }
