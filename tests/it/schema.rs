@@ -9,7 +9,7 @@ use settlementd::config::ShardSpec;
 use settlementd::fine::FineRule;
 use settlementd::jobs;
 use settlementd::settlement::{self, BatchSql, FineSettlement, Walk};
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
 async fn settle(pool: &PgPool, month: BusinessDate) {
@@ -29,67 +29,59 @@ async fn explain_batch(
 ) -> Vec<Value> {
     let mut tx = pool.begin_with(settlement::BEGIN_BATCH).await.unwrap();
     let rule = FineRule::default();
+    let fine = [rule.grace_days, rule.daily_rate_cents, rule.max_cents];
     let walk = Walk::of_shard(shard as u32);
     let sql = BatchSql::of(walk);
     let month_key = month.first_day().and_time(chrono::NaiveTime::MIN);
+    let page = [low, high, shards, shard, batch];
     // Where the page will end, read before the page statement settles the odd rows: the page
     // statement without its update.
     let page_only = &sql.page[..sql.page.find("), odd AS (").expect("the odd rows' CTE")];
-    let last: Option<i64> = sqlx::query_scalar(&format!("{page_only}) SELECT last FROM stats"))
-        .persistent(false)
-        .bind(month_key)
-        .bind(low)
-        .bind(high)
-        .bind(shards)
-        .bind(shard)
-        .bind(batch)
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    let mut plans = Vec::new();
-    let page: Value = sqlx::query_scalar(&format!(
-        "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-        sql.page
-    ))
-    .persistent(false)
-    .bind(month_key)
-    .bind(low)
-    .bind(high)
-    .bind(shards)
-    .bind(shard)
-    .bind(batch)
-    .bind(rule.grace_days)
-    .bind(rule.daily_rate_cents)
-    .bind(rule.max_cents)
-    .fetch_one(&mut *tx)
-    .await
-    .unwrap();
-    plans.push(page[0]["Plan"].clone());
+    let last: Option<i64> = first_column(
+        &mut tx,
+        &format!("{page_only}) SELECT last FROM stats"),
+        month_key,
+        &page,
+    )
+    .await;
+    let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}");
+    let mut plans = vec![
+        first_column::<Value>(
+            &mut tx,
+            &explain(&sql.page),
+            month_key,
+            &[&page[..], &fine[..]].concat(),
+        )
+        .await,
+    ];
     if let Some(last) = last {
         let (from, to) = match walk {
             Walk::Up => (low, last),
             Walk::Down => (last, high),
         };
-        let settle: Value = sqlx::query_scalar(&format!(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-            sql.settle
-        ))
-        .persistent(false)
-        .bind(month_key)
-        .bind(from)
-        .bind(to)
-        .bind(shards)
-        .bind(shard)
-        .bind(rule.grace_days)
-        .bind(rule.daily_rate_cents)
-        .bind(rule.max_cents)
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-        plans.push(settle[0]["Plan"].clone());
+        let numbers = [from, to, shards, shard, fine[0], fine[1], fine[2]];
+        plans.push(first_column(&mut tx, &explain(&sql.settle), month_key, &numbers).await);
     }
     tx.rollback().await.unwrap();
-    plans
+    plans.into_iter().map(|p| p[0]["Plan"].clone()).collect()
+}
+
+/// The first column of the one row `sql` returns with the month key and then `numbers` as its
+/// parameters, sent unnamed as the engine sends it.
+async fn first_column<T>(
+    conn: &mut PgConnection,
+    sql: &str,
+    month_key: chrono::NaiveDateTime,
+    numbers: &[i64],
+) -> T
+where
+    T: for<'r> sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    let mut query = sqlx::query(sql).persistent(false).bind(month_key);
+    for n in numbers {
+        query = query.bind(*n);
+    }
+    query.fetch_one(conn).await.unwrap().get(0)
 }
 
 /// Every node of a plan tree, depth first.
