@@ -127,6 +127,17 @@ pub struct Batch {
     pub done: bool,
 }
 
+impl Batch {
+    /// The batch that finds nothing left to do: it reads nothing and ends the run.
+    pub fn nothing_left(cursor: Cursor) -> Self {
+        Batch {
+            cursor,
+            done: true,
+            ..Batch::default()
+        }
+    }
+}
+
 /// A unit of work the job layer can run idempotently, one batch per transaction.
 pub trait Job: Sync {
     /// Per-run state computed once after the claim (bounds, parameters).
