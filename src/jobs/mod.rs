@@ -105,7 +105,7 @@ impl Cursor {
 impl fmt::Display for Cursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (self.last_id, self.last_id_desc) {
-            (None, None) => f.write_str("the start"),
+            (None, None) => f.write_str("from the start"),
             (Some(after), None) => write!(f, "after id {after}"),
             (None, Some(before)) => write!(f, "before id {before}"),
             (Some(after), Some(before)) => write!(f, "between ids {after} and {before}"),
@@ -255,7 +255,7 @@ mod tests {
 
     #[test]
     fn a_cursor_says_where_a_run_resumes() {
-        assert_eq!(cursor(None, None).to_string(), "the start");
+        assert_eq!(cursor(None, None).to_string(), "from the start");
         assert_eq!(cursor(Some(7), None).to_string(), "after id 7");
         assert_eq!(cursor(None, Some(9)).to_string(), "before id 9");
         assert_eq!(cursor(Some(7), Some(9)).to_string(), "between ids 7 and 9");
