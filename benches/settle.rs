@@ -5,11 +5,15 @@
 //! profile and hands its path to this bench). It starts a temporary embedded cluster (fsync,
 //! synchronous_commit and full_page_writes off, like every temporary cluster of settlementd: the
 //! same settings for every case, so the ratios are fair; autovacuum off, so "right after the run"
-//! is before any VACUUM and "not analyzed" stays true), and for each **shape** generates a table
+//! is before any VACUUM and "not analyzed" stays true; shared_buffers 1 GB, or
+//! `SETTLE_BENCH_SHARED_BUFFERS`, so the largest shape's table stays cached, see [`configure`]),
+//! and for each **shape** generates a table
 //! with the product's own generator ([`settlementd::seed`]), then measures, each case on a freshly
 //! reset table (same rows, same physical order):
 //!
 //! - `L`: one set-based `UPDATE` of the month (the limit: one statement, one core);
+//! - `L2`: two set-based `UPDATE`s at once, one per shard of two (`id % 2`), on two connections:
+//!   the best two shards can do on these cores with nothing of the engine around them;
 //! - `N` (append shape only): the seed's per-row approach: read the month's unsettled loans,
 //!   compute fines in the client, per-row prepared `UPDATE … WHERE id = $1 AND fine_settled_at IS
 //!   NULL` pipelined 500 at a time, one transaction per 500 (what JDBC `executeBatch` does);
@@ -73,7 +77,7 @@ struct Shape {
 fn shape(name: &str, base: u64) -> Result<Shape, BoxError> {
     let month = BusinessDate::parse(MONTH)?;
     let scaled = |f: f64| ((base as f64 * f) as u64).max(1000);
-    const ALL: &[&str] = &["L", "S1", "S2", "S3"];
+    const ALL: &[&str] = &["L", "L2", "S1", "S2", "S3"];
     Ok(match name {
         "append" => {
             // Four months, ids one block per month: July, August (settled), September, October.
@@ -97,7 +101,7 @@ fn shape(name: &str, base: u64) -> Result<Shape, BoxError> {
                     })
                     .collect::<Result<_, BoxError>>()?,
                 analyzed: true,
-                cases: &["L", "N", "S1", "S2", "S3"],
+                cases: &["L", "L2", "N", "S1", "S2", "S3"],
             }
         }
         "history" | "history2x" => {
@@ -152,6 +156,8 @@ fn shape(name: &str, base: u64) -> Result<Shape, BoxError> {
 fn main() -> Result<(), BoxError> {
     let base: u64 = env_or("SETTLE_BENCH_LOANS", 1_000_000);
     let reps: usize = env_or("SETTLE_BENCH_REPS", 3);
+    let shared_buffers =
+        std::env::var("SETTLE_BENCH_SHARED_BUFFERS").unwrap_or_else(|_| "1GB".into());
     // One size or a comma-separated list (one S row per size, all in this run).
     let batches: Vec<Option<u32>> = match std::env::var("SETTLE_BENCH_BATCH") {
         Ok(list) => list
@@ -169,12 +175,13 @@ fn main() -> Result<(), BoxError> {
         .map(|s| shape(s.trim(), base))
         .collect::<Result<_, _>>()?;
     let started = Instant::now();
-    let pg = EmbeddedPg::start(EmbeddedOptions::default())?;
+    let mut pg = EmbeddedPg::start(EmbeddedOptions::default())?;
     let url = pg.url("postgres");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
+    runtime.block_on(configure(&mut pg, &url, &shared_buffers))?;
     let result = runtime.block_on(async {
         let mut all = Vec::new();
         for shape in &shapes {
@@ -188,6 +195,32 @@ fn main() -> Result<(), BoxError> {
     let all = result?;
     print_summary(&all);
     println!("whole benchmark: {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// The cluster's settings for every shape, before the first one: no autovacuum ("right after the
+/// run" must mean before any VACUUM, "not analyzed" must stay true, and no background vacuum may
+/// compete for the cores during a case), and `shared_buffers` large enough for the largest
+/// shape's table, its copy and their indexes (history2x: about 700 MB), as on a server sized for
+/// its working set. With the default 128 MB, the cache's state after each reset decided the
+/// timings: L itself took 1.23 × as long on history2x as on history, and varied by ±15 %
+/// between repetitions (docs/PERFORMANCE.md).
+async fn configure(pg: &mut EmbeddedPg, url: &str, shared_buffers: &str) -> Result<(), BoxError> {
+    let mut db = PgConnection::connect(url).await?;
+    sqlx::query("ALTER SYSTEM SET autovacuum = off")
+        .execute(&mut db)
+        .await?;
+    sqlx::query(&format!(
+        "ALTER SYSTEM SET shared_buffers = '{}'",
+        shared_buffers.replace('\'', "")
+    ))
+    .execute(&mut db)
+    .await?;
+    sqlx::query("CHECKPOINT").execute(&mut db).await?;
+    db.close().await?;
+    // shared_buffers takes a restart; nothing is lost (checkpointed, and the data is throwaway).
+    pg.stop_immediately();
+    pg.restart()?;
     Ok(())
 }
 
@@ -235,20 +268,19 @@ async fn bench(
 ) -> Result<Vec<Row>, BoxError> {
     let mut db = PgConnection::connect(url).await?;
     settlementd::db::MIGRATOR.run(&mut db).await?;
-    // No autovacuum: "right after the run" must mean before any VACUUM, "not analyzed" must stay
-    // true, and no background vacuum may compete for the cores during a case.
-    sqlx::query("ALTER SYSTEM SET autovacuum = off")
-        .execute(&mut db)
+    let shared_buffers: String = sqlx::query_scalar("SHOW shared_buffers")
+        .fetch_one(&mut db)
         .await?;
-    sqlx::query("SELECT pg_reload_conf()")
-        .execute(&mut db)
-        .await?;
+    let cluster = format!(
+        "temporary cluster: fsync=off, synchronous_commit=off, full_page_writes=off, \
+         autovacuum=off, shared_buffers={shared_buffers}"
+    );
     let month = BusinessDate::parse(MONTH)?;
     let t = Instant::now();
     let (loans, expected) = generate(&mut db, url, shape, month).await?;
     println!(
-        "\n=== shape {}: {} ===\nPostgreSQL {} (temporary cluster: fsync=off, synchronous_commit=off, \
-         full_page_writes=off), {} cores; {loans} loans, {expected} to settle in {}; generated in {:.1} s",
+        "\n=== shape {}: {} ===\nPostgreSQL {} ({cluster}), {} cores; {loans} loans, {expected} to \
+         settle in {}; generated in {:.1} s",
         shape.name,
         shape.what,
         pg.version(),
@@ -265,7 +297,7 @@ async fn bench(
         _ => case.to_string(),
     };
     let mut samples: Vec<(String, Vec<Sample>)> = Vec::new();
-    for case in ["L", "N"] {
+    for case in ["L", "L2", "N"] {
         samples.push((case.to_string(), Vec::new()));
     }
     for (i, &b) in batches.iter().enumerate() {
@@ -282,7 +314,8 @@ async fn bench(
             v.push(s);
         }
     };
-    let mut runs: Vec<(&str, Option<u32>, bool)> = vec![("L", None, false), ("N", None, false)];
+    let mut runs: Vec<(&str, Option<u32>, bool)> =
+        vec![("L", None, false), ("L2", None, false), ("N", None, false)];
     for (i, &b) in batches.iter().enumerate() {
         for case in ["S1", "S2", "S3"] {
             runs.push((case, b, want_rerun && i == 0 && case == "S1"));
@@ -298,7 +331,8 @@ async fn bench(
             let name = label(case, batch);
             reset(&mut db, shape.analyzed).await?;
             let sample = match case {
-                "L" => set_based(&mut db, month).await?,
+                "L" => set_based(&mut db, month, None).await?,
+                "L2" => set_based_by_shard(url, month).await?,
                 "N" => per_row_pipelined(url, month).await?,
                 "S1" => processes(url, month, 1, batch, false)?,
                 "S2" => processes(url, month, 2, batch, false)?,
@@ -350,7 +384,11 @@ async fn bench(
     for (case, s) in &sizes {
         println!("after {case}: {s}");
     }
-    write_results(shape, &rows, loans, expected, batches, &sizes, pg.version())?;
+    let server = Server {
+        version: pg.version(),
+        settings: &cluster,
+    };
+    write_results(shape, &rows, loans, expected, batches, &sizes, &server)?;
     Ok(rows)
 }
 
@@ -477,13 +515,21 @@ async fn relation_sizes(db: &mut PgConnection) -> Result<String, BoxError> {
 }
 
 /// L: the whole month in one statement (the same fine expression the engine uses), written to
-/// use the month index as a user who knows the schema would; the planner picks the plan.
-async fn set_based(db: &mut PgConnection, month: BusinessDate) -> Result<Sample, BoxError> {
+/// use the month index as a user who knows the schema would; the planner picks the plan. With
+/// `shard` (index, count): only that shard's rows, as the engine splits them.
+async fn set_based(
+    db: &mut PgConnection,
+    month: BusinessDate,
+    shard: Option<(u32, u32)>,
+) -> Result<Sample, BoxError> {
     let rule = FineRule::default();
+    let only = shard.map_or(String::new(), |(index, count)| {
+        format!(" AND (l.id % {count} + {count}) % {count} = {index}")
+    });
     let sql = format!(
         "UPDATE loans l SET fine_cents = {}, fine_settled_at = now()
           WHERE date_trunc('month', l.returned_on::timestamp) = $1
-            AND l.returned_on IS NOT NULL AND l.fine_settled_at IS NULL",
+            AND l.returned_on IS NOT NULL AND l.fine_settled_at IS NULL{only}",
         FineRule::sql_params(2)
     );
     let t = Instant::now();
@@ -499,6 +545,27 @@ async fn set_based(db: &mut PgConnection, month: BusinessDate) -> Result<Sample,
         wall_ms: ms(t.elapsed()),
         scanned: n,
         updated: n,
+        ..Sample::default()
+    })
+}
+
+/// L2: what two shards can reach at best on these cores, with nothing of the engine: the set-based
+/// UPDATE of each shard of two (`id % 2`), both at once on two connections opened beforehand;
+/// wall time until both are done. S2 against L2 is the engine's cost; L2 against L is what
+/// splitting a month by `id % 2` allows.
+async fn set_based_by_shard(url: &str, month: BusinessDate) -> Result<Sample, BoxError> {
+    let (mut a, mut b) = tokio::try_join!(PgConnection::connect(url), PgConnection::connect(url))?;
+    let t = Instant::now();
+    let (x, y) = tokio::try_join!(
+        set_based(&mut a, month, Some((0, 2))),
+        set_based(&mut b, month, Some((1, 2)))
+    )?;
+    let wall_ms = ms(t.elapsed());
+    tokio::try_join!(a.close(), b.close())?;
+    Ok(Sample {
+        wall_ms,
+        scanned: x.scanned + y.scanned,
+        updated: x.updated + y.updated,
         ..Sample::default()
     })
 }
@@ -728,6 +795,7 @@ fn batch_sizes(batches: &[Option<u32>]) -> String {
 fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
     let what = |case: &str| match case.split('@').next().unwrap_or(case) {
         "L" => "one set-based UPDATE of the month (the limit)",
+        "L2" => "two set-based UPDATEs at once, one per shard of 2 (the limit for 2 shards)",
         "N" => "per-row prepared UPDATE, pipelined 500 per transaction (the seed)",
         "S1" => "settlementd run, 1 shard (process)",
         "S2" => "settlementd run, 2 shards in parallel (processes)",
@@ -805,6 +873,12 @@ fn print_table(shape: &Shape, rows: &[Row], loans: u64, expected: u64, batches: 
     }
 }
 
+/// The server a shape was measured on, for the results file.
+struct Server<'a> {
+    version: &'a str,
+    settings: &'a str,
+}
+
 fn write_results(
     shape: &Shape,
     rows: &[Row],
@@ -812,7 +886,7 @@ fn write_results(
     expected: u64,
     batches: &[Option<u32>],
     sizes: &[(String, String)],
-    version: &str,
+    server: &Server,
 ) -> Result<(), BoxError> {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
     std::fs::create_dir_all(&dir)?;
@@ -840,8 +914,8 @@ fn write_results(
         "shape": shape.name,
         "layout": shape.what,
         "analyzed": shape.analyzed,
-        "postgres": version,
-        "cluster": "temporary embedded: fsync=off, synchronous_commit=off, full_page_writes=off",
+        "postgres": server.version,
+        "cluster": server.settings,
         "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
         "loans": loans,
         "settled_per_case": expected,
@@ -868,11 +942,11 @@ fn print_summary(all: &[(&str, Vec<Row>)]) {
     let fmt = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.2}"));
     println!(
         "
-summary (× L, medians; R in ms)"
+summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; R in ms)"
     );
     println!(
-        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>9}",
-        "shape", "S1", "S2", "S3", "best", "S1 ms", "R ms", "RSS MiB"
+        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>9}",
+        "shape", "S1", "S2", "S3", "best", "L2", "S1 ms", "R ms", "RSS MiB"
     );
     for (shape, rows) in all {
         let best = ["S2", "S3"]
@@ -884,12 +958,13 @@ summary (× L, medians; R in ms)"
             .filter_map(|r| r.peak_rss_mib)
             .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
         println!(
-            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>9}",
+            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>9}",
             shape,
             fmt(ratio(shape, "S1")),
             fmt(ratio(shape, "S2")),
             fmt(ratio(shape, "S3")),
             fmt(best),
+            fmt(ratio(shape, "L2")),
             get(shape, "S1").map_or("-".into(), |r| format!("{:.0}", r.wall_ms)),
             get(shape, "R-after-run").map_or("-".into(), |r| format!("{:.1}", r.wall_ms)),
             rss.map_or("-".into(), |m| format!("{m:.1}")),

@@ -7,7 +7,7 @@ use serde_json::Value;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::fine::FineRule;
-use settlementd::jobs;
+use settlementd::jobs::{self, Job};
 use settlementd::settlement::{self, BatchSql, FineSettlement, Walk};
 use sqlx::{PgConnection, PgPool, Row};
 use tokio_util::sync::CancellationToken;
@@ -67,7 +67,8 @@ async fn explain_batch(
 }
 
 /// The first column of the one row `sql` returns with the month key and then `numbers` as its
-/// parameters, sent unnamed as the engine sends it.
+/// parameters, sent unnamed: planned for these parameters, as every batch of the engine is
+/// (`every_batch_is_planned_for_its_own_cursor_also_after_five_executions`).
 async fn first_column<T>(
     conn: &mut PgConnection,
     sql: &str,
@@ -293,4 +294,63 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
     assert_eq!(plans.len(), 1, "an empty page: no settle statement");
     let plan = &plans[0];
     assert_eq!(assert_month_index_only(plan), 0, "{plan:#}");
+}
+
+/// Runs eight batches of shard 1 of 2 on one connection through the engine's own `run_batch`,
+/// each in a transaction opened with `begin` and rolled back (the cursor still moves on), and
+/// returns how PostgreSQL planned the page statement: (generic plans, custom plans).
+async fn page_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64, i64) {
+    let month = bd("2026-09-30");
+    let key = settlement::key(month, ShardSpec::new(1, 2).unwrap());
+    let (plan, _) = job
+        .plan(pool, &key, jobs::Cursor::default(), false)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let mut cursor = jobs::Cursor::default();
+    for _ in 0..8 {
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, begin.to_string())
+            .await
+            .unwrap();
+        let batch = job.run_batch(&mut tx, &plan, cursor).await.unwrap();
+        assert_eq!(batch.scanned, u64::from(job.batch_size));
+        cursor = batch.cursor;
+        tx.rollback().await.unwrap();
+    }
+    let page = &BatchSql::of(Walk::of_shard(1)).page;
+    let plans: (i64, i64) = sqlx::query_as(
+        "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+    )
+    .bind(page)
+    .fetch_one(&mut *conn)
+    .await
+    .expect("the page statement is prepared once on its connection");
+    conn.close().await.unwrap();
+    plans
+}
+
+/// The batch statements are prepared once per connection (a batch then costs one round trip per
+/// statement, not two), and every batch is still planned for its own cursor and shard count:
+/// `BEGIN_BATCH` sets `plan_cache_mode = force_custom_plan`. Without it, PostgreSQL switches the
+/// same statements to a generic plan after five executions (the control below), which would read
+/// the month index with the shard test left unfolded and the range unknown.
+#[tokio::test]
+async fn every_batch_is_planned_for_its_own_cursor_also_after_five_executions() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-09-30"), 3000, 1).await;
+    let job = FineSettlement {
+        rule: FineRule::default(),
+        batch_size: 100,
+        guards: Default::default(),
+    };
+    let (generic, custom) = page_plans(&db.pool, &job, &job.begin_batch()).await;
+    assert_eq!((generic, custom), (0, 8), "the engine's batches");
+    let without_pin =
+        settlement::BEGIN_BATCH.replace("\n    SET LOCAL plan_cache_mode = force_custom_plan;", "");
+    assert_ne!(without_pin, settlement::BEGIN_BATCH);
+    let (generic, _) = page_plans(&db.pool, &job, &without_pin).await;
+    assert!(
+        generic > 0,
+        "control: without the setting the plan turns generic"
+    );
 }
