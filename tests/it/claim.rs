@@ -34,6 +34,29 @@ fn won(outcome: ClaimOutcome) -> claim::Claim {
     }
 }
 
+/// Commits one batch's progress under `claim` (cursors walking up and down, rows read and settled);
+/// false when the fence refuses it.
+async fn record(
+    db: &TestDb,
+    claim: &claim::Claim,
+    (up, down): (Option<i64>, Option<i64>),
+    rows: u64,
+) -> bool {
+    let batch = Batch {
+        cursor: Cursor {
+            last_id: up,
+            last_id_desc: down,
+        },
+        scanned: rows,
+        updated: rows,
+        odd: 0,
+        done: false,
+    };
+    claim::record_batch(&mut db.pool.acquire().await.unwrap(), claim, &batch)
+        .await
+        .unwrap()
+}
+
 async fn set_status(db: &TestDb, status: &str) {
     sqlx::query("UPDATE job_runs SET status = $1")
         .bind(status)
@@ -135,22 +158,7 @@ async fn a_stale_running_claim_is_taken_over_and_a_live_one_is_not() {
 async fn success_blocks_a_rerun_unless_forced() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
-    assert!(claim::record_batch(
-        &mut db.pool.acquire().await.unwrap(),
-        &first,
-        &Batch {
-            cursor: Cursor {
-                last_id: Some(42),
-                last_id_desc: Some(900),
-            },
-            scanned: 5,
-            updated: 4,
-            odd: 0,
-            done: true
-        }
-    )
-    .await
-    .unwrap());
+    assert!(record(&db, &first, (Some(42), Some(900)), 5).await);
     assert!(claim::mark_success(&db.pool, &first).await.unwrap());
     assert_eq!(
         claim_as(&db, "b", false).await,
@@ -174,21 +182,7 @@ async fn a_takeover_resumes_after_committed_progress() {
     let first = won(claim_as(&db, "a", false).await);
     // An ascending batch, then a descending one: each moves its own cursor only.
     for cursor in [(Some(1000), None), (None, Some(5000))] {
-        let batch = Batch {
-            cursor: Cursor {
-                last_id: cursor.0,
-                last_id_desc: cursor.1,
-            },
-            scanned: 10,
-            updated: 10,
-            odd: 0,
-            done: false,
-        };
-        assert!(
-            claim::record_batch(&mut db.pool.acquire().await.unwrap(), &first, &batch)
-                .await
-                .unwrap()
-        );
+        assert!(record(&db, &first, cursor, 10).await);
     }
     set_status(&db, "FAILED").await;
     let second = won(claim_as(&db, "b", false).await);
@@ -207,21 +201,7 @@ async fn a_takeover_resumes_after_committed_progress() {
 async fn a_rerun_claimed_by_an_older_binary_forgets_the_descending_cursor() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
-    let batch = Batch {
-        cursor: Cursor {
-            last_id: None,
-            last_id_desc: Some(900),
-        },
-        scanned: 5,
-        updated: 5,
-        odd: 0,
-        done: true,
-    };
-    assert!(
-        claim::record_batch(&mut db.pool.acquire().await.unwrap(), &first, &batch)
-            .await
-            .unwrap()
-    );
+    assert!(record(&db, &first, (None, Some(900)), 5).await);
     assert!(claim::mark_success(&db.pool, &first).await.unwrap());
     // The previous release's forced takeover, as it was written.
     sqlx::query(
@@ -250,21 +230,7 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
     let heir = won(claim_as(&db, "heir", false).await);
     assert_eq!(heir.attempt, 2);
 
-    let batch = Batch {
-        cursor: Cursor {
-            last_id: Some(7),
-            last_id_desc: Some(9),
-        },
-        scanned: 1,
-        updated: 1,
-        odd: 0,
-        done: false,
-    };
-    assert!(
-        !claim::record_batch(&mut db.pool.acquire().await.unwrap(), &zombie, &batch)
-            .await
-            .unwrap()
-    );
+    assert!(!record(&db, &zombie, (Some(7), Some(9)), 1).await);
     assert!(!claim::heartbeat(&db.pool, &zombie).await.unwrap());
     assert!(!claim::mark_success(&db.pool, &zombie).await.unwrap());
     assert!(!claim::mark_failed(&db.pool, &zombie, "zombie says hi")
