@@ -19,15 +19,22 @@
 //! (docs/PERFORMANCE.md: two shards at once on an append-only table went from 1.0 to 1.25 × the
 //! single `UPDATE`). A run always stays inside both cursors ([`Cursor::remaining`]), whichever
 //! direction committed them.
+//!
+//! When the month has one shard, the page of the next batch is read on a spare connection of the
+//! pool while a batch settles ([`Lookahead`]): the index read that finds where a batch ends runs
+//! on another core instead of in front of every batch (docs/PERFORMANCE.md). It is only a read;
+//! every write stays in the fenced batch transaction, and a batch whose page was not read ahead
+//! reads it itself.
 
 use crate::calendar::BusinessDate;
 use crate::config::{SessionGuards, ShardSpec};
 use crate::fine::FineRule;
 use crate::jobs::{Batch, Cursor, Job, JobKey};
 use chrono::{NaiveDateTime, NaiveTime};
-use sqlx::{PgConnection, PgExecutor, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgConnection, PgExecutor, PgPool, Postgres};
 use std::borrow::Cow;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 pub const JOB_NAME: &str = "fine-settlement";
 
@@ -50,9 +57,23 @@ pub struct FineSettlement {
     pub guards: SessionGuards,
 }
 
-/// Bounds of one run, fixed after the claim.
-#[derive(Debug, Clone)]
+/// One run: its bounds, fixed after the claim, and the page read ahead for its next batch.
+#[derive(Debug)]
 pub struct MonthPlan {
+    bounds: Bounds,
+    ahead: Lookahead,
+}
+
+impl MonthPlan {
+    /// How many batches of this run found their page already read ([`Lookahead`]).
+    pub fn pages_read_ahead(&self) -> u64 {
+        self.ahead.state().used
+    }
+}
+
+/// Which index entries a run reads: one shard's share of one month.
+#[derive(Debug, Clone, Copy)]
+struct Bounds {
     /// The month's first day at midnight: the key of its entries in `loans_unsettled_by_month`.
     month: NaiveDateTime,
     shards: i64,
@@ -60,7 +81,7 @@ pub struct MonthPlan {
     walk: Walk,
 }
 
-impl MonthPlan {
+impl Bounds {
     fn for_key(key: &JobKey) -> sqlx::Result<Self> {
         let business_date = BusinessDate::new(key.business_date)
             .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
@@ -70,6 +91,136 @@ impl MonthPlan {
             shard: key.shard.into(),
             walk: Walk::of_shard(key.shard),
         })
+    }
+
+    /// The next `limit` entries of the shard's month inside `(low, high)`, in the walk's order.
+    async fn page(
+        &self,
+        db: &mut PgConnection,
+        (low, high): (i64, i64),
+        limit: i64,
+    ) -> sqlx::Result<Page> {
+        let (scanned, last): (i64, Option<i64>) = sqlx::query_as(&BatchSql::of(self.walk).page)
+            .bind(self.month)
+            .bind(low)
+            .bind(high)
+            .bind(self.shards)
+            .bind(self.shard)
+            .bind(limit)
+            .fetch_one(db)
+            .await?;
+        Ok(Page { scanned, last })
+    }
+}
+
+/// What a page found: how many entries, and the last id in the walk's order (`None`: none left).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Page {
+    scanned: i64,
+    last: Option<i64>,
+}
+
+/// The next batch's page, read on a spare pooled connection while the current batch settles
+/// (runs of a month's only shard).
+///
+/// A page is only a read, in a transaction of its own opened like a batch (the same pinned
+/// plans and guards), so reading it early changes nothing a batch does: the batch still settles,
+/// under its own fence, every unsettled row of its range as the settle statement finds it (a row
+/// returned after the page was read is settled with its batch; one settled meanwhile by someone
+/// else is left alone). A page is used only by the batch whose remaining ids it was read for;
+/// any other cursor (a test, a retry) reads its own.
+///
+/// The connection is taken only when the pool can give it without waiting and still has one
+/// for the heartbeat (`database.max_connections` ≥ 3; the default is 5), and kept for the run.
+/// If reading ahead fails, the run logs it once and reads each page inside its batch from then
+/// on: a read-ahead can make a run slower, never fail it.
+#[derive(Debug)]
+struct Lookahead {
+    /// `None`: no reading ahead for this plan.
+    pool: Option<PgPool>,
+    begin: String,
+    state: Mutex<AheadState>,
+}
+
+#[derive(Debug, Default)]
+struct AheadState {
+    conn: Option<PoolConnection<Postgres>>,
+    /// The page read for the batch whose remaining ids are the key.
+    page: Option<((i64, i64), Page)>,
+    /// Reading ahead failed once: stop trying.
+    off: bool,
+    /// Batches that found their page read.
+    used: u64,
+}
+
+impl Lookahead {
+    fn state(&self) -> std::sync::MutexGuard<'_, AheadState> {
+        // A panic while the lock was held cannot leave the state inconsistent (plain fields).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The page read ahead for `remaining`, if that is the one that was read.
+    fn take(&self, remaining: (i64, i64)) -> Option<Page> {
+        let mut state = self.state();
+        match state.page.take() {
+            Some((read_for, page)) if read_for == remaining => {
+                state.used += 1;
+                Some(page)
+            }
+            _ => None,
+        }
+    }
+
+    /// Reads the page of `remaining` on the spare connection and keeps it for the next batch.
+    async fn read(&self, bounds: &Bounds, remaining: Option<(i64, i64)>, limit: i64) {
+        let (Some(pool), Some(remaining)) = (&self.pool, remaining) else {
+            return;
+        };
+        let conn = {
+            let mut state = self.state();
+            if state.off {
+                return;
+            }
+            state.conn.take()
+        };
+        let Some(mut conn) = (match conn {
+            Some(conn) => Some(conn),
+            None => spare_connection(pool).await,
+        }) else {
+            return;
+        };
+        let read = async {
+            let mut tx = conn.begin_with(self.begin.clone()).await?;
+            let page = bounds.page(&mut tx, remaining, limit).await?;
+            tx.rollback().await?;
+            Ok::<_, sqlx::Error>(page)
+        }
+        .await;
+        let mut state = self.state();
+        match read {
+            Ok(page) => {
+                state.conn = Some(conn);
+                state.page = Some((remaining, page));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the next batch ahead failed; each batch reads its own page from now on");
+                state.off = true;
+            }
+        }
+    }
+}
+
+/// A connection of `pool` for reading ahead, if one can be had without waiting while another
+/// stays free for the heartbeat.
+async fn spare_connection(pool: &PgPool) -> Option<PoolConnection<Postgres>> {
+    let max = pool.options().get_max_connections();
+    let free = max.saturating_sub(pool.size()) as usize + pool.num_idle();
+    if free < 2 {
+        return None;
+    }
+    match pool.try_acquire() {
+        Some(conn) => Some(conn),
+        None => pool.acquire().await.ok(),
     }
 }
 
@@ -152,24 +303,34 @@ impl Job for FineSettlement {
         resume: Cursor,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
-        let plan = MonthPlan::for_key(key)?;
-        if !estimate {
-            return Ok((plan, None));
-        }
-        let remaining = unsettled(pool, &plan, resume).await?;
-        Ok((plan, Some(remaining)))
+        let bounds = Bounds::for_key(key)?;
+        let remaining = match estimate {
+            true => Some(unsettled(pool, &bounds, resume).await?),
+            false => None,
+        };
+        // Only the month's one shard reads ahead: with more shards, the server's cores are busy
+        // with the other shards' batches, and a read alongside each competes with them (two
+        // shards on two cores: 0.08 × L slower on `append`; docs/PERFORMANCE.md).
+        let read_ahead = key.shards == 1 && pool.options().get_max_connections() >= 3;
+        let ahead = Lookahead {
+            pool: read_ahead.then(|| pool.clone()),
+            begin: begin_batch_sql(&self.guards),
+            state: Mutex::default(),
+        };
+        Ok((MonthPlan { bounds, ahead }, remaining))
     }
 
     /// One batch: the next `batch_size` unsettled loans of this shard's month inside `cursor`, in
-    /// the shard's [`Walk`] order, settled by conditional UPDATEs in two statements
-    /// ([`BatchSql`]):
+    /// the shard's [`Walk`] order, settled by conditional UPDATEs ([`BatchSql`]):
     ///
-    /// 1. `page` reads the batch from `loans_unsettled_by_month` (an index-only range scan that
-    ///    starts at the cursor's end of the remaining ids and stops after `batch_size` rows of this
-    ///    shard); in the same statement, the batch's odd rows ([`ODD_ROW`], rare) are settled and
-    ///    counted.
-    /// 2. `settle` updates the same index range, up to the page's last id, with the same filters:
-    ///    every row the first statement did not settle. Its row count is the rest of `updated`.
+    /// 1. `page` reads where the batch ends: an index-only range scan of `loans_unsettled_by_month`
+    ///    that starts at the cursor's end of the remaining ids and stops after `batch_size` rows
+    ///    of this shard. Read ahead while the batch before settled ([`Lookahead`]), or here.
+    /// 2. `odd` settles and counts the range's odd rows ([`ODD_ROW`], rare).
+    /// 3. `settle` updates the same index range, up to the page's last id, with the same filters:
+    ///    every row the odd statement did not settle. Its row count is the rest of `updated`.
+    ///
+    /// While 2 and 3 run, the next batch's page is read on the spare connection.
     ///
     /// Both updates are conditional (`fine_settled_at IS NULL`, re-checked on the newest row
     /// version): a row settled meanwhile by someone else counts as scanned (it is in the page) but
@@ -178,8 +339,8 @@ impl Job for FineSettlement {
     /// row count instead of carrying every updated row through a `RETURNING` is what the split
     /// buys: 0.80 → 0.87 × the single `UPDATE` (docs/PERFORMANCE.md).
     ///
-    /// Both statements are prepared once per connection (sqlx's statement cache), so a batch
-    /// sends each in one round trip; [`BEGIN_BATCH`]'s `plan_cache_mode = force_custom_plan` still
+    /// The statements are prepared once per connection (sqlx's statement cache), so a batch sends
+    /// each in one round trip; [`BEGIN_BATCH`]'s `plan_cache_mode = force_custom_plan` still
     /// plans every execution for its own cursor and shard count.
     async fn run_batch(
         &self,
@@ -190,24 +351,16 @@ impl Job for FineSettlement {
         let Some((low, high)) = cursor.remaining() else {
             return Ok(Batch::nothing_left(cursor));
         };
+        let bounds = &plan.bounds;
         let limit = i64::from(self.batch_size.max(1));
-        let sql = BatchSql::of(plan.walk);
-        let (scanned, last, odd): (i64, Option<i64>, i64) = sqlx::query_as(&sql.page)
-            .bind(plan.month)
-            .bind(low)
-            .bind(high)
-            .bind(plan.shards)
-            .bind(plan.shard)
-            .bind(limit)
-            .bind(self.rule.grace_days)
-            .bind(self.rule.daily_rate_cents)
-            .bind(self.rule.max_cents)
-            .fetch_one(&mut *tx)
-            .await?;
-        let Some(last) = last else {
+        let page = match plan.ahead.take((low, high)) {
+            Some(page) => page,
+            None => bounds.page(&mut *tx, (low, high), limit).await?,
+        };
+        let Some(last) = page.last else {
             return Ok(Batch::nothing_left(cursor));
         };
-        let (from, to, cursor) = match plan.walk {
+        let (from, to, cursor) = match bounds.walk {
             Walk::Up => (
                 low,
                 last,
@@ -225,25 +378,36 @@ impl Job for FineSettlement {
                 },
             ),
         };
-        let rest = sqlx::query(&sql.settle)
-            .bind(plan.month)
-            .bind(from)
-            .bind(to)
-            .bind(plan.shards)
-            .bind(plan.shard)
-            .bind(self.rule.grace_days)
-            .bind(self.rule.daily_rate_cents)
-            .bind(self.rule.max_cents)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
+        // A short page read every remaining row of the shard's month.
+        let done = page.scanned < limit;
+        let sql = BatchSql::of(bounds.walk);
+        let settle = async {
+            let mut updated = [0; 2];
+            for (statement, count) in [&sql.odd, &sql.settle].into_iter().zip(&mut updated) {
+                *count = sqlx::query(statement)
+                    .bind(bounds.month)
+                    .bind(from)
+                    .bind(to)
+                    .bind(bounds.shards)
+                    .bind(bounds.shard)
+                    .bind(self.rule.grace_days)
+                    .bind(self.rule.daily_rate_cents)
+                    .bind(self.rule.max_cents)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+            }
+            Ok::<_, sqlx::Error>(updated)
+        };
+        let next = if done { None } else { cursor.remaining() };
+        let (updated, ()) = tokio::join!(settle, plan.ahead.read(bounds, next, limit));
+        let [odd, rest] = updated?;
         Ok(Batch {
             cursor,
-            scanned: scanned as u64,
-            updated: odd as u64 + rest,
-            odd: odd as u64,
-            // A short page read every remaining row of the shard's month.
-            done: scanned < limit,
+            scanned: page.scanned as u64,
+            updated: odd + rest,
+            odd,
+            done,
         })
     }
 }
@@ -257,10 +421,10 @@ pub async fn unsettled_after(
     key: &JobKey,
     cursor: Cursor,
 ) -> sqlx::Result<u64> {
-    unsettled(db, &MonthPlan::for_key(key)?, cursor).await
+    unsettled(db, &Bounds::for_key(key)?, cursor).await
 }
 
-async fn unsettled(db: impl PgExecutor<'_>, plan: &MonthPlan, cursor: Cursor) -> sqlx::Result<u64> {
+async fn unsettled(db: impl PgExecutor<'_>, plan: &Bounds, cursor: Cursor) -> sqlx::Result<u64> {
     let Some((low, high)) = cursor.remaining() else {
         return Ok(0);
     };
@@ -286,19 +450,20 @@ async fn unsettled(db: impl PgExecutor<'_>, plan: &MonthPlan, cursor: Cursor) ->
 /// due decades after it came back, is consistent, not odd: it gets the cap, or 0.
 pub const ODD_ROW: &str = "(l.returned_on < l.borrowed_on OR l.due_on < l.borrowed_on)";
 
-/// The two statements of a batch of one walk.
+/// The three statements of a batch of one walk.
 ///
 /// `page`: `$1` month key, `$2`..`$3` the ids still to walk (inclusive), `$4`/`$5` shard count and
-/// index, `$6` batch size, `$7`..`$9` the fine rule. Returns (rows read, last id read, odd rows
-/// settled, see [`ODD_ROW`]); the last id read is the largest of the page walking up, the
-/// smallest walking down.
+/// index, `$6` batch size. Returns (rows read, last id read); the last id read is the largest of
+/// the page walking up, the smallest walking down. Read-only.
 ///
-/// `settle`: `$1` month key, `$2`..`$3` the batch's ids (from the remaining range's start to the
-/// page's last id, or from the page's last id to the range's end), `$4`/`$5` shard count and
-/// index, `$6`..`$8` the fine rule.
+/// `odd` and `settle`: `$1` month key, `$2`..`$3` the batch's ids (from the remaining range's
+/// start to the page's last id, or from the page's last id to the range's end), `$4`/`$5` shard
+/// count and index, `$6`..`$8` the fine rule. `odd` settles the range's [`ODD_ROW`]s, `settle`
+/// every row left; each is counted by its row count.
 #[derive(Debug)]
 pub struct BatchSql {
     pub page: String,
+    pub odd: String,
     pub settle: String,
 }
 
@@ -307,37 +472,20 @@ impl BatchSql {
         static UP: OnceLock<BatchSql> = OnceLock::new();
         static DOWN: OnceLock<BatchSql> = OnceLock::new();
         match walk {
-            Walk::Up => {
-                UP.get_or_init(|| BatchSql::new("", "max", "$2", "(SELECT last FROM stats)"))
-            }
-            Walk::Down => {
-                DOWN.get_or_init(|| BatchSql::new(" DESC", "min", "(SELECT last FROM stats)", "$3"))
-            }
+            Walk::Up => UP.get_or_init(|| BatchSql::new("", "max")),
+            Walk::Down => DOWN.get_or_init(|| BatchSql::new(" DESC", "min")),
         }
     }
 
-    fn new(order: &str, last: &str, from: &str, to: &str) -> BatchSql {
+    fn new(order: &str, last: &str) -> BatchSql {
         let page = format!(
-            "WITH page AS (
+            "SELECT count(*), {last}(id) FROM (
                  SELECT id FROM loans
                   WHERE {MONTH_KEY} = $1 AND fine_settled_at IS NULL AND returned_on IS NOT NULL
                     AND id + 0 BETWEEN $2 AND $3 AND ($4 = 1 OR (id % $4 + $4) % $4 = $5)
                   ORDER BY id + 0{order}
                   LIMIT $6
-             ), stats AS (
-                 SELECT count(*) AS n, {last}(id) AS last FROM page
-             ), odd AS (
-                 UPDATE loans l
-                    SET fine_cents = {fine}, fine_settled_at = now()
-                  WHERE date_trunc('month', l.returned_on::timestamp) = $1
-                    AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
-                    AND l.id + 0 BETWEEN {from} AND {to}
-                    AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)
-                    AND {ODD_ROW}
-                 RETURNING 1
-             )
-             SELECT n, last, (SELECT count(*) FROM odd) FROM stats",
-            fine = FineRule::sql_params(7),
+             ) page"
         );
         let settle = format!(
             "UPDATE loans l
@@ -348,7 +496,8 @@ impl BatchSql {
                 AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)",
             fine = FineRule::sql_params(6),
         );
-        BatchSql { page, settle }
+        let odd = format!("{settle}\n                AND {ODD_ROW}");
+        BatchSql { page, odd, settle }
     }
 }
 

@@ -17,9 +17,9 @@ async fn settle(pool: &PgPool, month: BusinessDate) {
 }
 
 /// The plans of one batch of shard `shard` of `shards` over the ids `low..=high`, exactly as the
-/// engine runs it (plan pinned, the shard's walk, the same two statements with the same
-/// parameters), executed and rolled back: the page statement, then the settle statement (none
-/// when the page is empty).
+/// engine runs it (plan pinned, the shard's walk, the same three statements with the same
+/// parameters), executed and rolled back: the page statement, then the odd rows' and the settle
+/// statements (none when the page is empty).
 async fn explain_batch(
     pool: &PgPool,
     month: BusinessDate,
@@ -29,38 +29,42 @@ async fn explain_batch(
 ) -> Vec<Value> {
     let mut tx = pool.begin_with(settlement::BEGIN_BATCH).await.unwrap();
     let rule = FineRule::default();
-    let fine = [rule.grace_days, rule.daily_rate_cents, rule.max_cents];
     let walk = Walk::of_shard(shard as u32);
     let sql = BatchSql::of(walk);
     let month_key = month.first_day().and_time(chrono::NaiveTime::MIN);
     let page = [low, high, shards, shard, batch];
-    // Where the page will end, read before the page statement settles the odd rows: the page
-    // statement without its update.
-    let page_only = &sql.page[..sql.page.find("), odd AS (").expect("the odd rows' CTE")];
-    let last: Option<i64> = first_column(
-        &mut tx,
-        &format!("{page_only}) SELECT last FROM stats"),
-        month_key,
-        &page,
-    )
-    .await;
+    let last: Option<i64> =
+        sqlx::query_scalar(&format!("SELECT last FROM ({}) p(n, last)", sql.page))
+            .persistent(false)
+            .bind(month_key)
+            .bind(low)
+            .bind(high)
+            .bind(shards)
+            .bind(shard)
+            .bind(batch)
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
     let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}");
-    let mut plans = vec![
-        first_column::<Value>(
-            &mut tx,
-            &explain(&sql.page),
-            month_key,
-            &[&page[..], &fine[..]].concat(),
-        )
-        .await,
-    ];
+    let mut plans =
+        vec![first_column::<Value>(&mut tx, &explain(&sql.page), month_key, &page).await];
     if let Some(last) = last {
         let (from, to) = match walk {
             Walk::Up => (low, last),
             Walk::Down => (last, high),
         };
-        let numbers = [from, to, shards, shard, fine[0], fine[1], fine[2]];
-        plans.push(first_column(&mut tx, &explain(&sql.settle), month_key, &numbers).await);
+        let numbers = [
+            from,
+            to,
+            shards,
+            shard,
+            rule.grace_days,
+            rule.daily_rate_cents,
+            rule.max_cents,
+        ];
+        for statement in [&sql.odd, &sql.settle] {
+            plans.push(first_column(&mut tx, &explain(statement), month_key, &numbers).await);
+        }
     }
     tx.rollback().await.unwrap();
     plans.into_iter().map(|p| p[0]["Plan"].clone()).collect()
@@ -237,7 +241,7 @@ async fn unsettled_loans_of_a_month_are_found_through_the_partial_index_not_the_
     // reads the same range once more and settles those, the settle statement reads the range a
     // third time (the odd rows' entries are no longer visible to it), and nothing else is read.
     let plans = explain_batch(&db.pool, oct, (0, 1), (i64::MIN, i64::MAX), 1_000_000).await;
-    assert_eq!(plans.len(), 2);
+    assert_eq!(plans.len(), 3);
     assert_eq!(month_index_reads(&plans), 3 * rows - odd, "{plans:#?}");
 }
 
@@ -298,8 +302,9 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
 
 /// Runs eight batches of shard 1 of 2 on one connection through the engine's own `run_batch`,
 /// each in a transaction opened with `begin` and rolled back (the cursor still moves on), and
-/// returns how PostgreSQL planned the page statement: (generic plans, custom plans).
-async fn page_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64, i64) {
+/// returns how PostgreSQL planned the settle statement on that connection: (generic plans, custom
+/// plans). (The pages after the first are read ahead on another connection.)
+async fn settle_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64, i64) {
     let month = bd("2026-09-30");
     let key = settlement::key(month, ShardSpec::new(1, 2).unwrap());
     let (plan, _) = job
@@ -317,14 +322,14 @@ async fn page_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64, i
         cursor = batch.cursor;
         tx.rollback().await.unwrap();
     }
-    let page = &BatchSql::of(Walk::of_shard(1)).page;
+    let settle = &BatchSql::of(Walk::of_shard(1)).settle;
     let plans: (i64, i64) = sqlx::query_as(
         "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
     )
-    .bind(page)
+    .bind(settle)
     .fetch_one(&mut *conn)
     .await
-    .expect("the page statement is prepared once on its connection");
+    .expect("the settle statement is prepared once on its connection");
     conn.close().await.unwrap();
     plans
 }
@@ -343,12 +348,12 @@ async fn every_batch_is_planned_for_its_own_cursor_also_after_five_executions() 
         batch_size: 100,
         guards: Default::default(),
     };
-    let (generic, custom) = page_plans(&db.pool, &job, &job.begin_batch()).await;
+    let (generic, custom) = settle_plans(&db.pool, &job, &job.begin_batch()).await;
     assert_eq!((generic, custom), (0, 8), "the engine's batches");
     let without_pin =
         settlement::BEGIN_BATCH.replace("\n    SET LOCAL plan_cache_mode = force_custom_plan;", "");
     assert_ne!(without_pin, settlement::BEGIN_BATCH);
-    let (generic, _) = page_plans(&db.pool, &job, &without_pin).await;
+    let (generic, _) = settle_plans(&db.pool, &job, &without_pin).await;
     assert!(
         generic > 0,
         "control: without the setting the plan turns generic"

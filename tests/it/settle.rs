@@ -817,3 +817,153 @@ async fn a_descending_walk_stops_at_the_ascending_cursor_of_an_earlier_attempt()
             .unwrap();
     assert_eq!((up, down), (Some(cursor), Some(ids[100])));
 }
+
+/// Walks shard `s` of `month` through the engine's own `plan` and `run_batch`, one committed
+/// transaction per batch as the runner does (without the claim); returns (calls of `run_batch`,
+/// batches that found their page read ahead, rows updated). `before_batch` runs on the batch
+/// connection before each batch (its number, from 1).
+async fn walk_month(
+    pool: &PgPool,
+    job: &FineSettlement,
+    month: BusinessDate,
+    s: ShardSpec,
+    before_batch: impl Fn(u64) -> Option<&'static str>,
+) -> (u64, u64, u64) {
+    let key = settlement::key(month, s);
+    let (plan, _) = job
+        .plan(pool, &key, Cursor::default(), false)
+        .await
+        .unwrap();
+    let mut conn = pool.acquire().await.unwrap();
+    let (mut cursor, mut calls, mut updated) = (Cursor::default(), 0, 0);
+    loop {
+        calls += 1;
+        if let Some(sql) = before_batch(calls) {
+            sqlx::query(sql).execute(&mut *conn).await.unwrap();
+        }
+        let mut tx = sqlx::Connection::begin_with(&mut *conn, job.begin_batch().into_owned())
+            .await
+            .unwrap();
+        let batch = job.run_batch(&mut tx, &plan, cursor).await.unwrap();
+        tx.commit().await.unwrap();
+        updated += batch.updated;
+        cursor = batch.cursor;
+        if batch.done {
+            return (calls, plan.pages_read_ahead(), updated);
+        }
+    }
+}
+
+/// While a batch of a month's only shard settles, the next batch's page is read on a spare
+/// connection; a pool with no connection to spare (two: batches and heartbeat) reads every page
+/// inside its batch, and so does every shard of a month split in two. Each settles exactly the
+/// same rows with the same fines, in the same batches.
+#[tokio::test]
+async fn the_next_page_is_read_ahead_and_a_pool_without_a_spare_connection_settles_the_same() {
+    let (oct, nov) = (bd(OCT), bd("2026-11-30"));
+    let (ahead, inline) = (test_db().await, test_db().await);
+    let two = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&inline.url)
+        .await
+        .unwrap();
+    let job = job(150);
+    let mut walks = Vec::new();
+    for (db, pool) in [(&ahead, &ahead.pool), (&inline, &two)] {
+        seed_month(&db.pool, oct, 3000, 1).await;
+        let eligible = eligible(&db.pool, oct).await as u64;
+        let walk = walk_month(pool, &job, oct, shard(0, 1), |_| None).await;
+        assert_eq!(walk.2, eligible);
+        walks.push((walk, settlement::month_totals(&db.pool, oct).await.unwrap()));
+    }
+    let [((calls, read_ahead, _), ahead_totals), ((inline_calls, inline_read_ahead, _), inline_totals)] =
+        &walks[..]
+    else {
+        unreachable!()
+    };
+    assert!(*calls > 15, "{calls}");
+    assert_eq!(*read_ahead, calls - 1, "every batch after the first");
+    assert_eq!(
+        *inline_read_ahead, 0,
+        "no spare connection, no reading ahead"
+    );
+    assert_eq!(calls, inline_calls);
+    assert_eq!(ahead_totals, inline_totals);
+
+    seed_month(&ahead.pool, nov, 3000, 100_001).await;
+    let eligible = eligible(&ahead.pool, nov).await as u64;
+    let mut updated = 0;
+    for index in 0..2 {
+        let (calls, read_ahead, rows) =
+            walk_month(&ahead.pool, &job, nov, shard(index, 2), |_| None).await;
+        assert!(calls > 5, "{calls}");
+        assert_eq!(read_ahead, 0, "shard {index} of 2 reads its own pages");
+        updated += rows;
+    }
+    assert_eq!(updated, eligible);
+}
+
+/// A read-ahead whose connection breaks costs the run nothing: the page already read is used,
+/// the failed read is dropped, and every later batch reads its own page.
+#[tokio::test]
+async fn a_broken_read_ahead_connection_costs_the_run_nothing() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 3000, 1).await;
+    let eligible = eligible(&db.pool, oct).await as u64;
+    // Before the second batch, end every other session of the database: the read-ahead
+    // connection among them (it read the second batch's page during the first batch).
+    let kill = "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+                 WHERE datname = current_database() AND pid <> pg_backend_pid()";
+    let (calls, read_ahead, updated) = walk_month(&db.pool, &job(200), oct, shard(0, 1), |n| {
+        (n == 2).then_some(kill)
+    })
+    .await;
+    assert!(calls > 5, "{calls}");
+    assert_eq!(
+        read_ahead, 1,
+        "only the page read before the connection broke"
+    );
+    assert_eq!(updated, eligible);
+    assert_eq!(settled_count(&db.pool).await as u64, eligible);
+}
+
+/// One batch of `plan` from `cursor`, rolled back.
+async fn rolled_back_batch(
+    conn: &mut PgConnection,
+    job: &FineSettlement,
+    plan: &MonthPlan,
+    cursor: Cursor,
+) -> Batch {
+    let mut tx = sqlx::Connection::begin_with(conn, job.begin_batch().into_owned())
+        .await
+        .unwrap();
+    let batch = job.run_batch(&mut tx, plan, cursor).await.unwrap();
+    tx.rollback().await.unwrap();
+    batch
+}
+
+/// A page read ahead is used only by the batch it was read for: a batch from another cursor
+/// reads its own.
+#[tokio::test]
+async fn a_page_read_ahead_serves_only_the_cursor_it_was_read_for() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month(&db.pool, oct, 3000, 1).await;
+    let job = job(100);
+    let key = settlement::key(oct, shard(0, 1));
+    let (plan, _) = job
+        .plan(&db.pool, &key, Cursor::default(), false)
+        .await
+        .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let first = rolled_back_batch(&mut conn, &job, &plan, Cursor::default()).await;
+    // The page after `first` was read ahead; a batch from the start again does not take it.
+    let again = rolled_back_batch(&mut conn, &job, &plan, Cursor::default()).await;
+    assert_eq!(again, first);
+    assert_eq!(plan.pages_read_ahead(), 0);
+    let second = rolled_back_batch(&mut conn, &job, &plan, first.cursor).await;
+    assert_eq!(plan.pages_read_ahead(), 1);
+    assert_eq!(second.scanned, 100);
+    assert!(second.cursor.last_id > first.cursor.last_id);
+}
