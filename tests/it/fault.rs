@@ -208,7 +208,8 @@ async fn kill_at(
             claim_of(&db.pool, shard).await.is_none()
         }
         Point::MidBatch => {
-            // Each batch statement sleeps 10 ms: the kill lands while one executes.
+            // Both updates of each batch (odd rows, then the rest) sleep 10 ms: the kill lands
+            // while one executes.
             run_sql(
                 &db.pool,
                 &[
@@ -226,7 +227,7 @@ async fn kill_at(
                     sqlx::query_scalar::<_, i64>(
                         "SELECT count(*) FROM pg_stat_activity
                           WHERE datname = $1 AND state = 'active' AND wait_event = 'PgSleep'
-                            AND query LIKE 'WITH page%'",
+                            AND query LIKE 'UPDATE loans%'",
                     )
                     .bind(&db.name)
                     .fetch_one(&db.pool)
