@@ -183,11 +183,12 @@ impl Lookahead {
             }
             state.conn.take()
         };
-        let Some(mut conn) = (match conn {
-            Some(conn) => Some(conn),
-            None => spare_connection(pool).await,
-        }) else {
-            return;
+        let mut conn = match conn {
+            Some(conn) => conn,
+            None => match spare_connection(pool).await {
+                Some(conn) => conn,
+                None => return,
+            },
         };
         let read = async {
             let mut tx = conn.begin_with(self.begin.clone()).await?;

@@ -620,3 +620,24 @@ pub async fn drop_db(db: TestDb) {
         .await
         .unwrap();
 }
+
+/// One batch of `plan` from `cursor` through the engine's own `run_batch`, in a transaction on
+/// `conn` opened with `begin` (the job's `begin_batch`, or a variant of it), then committed or
+/// rolled back. Without the claim: the fence is the runner's, not the job's.
+pub async fn one_batch(
+    conn: &mut PgConnection,
+    job: &settlementd::settlement::FineSettlement,
+    plan: &settlementd::settlement::MonthPlan,
+    cursor: settlementd::jobs::Cursor,
+    begin: &str,
+    commit: bool,
+) -> settlementd::jobs::Batch {
+    use settlementd::jobs::Job;
+    let mut tx = conn.begin_with(begin.to_string()).await.unwrap();
+    let batch = job.run_batch(&mut tx, plan, cursor).await.unwrap();
+    match commit {
+        true => tx.commit().await.unwrap(),
+        false => tx.rollback().await.unwrap(),
+    }
+    batch
+}

@@ -2,7 +2,7 @@
 //! whatever the statistics say, and a re-run over a settled month reads nothing, checked on the
 //! engine's real statements (EXPLAIN ANALYZE, BUFFERS, in a transaction that is rolled back).
 
-use crate::helpers::{bd, eligible, run_options, seed_month, settle_shards, test_db};
+use crate::helpers::{bd, eligible, one_batch, run_options, seed_month, settle_shards, test_db};
 use serde_json::Value;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
@@ -303,7 +303,7 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
 /// Runs eight batches of shard 1 of 2 on one connection through the engine's own `run_batch`,
 /// each in a transaction opened with `begin` and rolled back (the cursor still moves on), and
 /// returns how PostgreSQL planned the settle statement on that connection: (generic plans, custom
-/// plans). (The pages after the first are read ahead on another connection.)
+/// plans).
 async fn settle_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64, i64) {
     let month = bd("2026-09-30");
     let key = settlement::key(month, ShardSpec::new(1, 2).unwrap());
@@ -314,13 +314,9 @@ async fn settle_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64,
     let mut conn = pool.acquire().await.unwrap();
     let mut cursor = jobs::Cursor::default();
     for _ in 0..8 {
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, begin.to_string())
-            .await
-            .unwrap();
-        let batch = job.run_batch(&mut tx, &plan, cursor).await.unwrap();
+        let batch = one_batch(&mut conn, job, &plan, cursor, begin, false).await;
         assert_eq!(batch.scanned, u64::from(job.batch_size));
         cursor = batch.cursor;
-        tx.rollback().await.unwrap();
     }
     let settle = &BatchSql::of(Walk::of_shard(1)).settle;
     let plans: (i64, i64) = sqlx::query_as(

@@ -841,11 +841,7 @@ async fn walk_month(
         if let Some(sql) = before_batch(calls) {
             sqlx::query(sql).execute(&mut *conn).await.unwrap();
         }
-        let mut tx = sqlx::Connection::begin_with(&mut *conn, job.begin_batch().into_owned())
-            .await
-            .unwrap();
-        let batch = job.run_batch(&mut tx, &plan, cursor).await.unwrap();
-        tx.commit().await.unwrap();
+        let batch = one_batch(&mut conn, job, &plan, cursor, &job.begin_batch(), true).await;
         updated += batch.updated;
         cursor = batch.cursor;
         if batch.done {
@@ -928,21 +924,6 @@ async fn a_broken_read_ahead_connection_costs_the_run_nothing() {
     assert_eq!(settled_count(&db.pool).await as u64, eligible);
 }
 
-/// One batch of `plan` from `cursor`, rolled back.
-async fn rolled_back_batch(
-    conn: &mut PgConnection,
-    job: &FineSettlement,
-    plan: &MonthPlan,
-    cursor: Cursor,
-) -> Batch {
-    let mut tx = sqlx::Connection::begin_with(conn, job.begin_batch().into_owned())
-        .await
-        .unwrap();
-    let batch = job.run_batch(&mut tx, plan, cursor).await.unwrap();
-    tx.rollback().await.unwrap();
-    batch
-}
-
 /// A page read ahead is used only by the batch it was read for: a batch from another cursor
 /// reads its own.
 #[tokio::test]
@@ -957,12 +938,13 @@ async fn a_page_read_ahead_serves_only_the_cursor_it_was_read_for() {
         .await
         .unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
-    let first = rolled_back_batch(&mut conn, &job, &plan, Cursor::default()).await;
+    let begin = job.begin_batch();
+    let first = one_batch(&mut conn, &job, &plan, Cursor::default(), &begin, false).await;
     // The page after `first` was read ahead; a batch from the start again does not take it.
-    let again = rolled_back_batch(&mut conn, &job, &plan, Cursor::default()).await;
+    let again = one_batch(&mut conn, &job, &plan, Cursor::default(), &begin, false).await;
     assert_eq!(again, first);
     assert_eq!(plan.pages_read_ahead(), 0);
-    let second = rolled_back_batch(&mut conn, &job, &plan, first.cursor).await;
+    let second = one_batch(&mut conn, &job, &plan, first.cursor, &begin, false).await;
     assert_eq!(plan.pages_read_ahead(), 1);
     assert_eq!(second.scanned, 100);
     assert!(second.cursor.last_id > first.cursor.last_id);
