@@ -6,8 +6,9 @@
 //! synchronous_commit and full_page_writes off, like every temporary cluster of settlementd: the
 //! same settings for every case, so the ratios are fair; autovacuum off, so "right after the run"
 //! is before any VACUUM and "not analyzed" stays true; shared_buffers 1 GB, or
-//! `SETTLE_BENCH_SHARED_BUFFERS`, so the largest shape's table stays cached, see [`configure`]),
-//! and for each **shape** generates a table
+//! `SETTLE_BENCH_SHARED_BUFFERS`, so the largest shape's table stays cached; huge pages when the
+//! host has reserved them, or as `SETTLE_BENCH_HUGE_PAGES` says; see [`configure`]), and for each
+//! **shape** generates a table
 //! with the product's own generator ([`settlementd::seed`]), then measures, each case on a freshly
 //! reset table (same rows, same physical order):
 //!
@@ -158,6 +159,12 @@ fn main() -> Result<(), BoxError> {
     let reps: usize = env_or("SETTLE_BENCH_REPS", 3);
     let shared_buffers =
         std::env::var("SETTLE_BENCH_SHARED_BUFFERS").unwrap_or_else(|_| "1GB".into());
+    let huge_pages = std::env::var("SETTLE_BENCH_HUGE_PAGES").unwrap_or_else(|_| "try".into());
+    if !matches!(huge_pages.as_str(), "try" | "on" | "off") {
+        return Err(
+            format!("SETTLE_BENCH_HUGE_PAGES={huge_pages:?}: expected try, on or off").into(),
+        );
+    }
     // One size or a comma-separated list (one S row per size, all in this run).
     let batches: Vec<Option<u32>> = match std::env::var("SETTLE_BENCH_BATCH") {
         Ok(list) => list
@@ -181,7 +188,7 @@ fn main() -> Result<(), BoxError> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    runtime.block_on(configure(&mut pg, &url, &shared_buffers))?;
+    runtime.block_on(configure(&mut pg, &url, &shared_buffers, &huge_pages))?;
     let result = runtime.block_on(async {
         let mut all = Vec::new();
         for shape in &shapes {
@@ -204,10 +211,20 @@ fn main() -> Result<(), BoxError> {
 /// shape's table, its copy and their indexes (history2x: about 700 MB), as on a server sized for
 /// its working set. With the default 128 MB, the cache's state after each reset decided the
 /// timings: L itself took 1.23 × as long on history2x as on history, and varied by ±15 %
-/// between repetitions (docs/PERFORMANCE.md).
-async fn configure(pg: &mut EmbeddedPg, url: &str, shared_buffers: &str) -> Result<(), BoxError> {
+/// between repetitions (docs/PERFORMANCE.md). `huge_pages` is PostgreSQL's setting: `try` (its
+/// default) puts shared memory in huge pages when the host has reserved enough of them
+/// (`vm.nr_hugepages`), `off` never does; see [`huge_pages_in_use`].
+async fn configure(
+    pg: &mut EmbeddedPg,
+    url: &str,
+    shared_buffers: &str,
+    huge_pages: &str,
+) -> Result<(), BoxError> {
     let mut db = PgConnection::connect(url).await?;
     sqlx::query("ALTER SYSTEM SET autovacuum = off")
+        .execute(&mut db)
+        .await?;
+    sqlx::query(&format!("ALTER SYSTEM SET huge_pages = '{huge_pages}'"))
         .execute(&mut db)
         .await?;
     sqlx::query(&format!(
@@ -222,6 +239,32 @@ async fn configure(pg: &mut EmbeddedPg, url: &str, shared_buffers: &str) -> Resu
     pg.stop_immediately();
     pg.restart()?;
     Ok(())
+}
+
+/// Whether the server's shared memory sits in huge pages: "in use", "not in use" or "unknown".
+///
+/// It decides what a new backend pays on its first touch of each shared buffer (a run's
+/// connections are new backends; `L`'s is not): a page fault per 4 kB page without huge pages,
+/// one per 2 MB with them (docs/PERFORMANCE.md). Read from the postmaster's `smaps`.
+fn huge_pages_in_use(pg: &EmbeddedPg) -> &'static str {
+    let smaps = std::fs::read_to_string(pg.data_dir().join("postmaster.pid"))
+        .ok()
+        .and_then(|pid| {
+            let pid = pid.lines().next()?.trim().to_string();
+            std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()
+        });
+    let Some(smaps) = smaps else {
+        return "unknown";
+    };
+    let huge = smaps.lines().any(|line| {
+        line.starts_with("KernelPageSize:")
+            && line.split_whitespace().nth(1).is_some_and(|kb| kb != "4")
+    });
+    if huge {
+        "in use"
+    } else {
+        "not in use"
+    }
 }
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -271,9 +314,13 @@ async fn bench(
     let shared_buffers: String = sqlx::query_scalar("SHOW shared_buffers")
         .fetch_one(&mut db)
         .await?;
+    let huge_pages: String = sqlx::query_scalar("SHOW huge_pages")
+        .fetch_one(&mut db)
+        .await?;
     let cluster = format!(
         "temporary cluster: fsync=off, synchronous_commit=off, full_page_writes=off, \
-         autovacuum=off, shared_buffers={shared_buffers}"
+         autovacuum=off, shared_buffers={shared_buffers}, huge_pages={huge_pages} ({})",
+        huge_pages_in_use(pg)
     );
     let month = BusinessDate::parse(MONTH)?;
     let t = Instant::now();
