@@ -247,13 +247,7 @@ async fn configure(
 /// connections are new backends; `L`'s is not): a page fault per 4 kB page without huge pages,
 /// one per 2 MB with them (docs/PERFORMANCE.md). Read from the postmaster's `smaps`.
 fn huge_pages_in_use(pg: &EmbeddedPg) -> &'static str {
-    let smaps = std::fs::read_to_string(pg.data_dir().join("postmaster.pid"))
-        .ok()
-        .and_then(|pid| {
-            let pid = pid.lines().next()?.trim().to_string();
-            std::fs::read_to_string(format!("/proc/{pid}/smaps")).ok()
-        });
-    let Some(smaps) = smaps else {
+    let Ok(smaps) = std::fs::read_to_string(format!("/proc/{}/smaps", pg.pid())) else {
         return "unknown";
     };
     let huge = smaps.lines().any(|line| {

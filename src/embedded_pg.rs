@@ -260,6 +260,11 @@ impl EmbeddedPg {
         self.spawn_server()
     }
 
+    /// The postmaster's process id (0 before the first start).
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
     /// The cluster's data directory (`pg_hba.conf` and friends live there).
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
