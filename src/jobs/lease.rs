@@ -5,6 +5,7 @@
 //! checks that token between batches, and the fence inside each batch catches the rest.
 
 use super::claim::{self, Claim};
+use super::JobError;
 use sqlx::PgPool;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -50,7 +51,7 @@ async fn renew(
             _ = stop.cancelled() => return,
             _ = ticks.tick() => {}
         }
-        match claim::heartbeat(&pool, &claim).await {
+        match renew_once(&pool, &claim, every).await {
             Ok(true) => tracing::debug!("heartbeat renewed"),
             Ok(false) => {
                 tracing::warn!("heartbeat found the claim taken over; stopping the run");
@@ -64,4 +65,16 @@ async fn renew(
             Err(e) => tracing::warn!(error = %e, "heartbeat failed; retrying at the next tick"),
         }
     }
+}
+
+/// One renewal, given one period to answer: a renewal stuck on a half-open connection would
+/// otherwise hold the heartbeat, and [`Heartbeat::stop`] with it, forever. A connection that did
+/// not answer is closed, not returned to the pool (which would ping it first, without end).
+async fn renew_once(pool: &PgPool, claim: &Claim, within: Duration) -> super::Result<bool> {
+    let mut conn = pool.acquire().await?;
+    let renewed = tokio::time::timeout(within, claim::heartbeat(&mut *conn, claim)).await;
+    renewed.unwrap_or_else(|_| {
+        conn.close_on_drop();
+        Err(JobError::Unanswered { waited: within })
+    })
 }

@@ -22,6 +22,7 @@ use sqlx::{PgConnection, PgPool};
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 pub use claim::{Claim, ClaimOutcome};
 pub use runner::{run_once, Progress, RunOptions, RunReport, SkipReason};
@@ -181,12 +182,22 @@ pub enum JobError {
     LeaseLost { key: JobKey, attempt: i32 },
     #[error("interrupted: shutdown")]
     Interrupted,
+    /// A connection stopped answering: nothing came back within `waited`. For a run's claim,
+    /// batches and SUCCESS write that is [`runner::ANSWER_WITHIN_LEASES`] leases, longer than the
+    /// server's own guards let a batch run; for a heartbeat renewal, one period. What a half-open
+    /// TCP connection does (the server or the network gone without a word); the connection is
+    /// closed, never reused.
+    #[error(
+        "the database did not answer within {waited:?}: the connection is presumed dead (half-open: \
+         the server or the network gone without a word) and was closed"
+    )]
+    Unanswered { waited: Duration },
 }
 
 impl JobError {
     pub fn is_retryable(&self) -> bool {
         match self {
-            JobError::Db(_) => true,
+            JobError::Db(_) | JobError::Unanswered { .. } => true,
             // Someone else owns the key now; the scheduler watches it instead of fighting.
             JobError::LeaseLost { .. } | JobError::Interrupted => false,
         }

@@ -7,10 +7,20 @@
 use super::claim::{self, ClaimOutcome};
 use super::lease::Heartbeat;
 use super::{events, Job, JobError, JobKey, Owner, Result};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+
+/// How long a run waits for any answer on its connection, in leases: the claim, each batch
+/// transaction (all its statements and the commit), the SUCCESS write; and, per renewal, the
+/// heartbeat waits one period. The server ends any batch statement after one lease
+/// (`statement_timeout`) and a lock wait after half of one, so a batch has never legitimately taken
+/// this long: a connection silent for that long is half-open (the server or the network gone
+/// without a word, which TCP alone does not notice while the client only waits to read). The run
+/// then fails with [`JobError::Unanswered`], closes the connection, and is retried.
+pub const ANSWER_WITHIN_LEASES: u32 = 3;
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -24,6 +34,23 @@ pub struct RunOptions {
     /// The stored run request this run serves ([`super::requests`]); `None` for the schedule and
     /// the command line.
     pub request: Option<String>,
+}
+
+impl RunOptions {
+    /// How long the run waits for an answer on its connection ([`ANSWER_WITHIN_LEASES`]).
+    pub fn answer_within(&self) -> Duration {
+        self.lease_ttl * ANSWER_WITHIN_LEASES
+    }
+}
+
+/// `work` with the run's deadline: [`JobError::Unanswered`] when nothing came back in time.
+async fn answered<T>(
+    within: Duration,
+    work: impl std::future::Future<Output = Result<T>>,
+) -> Result<T> {
+    tokio::time::timeout(within, work)
+        .await
+        .unwrap_or(Err(JobError::Unanswered { waited: within }))
 }
 
 /// Why a run did no work.
@@ -101,15 +128,20 @@ async fn run_in_span<J: Job>(
     // One connection carries the run: the claim, every batch, SUCCESS. (The heartbeat takes its own
     // from the pool, and FAILED is written on a fresh one, in case this one is what broke.)
     let mut conn = pool.acquire().await?;
-    let outcome = claim::claim_for(
-        &mut conn,
-        &key,
-        &opts.owner,
-        opts.lease_ttl,
-        opts.force,
-        opts.request.as_deref(),
+    let within = opts.answer_within();
+    let claimed = answered(
+        within,
+        claim::claim_for(
+            &mut conn,
+            &key,
+            &opts.owner,
+            opts.lease_ttl,
+            opts.force,
+            opts.request.as_deref(),
+        ),
     )
-    .await?;
+    .await;
+    let outcome = claimed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))?;
     let claim = match outcome {
         ClaimOutcome::Won(claim) => claim,
         ClaimOutcome::Held { owner, attempt } => {
@@ -140,13 +172,14 @@ async fn run_in_span<J: Job>(
         &mut conn,
         job,
         &claim,
-        opts.estimate,
+        opts,
         heartbeat.lost(),
         shutdown,
         on_progress,
     )
     .await;
     heartbeat.stop().await;
+    let worked = worked.inspect_err(|e| abandon_if_unanswered(&mut conn, e));
 
     let failure = match worked {
         Ok(Progress {
@@ -156,7 +189,12 @@ async fn run_in_span<J: Job>(
             batches,
             ..
         }) => {
-            if !claim::mark_success(&mut *conn, &claim).await? {
+            let marked = answered(within, claim::mark_success(&mut *conn, &claim)).await;
+            // Unanswered here, the SUCCESS write may or may not have committed: the row stays as
+            // it is (RUNNING, or SUCCESS) and no FAILED is written over it. With the heartbeat
+            // stopped, a RUNNING row goes stale after one lease, and the retry that takes it over
+            // finds nothing left to settle.
+            if !marked.inspect_err(|e| abandon_if_unanswered(&mut conn, e))? {
                 metrics::counter!("settlementd_fencing_rejections_total").increment(1);
                 events::fencing_rejected(pool, &claim, "SUCCESS").await;
                 return Err(lease_lost(&claim));
@@ -208,12 +246,14 @@ async fn work<J: Job>(
     conn: &mut PgConnection,
     job: &J,
     claim: &claim::Claim,
-    estimate: bool,
+    opts: &RunOptions,
     lost: &CancellationToken,
     shutdown: &CancellationToken,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<Progress> {
-    let (plan, total) = job.plan(pool, &claim.key, claim.resume, estimate).await?;
+    let (plan, total) = job
+        .plan(pool, &claim.key, claim.resume, opts.estimate)
+        .await?;
     let mut progress = Progress {
         total,
         ..Progress::default()
@@ -227,15 +267,22 @@ async fn work<J: Job>(
         if shutdown.is_cancelled() {
             return Err(JobError::Interrupted);
         }
-        let mut tx = conn.begin_with(job.begin_batch()).await?;
-        let batch = job.run_batch(&mut tx, &plan, cursor).await?;
-        if !claim::record_batch(&mut tx, claim, &batch).await? {
-            tx.rollback().await?;
+        let batch = answered(opts.answer_within(), async {
+            let mut tx = conn.begin_with(job.begin_batch()).await?;
+            let batch = job.run_batch(&mut tx, &plan, cursor).await?;
+            if !claim::record_batch(&mut tx, claim, &batch).await? {
+                tx.rollback().await?;
+                return Ok(None);
+            }
+            tx.commit().await?;
+            Ok(Some(batch))
+        })
+        .await?;
+        let Some(batch) = batch else {
             metrics::counter!("settlementd_fencing_rejections_total").increment(1);
             events::fencing_rejected(pool, claim, "batch").await;
             return Err(lease_lost(claim));
-        }
-        tx.commit().await?;
+        };
         progress.scanned += batch.scanned;
         progress.updated += batch.updated;
         progress.odd += batch.odd;
@@ -248,6 +295,14 @@ async fn work<J: Job>(
         if batch.done {
             return Ok(progress);
         }
+    }
+}
+
+/// Closes `conn` instead of returning it to the pool when it stopped answering: the pool would
+/// ping it first, and on a half-open connection that ping never ends.
+fn abandon_if_unanswered(conn: &mut PoolConnection<Postgres>, e: &JobError) {
+    if matches!(e, JobError::Unanswered { .. }) {
+        conn.close_on_drop();
     }
 }
 

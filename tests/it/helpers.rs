@@ -641,3 +641,135 @@ pub async fn one_batch(
     }
     batch
 }
+
+/// How many loans are settled, whatever the month.
+pub async fn settled_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A TCP proxy in front of a test database whose connections can be made to stop answering, as a
+/// half-open TCP connection does: [`FreezingProxy::freeze_existing`] makes every connection opened
+/// so far swallow whatever either side sends, without closing anything; connections opened later
+/// pass. Lives as long as the test's runtime.
+pub struct FreezingProxy {
+    pub addr: std::net::SocketAddr,
+    /// The database URL with the proxy's address in place of the server's.
+    proxied: url::Url,
+    /// Connections numbered below this are frozen.
+    frozen_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl FreezingProxy {
+    /// A proxy to the server of `url` (its Unix socket, or its TCP address).
+    pub async fn start(url: &str) -> Self {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        use std::sync::Arc;
+        let options: sqlx::postgres::PgConnectOptions = url.parse().expect("a database URL");
+        let target = match options.get_socket() {
+            Some(dir) => Err(dir.join(format!(".s.PGSQL.{}", options.get_port()))),
+            None => Ok(format!("{}:{}", options.get_host(), options.get_port())),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let frozen_below = Arc::new(AtomicU64::new(0));
+        let opened = Arc::new(AtomicU64::new(0));
+        let (frozen, count) = (frozen_below.clone(), opened.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let n = count.fetch_add(1, Ordering::SeqCst);
+                match &target {
+                    Err(path) => {
+                        let server = tokio::net::UnixStream::connect(path).await.unwrap();
+                        forward(client, server, n, &frozen);
+                    }
+                    Ok(host) => {
+                        let server = tokio::net::TcpStream::connect(host).await.unwrap();
+                        forward(client, server, n, &frozen);
+                    }
+                }
+            }
+        });
+        let mut proxied = url::Url::parse(url).expect("a database URL");
+        let query: Vec<(String, String)> = proxied
+            .query_pairs()
+            .filter(|(key, _)| key != "host" && key != "port")
+            .map(|(key, value)| (key.into_owned(), value.into_owned()))
+            .collect();
+        proxied.set_query(None);
+        if !query.is_empty() {
+            proxied.query_pairs_mut().extend_pairs(query);
+        }
+        proxied.set_host(Some("127.0.0.1")).unwrap();
+        proxied.set_port(Some(addr.port())).unwrap();
+        Self {
+            addr,
+            proxied,
+            frozen_below,
+            opened,
+        }
+    }
+
+    /// The database URL, through the proxy.
+    pub fn url(&self) -> String {
+        self.proxied.to_string()
+    }
+
+    /// From now on, every connection opened so far swallows what either side sends.
+    pub fn freeze_existing(&self) {
+        use std::sync::atomic::Ordering;
+        let opened = self.opened.load(Ordering::SeqCst);
+        self.frozen_below.store(opened, Ordering::SeqCst);
+    }
+}
+
+/// Pipes `client` and `server` both ways, as connection number `connection`.
+fn forward(
+    client: tokio::net::TcpStream,
+    server: impl tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + 'static,
+    connection: u64,
+    frozen_below: &std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    let (client_read, client_write) = client.into_split();
+    let (server_read, server_write) = tokio::io::split(server);
+    tokio::spawn(pipe(
+        client_read,
+        server_write,
+        connection,
+        frozen_below.clone(),
+    ));
+    tokio::spawn(pipe(
+        server_read,
+        client_write,
+        connection,
+        frozen_below.clone(),
+    ));
+}
+
+async fn pipe(
+    mut from: impl tokio::io::AsyncRead + Unpin,
+    mut to: impl tokio::io::AsyncWrite + Unpin,
+    connection: u64,
+    frozen_below: std::sync::Arc<std::sync::atomic::AtomicU64>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let read = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => {
+                let _ = to.shutdown().await;
+                return;
+            }
+            Ok(read) => read,
+        };
+        if connection < frozen_below.load(std::sync::atomic::Ordering::SeqCst) {
+            // Half-open: nothing gets through any more, and nobody is told.
+            std::future::pending::<()>().await;
+        }
+        if to.write_all(&buf[..read]).await.is_err() {
+            return;
+        }
+    }
+}

@@ -97,11 +97,7 @@ async fn a_writer_frozen_inside_its_batch_loses_its_session_and_locks_before_its
     );
 
     // The frozen writer's work is gone with its session, and it learns so when it wakes up.
-    let settled: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let settled = settled_count(&db.pool).await;
     assert_eq!(settled, 0);
     // Waking up, it finds its session gone: the server's FATAL idle-in-transaction error, or the
     // closed socket it left behind.
@@ -111,6 +107,88 @@ async fn a_writer_frozen_inside_its_batch_loses_its_session_and_locks_before_its
         said.contains("idle_in_transaction_session_timeout") || said.contains("Broken pipe"),
         "{said}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_the_retry_finishes_the_month(
+) {
+    let db = test_db().await;
+    let month = bd("2026-10-31");
+    seed_month(&db.pool, month, 400, 1).await;
+    let proxy = FreezingProxy::start(&db.url).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(5)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&proxy.url())
+        .await
+        .unwrap();
+    let job = short_lease_job(100);
+    let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
+    let opts = jobs::RunOptions {
+        lease_ttl: Duration::from_secs(3),
+        heartbeat_every: Duration::from_secs(1),
+        ..run_options(false, false)
+    };
+
+    // Once the first batch has committed, every connection the run has opened so far (its own,
+    // the heartbeat's, the read-ahead's) swallows whatever is sent, as a half-open TCP connection
+    // does; connections opened later work. The heartbeat renews the lease on a new connection,
+    // so no peer could take the month over: only the run's own deadline can end its wait.
+    let freeze = |progress: jobs::Progress| {
+        if progress.batches == 1 {
+            proxy.freeze_existing();
+        }
+    };
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        jobs::run_once(
+            &pool,
+            &job,
+            key.clone(),
+            &opts,
+            &CancellationToken::new(),
+            &freeze,
+        ),
+    )
+    .await
+    .expect("after 60 s the run still waits on a connection that stopped answering");
+    let error = ran.expect_err("the run cannot finish on frozen connections");
+    assert!(
+        matches!(error, JobError::Unanswered { waited } if waited == Duration::from_secs(9)),
+        "{error}"
+    );
+    assert!(error.is_retryable());
+
+    // FAILED, on a connection opened after the freeze, saying why; the first batch stays committed.
+    let (status, attempt, last_error): (String, i32, String) =
+        sqlx::query_as("SELECT status, attempt, last_error FROM job_runs")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), attempt), ("FAILED", 1));
+    assert!(
+        last_error.contains("did not answer within 9s"),
+        "{last_error}"
+    );
+    let settled = settled_count(&db.pool).await;
+    assert_eq!(settled, 100);
+
+    // The retry takes the FAILED claim over at once and settles the rest, once.
+    let report = jobs::run_once(
+        &db.pool,
+        &job,
+        key,
+        &run_options(false, false),
+        &CancellationToken::new(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
+    assert!(report.took_over);
+    let eligible = eligible(&db.pool, month).await;
+    assert_eq!(report.updated as i64, eligible - 100);
+    let settled = settled_count(&db.pool).await;
+    assert_eq!(settled, eligible);
 }
 
 #[tokio::test]

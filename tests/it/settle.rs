@@ -49,13 +49,6 @@ async fn run_job<J: Job>(
     .await
 }
 
-async fn settled_count(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
 #[tokio::test]
 async fn three_shards_settle_every_eligible_row_once_and_nothing_else() {
     let db = test_db().await;
