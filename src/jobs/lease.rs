@@ -5,7 +5,7 @@
 //! checks that token between batches, and the fence inside each batch catches the rest.
 
 use super::claim::{self, Claim};
-use super::JobError;
+use super::{abandon_if_unanswered, answered};
 use sqlx::PgPool;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -72,9 +72,6 @@ async fn renew(
 /// not answer is closed, not returned to the pool (which would ping it first, without end).
 async fn renew_once(pool: &PgPool, claim: &Claim, within: Duration) -> super::Result<bool> {
     let mut conn = pool.acquire().await?;
-    let renewed = tokio::time::timeout(within, claim::heartbeat(&mut *conn, claim)).await;
-    renewed.unwrap_or_else(|_| {
-        conn.close_on_drop();
-        Err(JobError::Unanswered { waited: within })
-    })
+    let renewed = answered(within, claim::heartbeat(&mut *conn, claim)).await;
+    renewed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))
 }

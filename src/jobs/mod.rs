@@ -18,7 +18,8 @@ pub mod requests;
 pub mod runner;
 
 use chrono::NaiveDate;
-use sqlx::{PgConnection, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{PgConnection, PgPool, Postgres};
 use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
@@ -192,6 +193,22 @@ pub enum JobError {
          the server or the network gone without a word) and was closed"
     )]
     Unanswered { waited: Duration },
+}
+
+/// `work` given `within` to answer: [`JobError::Unanswered`] when nothing came back in time (the
+/// run's claim, batches and SUCCESS write, and each heartbeat renewal).
+async fn answered<T>(within: Duration, work: impl Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(within, work)
+        .await
+        .unwrap_or(Err(JobError::Unanswered { waited: within }))
+}
+
+/// Closes `conn` instead of returning it to the pool when it stopped answering: the pool would
+/// ping it first, and on a half-open connection that ping never ends.
+fn abandon_if_unanswered(conn: &mut PoolConnection<Postgres>, e: &JobError) {
+    if matches!(e, JobError::Unanswered { .. }) {
+        conn.close_on_drop();
+    }
 }
 
 impl JobError {

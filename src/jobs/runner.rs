@@ -6,9 +6,8 @@
 
 use super::claim::{self, ClaimOutcome};
 use super::lease::Heartbeat;
-use super::{events, Job, JobError, JobKey, Owner, Result};
-use sqlx::pool::PoolConnection;
-use sqlx::{Connection, PgConnection, PgPool, Postgres};
+use super::{abandon_if_unanswered, answered, events, Job, JobError, JobKey, Owner, Result};
+use sqlx::{Connection, PgConnection, PgPool};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -41,16 +40,6 @@ impl RunOptions {
     pub fn answer_within(&self) -> Duration {
         self.lease_ttl * ANSWER_WITHIN_LEASES
     }
-}
-
-/// `work` with the run's deadline: [`JobError::Unanswered`] when nothing came back in time.
-async fn answered<T>(
-    within: Duration,
-    work: impl std::future::Future<Output = Result<T>>,
-) -> Result<T> {
-    tokio::time::timeout(within, work)
-        .await
-        .unwrap_or(Err(JobError::Unanswered { waited: within }))
 }
 
 /// Why a run did no work.
@@ -295,14 +284,6 @@ async fn work<J: Job>(
         if batch.done {
             return Ok(progress);
         }
-    }
-}
-
-/// Closes `conn` instead of returning it to the pool when it stopped answering: the pool would
-/// ping it first, and on a half-open connection that ping never ends.
-fn abandon_if_unanswered(conn: &mut PoolConnection<Postgres>, e: &JobError) {
-    if matches!(e, JobError::Unanswered { .. }) {
-        conn.close_on_drop();
     }
 }
 
