@@ -34,6 +34,8 @@
 //! - `sparse-wide`: B loans over three years, ids about 30,000 apart, not analyzed;
 //! - `sparse-small`: 20,000 loans over three years, ids about 65,536 apart, not analyzed (a month
 //!   of about 550 rows: the table of issue 8's worst measurement, 56 s before);
+//! - `doubling`: `history` and `history2x` side by side, one shard on each in turn, every
+//!   repetition: the doubling target measured in one interleaved set ([`doubling`]);
 //! - `big` (only when asked for): one month of 5.6 B loans (about 5 B to settle), cases L, S1, R:
 //!   the memory check.
 //!
@@ -58,7 +60,7 @@ use std::time::{Duration, Instant};
 const MONTH: &str = "2026-09-30";
 /// The seed's JDBC batch size.
 const PIPELINE: usize = 500;
-const DEFAULT_SHAPES: &str = "append,history,history2x,sparse,sparse-wide,sparse-small";
+const DEFAULT_SHAPES: &str = "append,history,history2x,sparse,sparse-wide,sparse-small,doubling";
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -176,10 +178,13 @@ fn main() -> Result<(), BoxError> {
     let cases: Option<Vec<String>> = std::env::var("SETTLE_BENCH_CASES")
         .ok()
         .map(|c| c.split(',').map(|c| c.trim().to_uppercase()).collect());
-    let shapes: Vec<Shape> = std::env::var("SETTLE_BENCH_SHAPE")
-        .unwrap_or_else(|_| DEFAULT_SHAPES.into())
-        .split(',')
-        .map(|s| shape(s.trim(), base))
+    let names = std::env::var("SETTLE_BENCH_SHAPE").unwrap_or_else(|_| DEFAULT_SHAPES.into());
+    let names: Vec<&str> = names.split(',').map(str::trim).collect();
+    let with_doubling = names.contains(&"doubling");
+    let shapes: Vec<Shape> = names
+        .iter()
+        .filter(|&&name| name != "doubling")
+        .map(|name| shape(name, base))
         .collect::<Result<_, _>>()?;
     let started = Instant::now();
     let mut pg = EmbeddedPg::start(EmbeddedOptions::default())?;
@@ -195,12 +200,16 @@ fn main() -> Result<(), BoxError> {
             let rows = bench(&pg, &url, shape, reps, &batches, cases.as_deref()).await?;
             all.push((shape.name, rows));
         }
-        Ok::<_, BoxError>(all)
+        let doubled = match with_doubling {
+            true => Some(doubling(&url, base, reps).await?),
+            false => None,
+        };
+        Ok::<_, BoxError>((all, doubled))
     });
     drop(runtime);
     pg.stop();
-    let all = result?;
-    print_summary(&all);
+    let (all, doubled) = result?;
+    print_summary(&all, doubled.as_ref());
     println!("whole benchmark: {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }
@@ -370,7 +379,7 @@ async fn bench(
                 continue;
             }
             let name = label(case, batch);
-            reset(&mut db, shape.analyzed).await?;
+            reset(&mut db, shape.analyzed, "loans_pristine").await?;
             let sample = match case {
                 "L" => set_based(&mut db, month, None).await?,
                 "L2" => set_based_by_shard(url, month).await?,
@@ -499,14 +508,16 @@ async fn settle_before(db: &mut PgConnection, month: BusinessDate) -> Result<(),
 /// Restores the unsettled state: the same rows in the same physical order. An analyzed shape
 /// keeps the table and refills it, then VACUUM ANALYZE (until every page is all-visible, as on a
 /// table at rest); a shape "not analyzed" gets a brand-new table from the migration's definition
-/// (no statistics at all, not even stale ones), loaded and never analyzed. CHECKPOINT either way,
-/// so every case starts with nothing dirty in shared buffers.
-async fn reset(db: &mut PgConnection, analyzed: bool) -> Result<(), BoxError> {
+/// (no statistics at all, not even stale ones), loaded and never analyzed. CHECKPOINT and sync(2)
+/// either way, so every case starts with nothing dirty in shared buffers or in the kernel's page
+/// cache.
+async fn reset(db: &mut PgConnection, analyzed: bool, pristine: &str) -> Result<(), BoxError> {
     sqlx::query("TRUNCATE job_runs").execute(&mut *db).await?;
+    let refill = format!("INSERT INTO loans SELECT * FROM {pristine} ORDER BY id");
     if analyzed {
         for sql in [
             "TRUNCATE loans",
-            "INSERT INTO loans SELECT * FROM loans_pristine ORDER BY id",
+            &refill,
             "VACUUM ANALYZE loans",
             "VACUUM ANALYZE job_runs",
         ] {
@@ -529,12 +540,17 @@ async fn reset(db: &mut PgConnection, analyzed: bool) -> Result<(), BoxError> {
         for sql in [
             "DROP TABLE loans",
             "CREATE TABLE loans (LIKE loans_definition INCLUDING ALL)",
-            "INSERT INTO loans SELECT * FROM loans_pristine ORDER BY id",
+            &refill,
         ] {
             sqlx::query(sql).execute(&mut *db).await?;
         }
     }
     sqlx::query("CHECKPOINT").execute(&mut *db).await?;
+    // The checkpoint wrote its buffers to the kernel's page cache; the kernel writes them to disk
+    // in the background at a moment of its choosing (`fsync` is off), which could fall into the
+    // case that follows. Write them now.
+    // SAFETY: sync(2) takes no arguments and cannot fail.
+    unsafe { libc::sync() };
     Ok(())
 }
 
@@ -972,8 +988,91 @@ fn write_results(
     Ok(())
 }
 
-/// One line per shape with the targets' ratios, and the history-doubling ratio.
-fn print_summary(all: &[(&str, Vec<Row>)]) {
+/// What doubling the history costs one shard: [`doubling`].
+#[derive(Debug, serde::Serialize)]
+struct Doubled {
+    /// S1 wall times on `history`, then on `history2x`, in repetition order.
+    history_ms: Vec<f64>,
+    history2x_ms: Vec<f64>,
+    /// Median over repetitions of `history2x` time / `history` time.
+    ratio: f64,
+}
+
+/// The doubling target in one interleaved set: `history` and `history2x` are generated and kept
+/// side by side (`doubling_1x`, `doubling_2x`), and each repetition runs one shard on each, on a
+/// freshly reset table, the order alternating between repetitions. The ratio is the median of the
+/// repetitions' own ratios, so the two times of a ratio come from the same minute of the machine.
+/// Comparing the two shapes' S1 medians, measured minutes apart, gave 0.90–1.34 from one run to
+/// the next on a machine whose cores change speed (docs/PERFORMANCE.md).
+async fn doubling(url: &str, base: u64, reps: usize) -> Result<Doubled, BoxError> {
+    let mut db = PgConnection::connect(url).await?;
+    settlementd::db::MIGRATOR.run(&mut db).await?;
+    let month = BusinessDate::parse(MONTH)?;
+    let mut tables = Vec::new();
+    for (name, table) in [("history", "doubling_1x"), ("history2x", "doubling_2x")] {
+        let shape = shape(name, base)?;
+        let (loans, expected) = generate(&mut db, url, &shape, month).await?;
+        for sql in [
+            format!("DROP TABLE IF EXISTS {table}"),
+            format!("ALTER TABLE loans_pristine RENAME TO {table}"),
+        ] {
+            sqlx::query(&sql).execute(&mut db).await?;
+        }
+        // What every run on this table must leave: the month as the set-based UPDATE leaves it.
+        reset(&mut db, shape.analyzed, table).await?;
+        set_based(&mut db, month, None).await?;
+        let reference = settlement::month_totals(&mut db, month).await?;
+        tables.push((name, table, shape.analyzed, expected, reference));
+        println!("doubling: {name}, {loans} loans, {expected} to settle, kept as {table}");
+    }
+    let mut times = [Vec::new(), Vec::new()];
+    for rep in 0..reps {
+        let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
+        for i in order {
+            let (name, table, analyzed, expected, reference) = &tables[i];
+            reset(&mut db, *analyzed, table).await?;
+            let sample = processes(url, month, 1, None, false)?;
+            let totals = settlement::month_totals(&mut db, month).await?;
+            if sample.updated != *expected || totals != *reference {
+                return Err(format!(
+                    "doubling, {name}: updated {} of {expected}, month totals {totals:?} \
+                     instead of {reference:?}",
+                    sample.updated
+                )
+                .into());
+            }
+            println!("rep {} S1 {name:<9} {:>8.0} ms", rep + 1, sample.wall_ms);
+            times[i].push(sample.wall_ms);
+        }
+    }
+    sqlx::query("DROP TABLE doubling_1x, doubling_2x")
+        .execute(&mut db)
+        .await?;
+    let [history_ms, history2x_ms] = times;
+    let ratio = median(
+        history_ms
+            .iter()
+            .zip(&history2x_ms)
+            .map(|(one, two)| two / one)
+            .collect(),
+    );
+    let doubled = Doubled {
+        history_ms,
+        history2x_ms,
+        ratio,
+    };
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
+    std::fs::create_dir_all(&dir)?;
+    std::fs::write(
+        dir.join(format!("settle-doubling-{base}.json")),
+        serde_json::to_string_pretty(&doubled)?,
+    )?;
+    Ok(doubled)
+}
+
+/// One line per shape with the targets' ratios, and the history-doubling ratio: interleaved
+/// ([`doubling`]) when measured, else the two shapes' S1 medians.
+fn print_summary(all: &[(&str, Vec<Row>)], doubled: Option<&Doubled>) {
     let get = |shape: &str, case: &str| {
         all.iter()
             .find(|(s, _)| *s == shape)
@@ -1011,7 +1110,16 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
             rss.map_or("-".into(), |m| format!("{m:.1}")),
         );
     }
-    if let (Some(one), Some(two)) = (get("history", "S1"), get("history2x", "S1")) {
+    if let Some(d) = doubled {
+        println!(
+            "doubling the history, one shard, interleaved: {:.2} × the time (median of {} \
+             repetitions' ratios; medians {:.0} ms against {:.0} ms)",
+            d.ratio,
+            d.history_ms.len(),
+            median(d.history2x_ms.clone()),
+            median(d.history_ms.clone())
+        );
+    } else if let (Some(one), Some(two)) = (get("history", "S1"), get("history2x", "S1")) {
         println!(
             "history2x / history, one shard: {:.2} × the time ({:.0} ms against {:.0} ms)",
             two.wall_ms / one.wall_ms,
