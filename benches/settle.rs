@@ -34,8 +34,8 @@
 //! - `sparse-wide`: B loans over three years, ids about 30,000 apart, not analyzed;
 //! - `sparse-small`: 20,000 loans over three years, ids about 65,536 apart, not analyzed (a month
 //!   of about 550 rows: the table of issue 8's worst measurement, 56 s before);
-//! - `doubling`: `history` and `history2x` side by side, one shard on each in turn, every
-//!   repetition: the doubling target measured in one interleaved set ([`doubling`]);
+//! - `doubling`: `history` and `history2x` side by side, one shard on each in turn, three times
+//!   `SETTLE_BENCH_REPS` pairs: the doubling target measured in one interleaved set ([`doubling`]);
 //! - `big` (only when asked for): one month of 5.6 B loans (about 5 B to settle), cases L, S1, R:
 //!   the memory check.
 //!
@@ -201,7 +201,7 @@ fn main() -> Result<(), BoxError> {
             all.push((shape.name, rows));
         }
         let doubled = match with_doubling {
-            true => Some(doubling(&url, base, reps).await?),
+            true => Some(doubling(&url, base, 3 * reps).await?),
             false => None,
         };
         Ok::<_, BoxError>((all, doubled))
@@ -1003,7 +1003,9 @@ struct Doubled {
 /// freshly reset table, the order alternating between repetitions. The ratio is the median of the
 /// repetitions' own ratios, so the two times of a ratio come from the same minute of the machine.
 /// Comparing the two shapes' S1 medians, measured minutes apart, gave 0.90–1.34 from one run to
-/// the next on a machine whose cores change speed (docs/PERFORMANCE.md).
+/// the next on a machine whose cores change speed (docs/PERFORMANCE.md). Pairs are cheap, and a
+/// single slow run still lands on one side of a pair, so the pass takes three times
+/// `SETTLE_BENCH_REPS` of them.
 async fn doubling(url: &str, base: u64, reps: usize) -> Result<Doubled, BoxError> {
     let mut db = PgConnection::connect(url).await?;
     settlementd::db::MIGRATOR.run(&mut db).await?;
