@@ -180,7 +180,9 @@ fn main() -> Result<(), BoxError> {
         .map(|c| c.split(',').map(|c| c.trim().to_uppercase()).collect());
     let names = std::env::var("SETTLE_BENCH_SHAPE").unwrap_or_else(|_| DEFAULT_SHAPES.into());
     let names: Vec<&str> = names.split(',').map(str::trim).collect();
-    let with_doubling = names.contains(&"doubling");
+    // The doubling pass runs one shard (S1) with the first batch size.
+    let with_doubling =
+        names.contains(&"doubling") && cases.as_ref().map_or(true, |c| c.iter().any(|c| c == "S1"));
     let shapes: Vec<Shape> = names
         .iter()
         .filter(|&&name| name != "doubling")
@@ -200,8 +202,9 @@ fn main() -> Result<(), BoxError> {
             let rows = bench(&pg, &url, shape, reps, &batches, cases.as_deref()).await?;
             all.push((shape.name, rows));
         }
+        let batch = batches.first().copied().flatten();
         let doubled = match with_doubling {
-            true => Some(doubling(&url, base, 3 * reps).await?),
+            true => Some(doubling(&url, base, 3 * reps, batch).await?),
             false => None,
         };
         Ok::<_, BoxError>((all, doubled))
@@ -930,6 +933,13 @@ fn print_table(shape: &Shape, rows: &[Row], loans: u64, expected: u64, batches: 
     }
 }
 
+/// `bench-results/` in the crate, created if missing.
+fn results_dir() -> std::io::Result<std::path::PathBuf> {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
 /// The server a shape was measured on, for the results file.
 struct Server<'a> {
     version: &'a str,
@@ -945,8 +955,7 @@ fn write_results(
     sizes: &[(String, String)],
     server: &Server,
 ) -> Result<(), BoxError> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
-    std::fs::create_dir_all(&dir)?;
+    let dir = results_dir()?;
     let mut csv = String::from(
         "case,reps,wall_ms,engine_ms,rows,rows_per_s,ratio_to_l,scanned,peak_rss_mib,what\n",
     );
@@ -1006,7 +1015,12 @@ struct Doubled {
 /// the next on a machine whose cores change speed (docs/PERFORMANCE.md). Pairs are cheap, and a
 /// single slow run still lands on one side of a pair, so the pass takes three times
 /// `SETTLE_BENCH_REPS` of them.
-async fn doubling(url: &str, base: u64, reps: usize) -> Result<Doubled, BoxError> {
+async fn doubling(
+    url: &str,
+    base: u64,
+    reps: usize,
+    batch: Option<u32>,
+) -> Result<Doubled, BoxError> {
     let mut db = PgConnection::connect(url).await?;
     settlementd::db::MIGRATOR.run(&mut db).await?;
     let month = BusinessDate::parse(MONTH)?;
@@ -1033,7 +1047,7 @@ async fn doubling(url: &str, base: u64, reps: usize) -> Result<Doubled, BoxError
         for i in order {
             let (name, table, analyzed, expected, reference) = &tables[i];
             reset(&mut db, *analyzed, table).await?;
-            let sample = processes(url, month, 1, None, false)?;
+            let sample = processes(url, month, 1, batch, false)?;
             let totals = settlement::month_totals(&mut db, month).await?;
             if sample.updated != *expected || totals != *reference {
                 return Err(format!(
@@ -1063,8 +1077,7 @@ async fn doubling(url: &str, base: u64, reps: usize) -> Result<Doubled, BoxError
         history2x_ms,
         ratio,
     };
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("bench-results");
-    std::fs::create_dir_all(&dir)?;
+    let dir = results_dir()?;
     std::fs::write(
         dir.join(format!("settle-doubling-{base}.json")),
         serde_json::to_string_pretty(&doubled)?,
