@@ -391,18 +391,10 @@ async fn bench(
                 "S2" => processes(url, month, 2, batch, false)?,
                 _ => processes(url, month, 3, batch, false)?,
             };
-            if sample.updated != expected {
-                return Err(format!("{name}: updated {} of {expected}", sample.updated).into());
-            }
-            // Every case must leave the month exactly as the set-based UPDATE does.
-            let totals = settlement::month_totals(&mut db, month).await?;
-            match &reference {
-                None => reference = Some(totals),
-                Some(r) if *r != totals => {
-                    return Err(format!("{name}: month totals {totals:?} differ from {r:?}").into())
-                }
-                Some(_) => {}
-            }
+            // Every case must leave the month exactly as the set-based UPDATE (the first) does.
+            let totals =
+                checked(&mut db, month, &name, &sample, expected, reference.as_ref()).await?;
+            reference.get_or_insert(totals);
             println!(
                 "rep {rep} {name:<9} {:>8.0} ms{}",
                 sample.wall_ms,
@@ -443,6 +435,28 @@ async fn bench(
     };
     write_results(shape, &rows, loans, expected, batches, &sizes, &server)?;
     Ok(rows)
+}
+
+/// The month's totals after a case, once the case has updated `expected` rows and left the month
+/// as `reference` (when given) says.
+async fn checked(
+    db: &mut PgConnection,
+    month: BusinessDate,
+    name: &str,
+    sample: &Sample,
+    expected: u64,
+    reference: Option<&MonthTotals>,
+) -> Result<MonthTotals, BoxError> {
+    if sample.updated != expected {
+        return Err(format!("{name}: updated {} of {expected}", sample.updated).into());
+    }
+    let totals = settlement::month_totals(db, month).await?;
+    match reference {
+        Some(r) if *r != totals => {
+            Err(format!("{name}: month totals {totals:?} differ from {r:?}").into())
+        }
+        _ => Ok(totals),
+    }
 }
 
 fn check_noop(s: &Sample) -> Result<(), BoxError> {
@@ -1048,15 +1062,8 @@ async fn doubling(
             let (name, table, analyzed, expected, reference) = &tables[i];
             reset(&mut db, *analyzed, table).await?;
             let sample = processes(url, month, 1, batch, false)?;
-            let totals = settlement::month_totals(&mut db, month).await?;
-            if sample.updated != *expected || totals != *reference {
-                return Err(format!(
-                    "doubling, {name}: updated {} of {expected}, month totals {totals:?} \
-                     instead of {reference:?}",
-                    sample.updated
-                )
-                .into());
-            }
+            let case = format!("doubling, {name}");
+            checked(&mut db, month, &case, &sample, *expected, Some(reference)).await?;
             println!("rep {} S1 {name:<9} {:>8.0} ms", rep + 1, sample.wall_ms);
             times[i].push(sample.wall_ms);
         }
