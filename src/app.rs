@@ -23,9 +23,14 @@ pub enum AppError {
     /// Exit 2: bad input or configuration; nothing was done.
     #[error("{0}")]
     Invalid(String),
-    /// Exit 1: the work failed (database error, lost lease, interruption).
+    /// Exit 1: the work failed (database error, lost lease, interruption), or a check found the
+    /// month wrong (`verify`).
     #[error("{0}")]
     Failed(String),
+    /// Exit 3: refused because of what the database records: the month's pinned parameters
+    /// differ from this replica's, or (`correct`) a live run holds the month.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl AppError {
@@ -33,6 +38,7 @@ impl AppError {
         match self {
             AppError::Invalid(_) => ExitCode::from(2),
             AppError::Failed(_) => ExitCode::from(1),
+            AppError::Refused(_) => ExitCode::from(3),
         }
     }
 }
@@ -58,7 +64,11 @@ impl From<DbError> for AppError {
 }
 impl From<JobError> for AppError {
     fn from(e: JobError) -> Self {
-        AppError::Failed(with_hint(e.to_string(), undefined_table(&e)))
+        match e {
+            JobError::ParamsConflict { .. } => AppError::Refused(e.to_string()),
+            JobError::NoParams { .. } => AppError::Invalid(e.to_string()),
+            _ => AppError::Failed(with_hint(e.to_string(), undefined_table(&e))),
+        }
     }
 }
 
@@ -192,6 +202,12 @@ impl Database {
     }
 }
 
+/// Refuses a `loans` table whose columns settlementd cannot read or write ([`db::check_loans`]), in
+/// one line, before anything is written: every command that migrates or settles calls it first.
+pub async fn check_schema(pool: &PgPool, settings: &Settings) -> Result<()> {
+    Ok(db::check_loans(pool, settings.fine.max_cents()).await?)
+}
+
 /// The business date given on the command line, or last month's end in the configured zone.
 pub fn business_date_or_default(
     given: Option<&str>,
@@ -233,12 +249,13 @@ pub fn run_options(settings: &Settings, force: bool, estimate: bool) -> RunOptio
         force,
         estimate,
         request: None,
+        reopen: None,
     }
 }
 
 pub fn settlement_job(settings: &Settings) -> FineSettlement {
     FineSettlement {
-        rule: settings.fine,
+        rules: settings.fine.clone(),
         batch_size: settings.batch.size,
         guards: settings.lease.guards(),
     }

@@ -4,6 +4,10 @@
 //! the first day of that month through the business date. The scheduler derives it from the
 //! *scheduled fire time* in the configured zone: a fire on 2027-01-01 02:30 Asia/Shanghai settles
 //! 2026-12-31.
+//!
+//! Business dates lie in years 1 to 9999 ([`FIRST_YEAR`], [`LAST_YEAR`]), the range the command line
+//! and the runs API document: chrono reads years far outside what PostgreSQL stores (and year 0),
+//! and such a date must be refused as input, never fail later as a database error.
 
 use chrono::{DateTime, Datelike, NaiveDate, TimeZone};
 use std::fmt;
@@ -11,6 +15,10 @@ use std::fmt;
 /// The last day of a month: the only dates a settlement runs for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct BusinessDate(NaiveDate);
+
+/// The first and last years a business date may fall in.
+pub const FIRST_YEAR: i32 = 1;
+pub const LAST_YEAR: i32 = 9999;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum CalendarError {
@@ -20,11 +28,16 @@ pub enum CalendarError {
     NotMonthEnd(NaiveDate, NaiveDate),
     #[error("invalid month '{0}': expected YYYY-MM")]
     BadMonth(String),
+    #[error("invalid business date {0}: the year must be between {FIRST_YEAR} and {LAST_YEAR}")]
+    OutOfRange(NaiveDate),
 }
 
 impl BusinessDate {
-    /// Accepts only the last day of a month.
+    /// Accepts only the last day of a month in years [`FIRST_YEAR`] to [`LAST_YEAR`].
     pub fn new(date: NaiveDate) -> Result<Self, CalendarError> {
+        if !(FIRST_YEAR..=LAST_YEAR).contains(&date.year()) {
+            return Err(CalendarError::OutOfRange(date));
+        }
         let end = month_end(date.year(), date.month())
             .ok_or(CalendarError::Unparsable(date.to_string()))?;
         if end == date {
@@ -45,7 +58,8 @@ impl BusinessDate {
         let bad = || CalendarError::BadMonth(text.to_string());
         let (y, m) = text.trim().split_once('-').ok_or_else(bad)?;
         let (y, m): (i32, u32) = (y.parse().map_err(|_| bad())?, m.parse().map_err(|_| bad())?);
-        month_end(y, m).map(Self).ok_or_else(bad)
+        let end = month_end(y, m).ok_or_else(bad)?;
+        Self::new(end)
     }
 
     /// The month end strictly before the month containing `day`.
@@ -148,6 +162,24 @@ mod tests {
         assert_eq!(
             BusinessDate::for_instant(&fire.with_timezone(&Shanghai)).date(),
             d("2026-12-31")
+        );
+    }
+
+    #[test]
+    fn business_dates_lie_in_years_1_to_9999() {
+        assert!(BusinessDate::parse("0001-01-31").is_ok());
+        assert!(BusinessDate::parse("9999-12-31").is_ok());
+        for text in ["0000-12-31", "-4714-12-31", "-262143-01-31", "+10000-01-31"] {
+            match BusinessDate::parse(text) {
+                Err(CalendarError::OutOfRange(_)) => {}
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert!(BusinessDate::from_month("0000-12").is_err());
+        assert!(BusinessDate::from_month("10000-01").is_err());
+        assert_eq!(
+            BusinessDate::from_month("0001-01").unwrap().first_day(),
+            d("0001-01-01")
         );
     }
 

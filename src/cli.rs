@@ -4,7 +4,10 @@
 
 use crate::app::Result;
 use crate::clock::SystemClock;
-use crate::commands::{self, run::RunRequest, seed::SeedRequest, status::StatusRequest};
+use crate::commands::{
+    self, correct::CorrectRequest, run::RunRequest, seed::SeedRequest, status::StatusRequest,
+    verify::VerifyRequest,
+};
 use crate::config::Settings;
 use crate::jobs::Progress;
 use clap::{Args, Parser, Subcommand};
@@ -34,6 +37,10 @@ pub enum Command {
     Run(RunArgs),
     /// Show each shard's job_runs row for a business date and the month's settled totals.
     Status(StatusArgs),
+    /// Check a month's fines against its rule (read-only): exit 0 right, 1 not right.
+    Verify(VerifyArgs),
+    /// Recompute a settled month under the configured rule, recording every changed fine.
+    Correct(CorrectArgs),
     /// Run as a long-lived replica: cron schedule, catch-up, retries, health and metrics.
     Serve(DbArgs),
     /// Print the next fire times and their business dates (no database needed).
@@ -87,6 +94,40 @@ pub struct StatusArgs {
     /// failed; 0 for none).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub history: u32,
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct VerifyArgs {
+    /// The month as its last day (default: last month's end in schedule.timezone).
+    #[arg(long, value_name = "YYYY-MM-DD")]
+    pub business_date: Option<String>,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct CorrectArgs {
+    /// The month as its last day.
+    #[arg(long, value_name = "YYYY-MM-DD")]
+    pub business_date: String,
+    /// Why the month is corrected (recorded with every shard's `corrected` event).
+    #[arg(long, value_name = "TEXT")]
+    pub reason: String,
+    /// The correction's key, from the ticket that asked for it: the same key again changes
+    /// nothing and reports the first result.
+    #[arg(long, value_name = "KEY")]
+    pub key: String,
+    /// The shard count to correct under (default: the one the month was settled with).
+    #[arg(long, value_name = "M")]
+    pub shards: Option<u32>,
+    /// Print exactly one JSON object on stdout.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -194,6 +235,36 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 println!("{}", status.to_json());
             } else {
                 print!("{}", status.to_text());
+            }
+        }
+        Command::Verify(args) => {
+            let request = VerifyRequest {
+                business_date: args.business_date,
+                embedded_db: args.db.embedded_db,
+            };
+            let verified = commands::verify::verify(&settings, &request).await?;
+            if args.json {
+                println!("{}", commands::verify::to_json(&verified));
+            } else {
+                print!("{}", commands::verify::to_text(&verified));
+            }
+            if let Some(failure) = commands::verify::failure(&verified) {
+                return Err(failure);
+            }
+        }
+        Command::Correct(args) => {
+            let request = CorrectRequest {
+                business_date: args.business_date,
+                reason: args.reason,
+                key: args.key,
+                shards: args.shards,
+                embedded_db: args.db.embedded_db,
+            };
+            let corrected = commands::correct::correct(&settings, &request).await?;
+            if args.json {
+                println!("{}", commands::correct::to_json(&corrected));
+            } else {
+                print!("{}", commands::correct::to_text(&corrected));
             }
         }
         Command::Serve(args) => crate::daemon::serve_command(settings, args.embedded_db).await?,

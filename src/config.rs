@@ -6,8 +6,17 @@
 //! sets the URL's password from a file. Both files are read at load time, so a Kubernetes Secret or
 //! systemd credential mounted as a file never has to sit in an environment variable. The URL is a
 //! secret: it prints as `[REDACTED]` and errors show it with the password masked ([`redact_url`]).
+//!
+//! Every integer setting is checked against [`INTEGER_KEYS`] before anything is deserialised: an
+//! integer within its range and nothing else — not a boolean (the config crate would read `true` as
+//! 1), a fraction, an exponent, an empty string or a value beyond the range (it would clamp) —
+//! from a file and from the environment alike.
+//!
+//! The fine comes in two forms: the `[fine]` keys (one rule for every month) or a list of
+//! `[[fine.rules]]`, each effective from a month ([`FineSchedule`]); never both.
 
-use crate::fine::FineRule;
+use crate::calendar::BusinessDate;
+use crate::fine::{DatedRule, FineRule, FineSchedule};
 use chrono_tz::Tz;
 use croner::Cron;
 use secrecy::{ExposeSecret, SecretString};
@@ -19,30 +28,49 @@ use std::time::Duration;
 pub const DEFAULT_TOML: &str = include_str!("../config/default.toml");
 const ENV_PREFIX: &str = "SETTLEMENTD";
 
-/// Upper bounds of the numeric settings (the lower bounds are in [`Settings::validate`]). Each is
-/// far above any sensible value and low enough that a typo (an extra zero or three) is caught.
+/// Upper bounds of some numeric settings, for code that needs them (every range is in
+/// [`INTEGER_KEYS`]).
 pub const MAX_SHARDS: u32 = 1024;
-/// A batch is one transaction holding its rows' locks: a million rows is already minutes of locks.
-pub const MAX_BATCH_SIZE: u64 = 1_000_000;
-/// Each replica uses two connections at a time (batch, heartbeat) plus probes.
-pub const MAX_CONNECTIONS: u64 = 100;
-pub const MAX_ACQUIRE_TIMEOUT_SECS: u64 = 300;
-pub const MAX_HEARTBEAT_SECS: u64 = 3600;
-/// A day: a crashed replica's month waits at most this long for a takeover.
-pub const MAX_TTL_SECS: u64 = 86_400;
-pub const MAX_RETRY_SECS: u64 = 86_400;
-pub const MAX_GRACE_SECS: u64 = 3600;
 
-/// `min <= value <= max`, or an error naming the key and the range.
-fn in_range(key: &str, value: u64, min: u64, max: u64) -> Result<()> {
-    if (min..=max).contains(&value) {
-        Ok(())
-    } else {
-        Err(ConfigError(format!(
-            "{key} must be between {min} and {max}, got {value}"
-        )))
-    }
-}
+/// Every integer setting, with the range it accepts: `(key, min, max)`. A key under a list of tables
+/// is written `list[].key`. Each bound is far beyond any sensible value and close enough that a typo
+/// (an extra zero or three) is caught; a value outside is rejected, never clamped. A new integer
+/// key is one line here (and one in the test that walks this table).
+pub const INTEGER_KEYS: &[(&str, i128, i128)] = &[
+    // Each replica uses two connections at a time (batch, heartbeat) plus probes.
+    ("database.max_connections", 2, 100),
+    ("database.acquire_timeout_secs", 1, 300),
+    ("shard.index", 0, MAX_SHARDS as i128 - 1),
+    ("shard.count", 1, MAX_SHARDS as i128),
+    // A batch is one transaction holding its rows' locks: a million rows is already minutes of locks.
+    ("batch.size", 1, 1_000_000),
+    // A day: a crashed replica's month waits at most this long for a takeover.
+    ("lease.ttl_secs", 3, 86_400),
+    ("lease.heartbeat_secs", 1, 3600),
+    (
+        "fine.daily_rate_cents",
+        0,
+        FineRule::MAX_DAILY_RATE_CENTS as i128,
+    ),
+    ("fine.grace_days", 0, FineRule::MAX_GRACE_DAYS as i128),
+    ("fine.max_cents", 0, i64::MAX as i128),
+    (
+        "fine.rules[].daily_rate_cents",
+        0,
+        FineRule::MAX_DAILY_RATE_CENTS as i128,
+    ),
+    (
+        "fine.rules[].grace_days",
+        0,
+        FineRule::MAX_GRACE_DAYS as i128,
+    ),
+    ("fine.rules[].max_cents", 0, i64::MAX as i128),
+    // A hundred years of months.
+    ("settle.lookback_months", 0, 1200),
+    ("retry.initial_secs", 1, 86_400),
+    ("retry.max_secs", 1, 86_400),
+    ("shutdown.grace_secs", 0, 3600),
+];
 
 /// Invalid configuration: always exit code 2.
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +86,13 @@ pub struct Settings {
     pub shard: ShardSpec,
     pub batch: BatchSettings,
     pub lease: LeaseSettings,
-    pub fine: FineRule,
+    /// `[fine]` as written; [`Settings::fine`] is what it means.
+    #[serde(rename = "fine", default)]
+    fine_settings: FineSettings,
+    /// The fine rules over the months, from `[fine]` (checked at load).
+    #[serde(skip)]
+    pub fine: FineSchedule,
+    pub settle: SettleSettings,
     pub schedule: ScheduleSettings,
     pub retry: RetrySettings,
     pub shutdown: ShutdownSettings,
@@ -174,6 +208,86 @@ impl Default for SessionGuards {
         }
         .guards()
     }
+}
+
+/// `[fine]` as written: the single-rule keys, or `rules`. Unset single-rule keys take the defaults
+/// of [`FineRule::default`]; `default.toml` sets none of them, so that a file giving `rules` does
+/// not also give the single form.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FineSettings {
+    daily_rate_cents: Option<i64>,
+    grace_days: Option<i64>,
+    max_cents: Option<i64>,
+    rules: Option<Vec<RuleSettings>>,
+}
+
+/// One `[[fine.rules]]` entry: every key is required.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleSettings {
+    /// The first month the rule applies to, `YYYY-MM`.
+    from: String,
+    daily_rate_cents: i64,
+    grace_days: i64,
+    max_cents: i64,
+}
+
+impl FineSettings {
+    /// The schedule these settings mean, or why they mean none.
+    fn schedule(&self) -> Result<FineSchedule> {
+        let single = [
+            ("daily_rate_cents", self.daily_rate_cents),
+            ("grace_days", self.grace_days),
+            ("max_cents", self.max_cents),
+        ];
+        let Some(rules) = &self.rules else {
+            let d = FineRule::default();
+            let rule = FineRule {
+                daily_rate_cents: self.daily_rate_cents.unwrap_or(d.daily_rate_cents),
+                grace_days: self.grace_days.unwrap_or(d.grace_days),
+                max_cents: self.max_cents.unwrap_or(d.max_cents),
+            };
+            rule.validate("fine").map_err(ConfigError)?;
+            return Ok(FineSchedule::single(rule));
+        };
+        if let Some((key, _)) = single.iter().find(|(_, v)| v.is_some()) {
+            return Err(ConfigError(format!(
+                "fine.rules and fine.{key} are both set: give the fine either as [fine] keys (one \
+                 rule for every month) or as [[fine.rules]], not both"
+            )));
+        }
+        let mut dated = Vec::with_capacity(rules.len());
+        for (i, r) in rules.iter().enumerate() {
+            let at = format!("fine.rules[{i}]");
+            let from = BusinessDate::from_month(&r.from).map_err(|_| {
+                ConfigError(format!(
+                    "{at}.from '{}' is not a month: expected YYYY-MM, from 0001-01 to 9999-12",
+                    r.from
+                ))
+            })?;
+            let rule = FineRule {
+                daily_rate_cents: r.daily_rate_cents,
+                grace_days: r.grace_days,
+                max_cents: r.max_cents,
+            };
+            rule.validate(&at).map_err(ConfigError)?;
+            dated.push(DatedRule {
+                from: from.first_day(),
+                rule,
+            });
+        }
+        FineSchedule::new(dated).map_err(ConfigError)
+    }
+}
+
+/// `[settle]`: what a replica settles besides its scheduled month.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SettleSettings {
+    /// How many months back (before the current one) a replica looks for late returns — loans
+    /// returned in a month that was already closed — and settles them; 0 turns it off.
+    pub lookback_months: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -353,12 +467,11 @@ impl Settings {
         let raw = builder
             .build()
             .map_err(|e| ConfigError(one_line(&e.to_string())))?;
-        if let config::ValueKind::Table(table) = &raw.cache.kind {
-            reject_fractions("", table)?;
-        }
+        check_integers(&raw.cache, &env)?;
         let mut settings: Settings = raw
             .try_deserialize()
             .map_err(|e| ConfigError(one_line(&e.to_string())))?;
+        settings.fine = settings.fine_settings.schedule()?;
         settings.database.read_secret_files()?;
         settings.http.read_token()?;
         if settings.database.url.is_none() {
@@ -371,58 +484,28 @@ impl Settings {
         Ok(settings)
     }
 
-    /// Every rule that can be checked without a database. Each number has a range (README,
-    /// configuration table); a value outside it is rejected, never clamped: a typo like
-    /// `batch.size = 50000000` should stop a deployment, not quietly become something else.
+    /// What the ranges of [`INTEGER_KEYS`] cannot say on their own (they were checked at load):
+    /// the relations between settings, and the values that are not numbers.
     pub fn validate(&self) -> Result<()> {
         self.shard.validate()?;
-        in_range("batch.size", self.batch.size.into(), 1, MAX_BATCH_SIZE)?;
-        // One connection for the batches and one for the heartbeat, at the least.
-        in_range(
-            "database.max_connections",
-            self.database.max_connections.into(),
-            2,
-            MAX_CONNECTIONS,
-        )?;
-        in_range(
-            "database.acquire_timeout_secs",
-            self.database.acquire_timeout_secs,
-            1,
-            MAX_ACQUIRE_TIMEOUT_SECS,
-        )?;
         if self.database.embedded_dir.as_os_str().is_empty() {
             return Err(ConfigError(
                 "database.embedded_dir must not be empty".into(),
             ));
         }
         let lease = self.lease;
-        in_range(
-            "lease.heartbeat_secs",
-            lease.heartbeat_secs,
-            1,
-            MAX_HEARTBEAT_SECS,
-        )?;
         if lease.ttl_secs < lease.heartbeat_secs.saturating_mul(3) {
             return Err(ConfigError(format!(
                 "lease.ttl_secs ({}) must be >= 3 x lease.heartbeat_secs ({})",
                 lease.ttl_secs, lease.heartbeat_secs
             )));
         }
-        in_range("lease.ttl_secs", lease.ttl_secs, 3, MAX_TTL_SECS)?;
-        self.fine.validate().map_err(ConfigError)?;
-        if self.retry.initial_secs < 1 || self.retry.max_secs < self.retry.initial_secs {
+        if self.retry.max_secs < self.retry.initial_secs {
             return Err(ConfigError(format!(
-                "retry needs 1 <= retry.initial_secs ({}) <= retry.max_secs ({})",
+                "retry needs retry.initial_secs ({}) <= retry.max_secs ({})",
                 self.retry.initial_secs, self.retry.max_secs
             )));
         }
-        in_range("retry.max_secs", self.retry.max_secs, 1, MAX_RETRY_SECS)?;
-        in_range(
-            "shutdown.grace_secs",
-            self.shutdown.grace_secs,
-            0,
-            MAX_GRACE_SECS,
-        )?;
         if let Some(url) = &self.database.url {
             check_url(url.expose_secret(), "database.url")?;
         }
@@ -526,22 +609,91 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
-/// Every setting is a whole number, a string or a boolean; the config crate would round `2.5` to 3
-/// for an integer key. A number with a fraction is a slip: say which key. (`1e3` is a whole 1000.)
-fn reject_fractions(prefix: &str, table: &config::Map<String, config::Value>) -> Result<()> {
-    for (key, value) in table {
-        let path = format!("{prefix}{key}");
-        match &value.kind {
-            config::ValueKind::Float(f) if f.fract() != 0.0 || !f.is_finite() => {
-                return Err(ConfigError(format!(
-                    "{path} must be a whole number, got {f}"
-                )))
+/// Checks every value of an [`INTEGER_KEYS`] key in `raw` (the merged layers): an integer within its
+/// range. The error names the key and the value as written: the environment variable's text when
+/// the value came from there (the config crate has already turned `1e19` into a float and `true`
+/// into a boolean), else the value.
+fn check_integers(
+    raw: &config::Value,
+    env: &std::collections::HashMap<String, String>,
+) -> Result<()> {
+    for &(pattern, min, max) in INTEGER_KEYS {
+        for (key, value) in find_values(raw, pattern) {
+            let whole = match &value.kind {
+                config::ValueKind::I64(n) => Some(i128::from(*n)),
+                config::ValueKind::U64(n) => Some(i128::from(*n)),
+                config::ValueKind::I128(n) => Some(*n),
+                config::ValueKind::U128(n) => i128::try_from(*n).ok(),
+                _ => None,
+            };
+            if whole.is_some_and(|n| (min..=max).contains(&n)) {
+                continue;
             }
-            config::ValueKind::Table(inner) => reject_fractions(&format!("{path}."), inner)?,
-            _ => {}
+            let var = format!("{ENV_PREFIX}__{}", key.replace('.', "__").to_uppercase());
+            let given = match env.get(&var) {
+                Some(text) => format!("{text:?} (from {var})"),
+                None => describe_value(value),
+            };
+            return Err(ConfigError(format!(
+                "{key} must be a whole number from {min} to {max}, got {given}"
+            )));
         }
     }
     Ok(())
+}
+
+/// The values at `pattern` (`a.b`, or `a.list[].b` for a key of every table in a list), with the
+/// path of each (`a.list[2].b`).
+fn find_values<'a>(root: &'a config::Value, pattern: &str) -> Vec<(String, &'a config::Value)> {
+    let mut found = vec![(String::new(), root)];
+    for part in pattern.split('.') {
+        let (name, each) = match part.strip_suffix("[]") {
+            Some(name) => (name, true),
+            None => (part, false),
+        };
+        let mut next = Vec::new();
+        for (path, value) in found {
+            let config::ValueKind::Table(table) = &value.kind else {
+                continue;
+            };
+            let Some(child) = table.get(name) else {
+                continue;
+            };
+            let path = if path.is_empty() {
+                name.to_string()
+            } else {
+                format!("{path}.{name}")
+            };
+            match (&child.kind, each) {
+                (config::ValueKind::Array(items), true) => next.extend(
+                    items
+                        .iter()
+                        .enumerate()
+                        .map(|(i, item)| (format!("{path}[{i}]"), item)),
+                ),
+                (_, true) => {}
+                (_, false) => next.push((path, child)),
+            }
+        }
+        found = next;
+    }
+    found
+}
+
+/// A value as an error shows it.
+fn describe_value(value: &config::Value) -> String {
+    match &value.kind {
+        config::ValueKind::Nil => "nothing".into(),
+        config::ValueKind::Boolean(b) => b.to_string(),
+        config::ValueKind::I64(n) => n.to_string(),
+        config::ValueKind::I128(n) => n.to_string(),
+        config::ValueKind::U64(n) => n.to_string(),
+        config::ValueKind::U128(n) => n.to_string(),
+        config::ValueKind::Float(f) => f.to_string(),
+        config::ValueKind::String(text) => format!("{text:?}"),
+        config::ValueKind::Table(_) => "a table".into(),
+        config::ValueKind::Array(_) => "a list".into(),
+    }
 }
 
 /// Config errors can span lines; operators get one.
@@ -566,7 +718,8 @@ mod tests {
         assert_eq!(s.shard, ShardSpec { index: 0, count: 1 });
         assert_eq!(s.batch.size, 10000);
         assert_eq!(s.schedule.timezone, chrono_tz::Asia::Shanghai);
-        assert_eq!(s.fine, FineRule::default());
+        assert_eq!(s.fine, FineSchedule::default());
+        assert_eq!(s.settle.lookback_months, 12);
         assert!(s.database.url.is_none());
     }
 
@@ -680,7 +833,7 @@ mod tests {
             (
                 "LEASE__TTL_SECS",
                 "90.5",
-                "lease.ttl_secs must be a whole number",
+                "lease.ttl_secs must be a whole number from 3 to 86400, got \"90.5\"",
             ),
             ("LEASE__TTL_SECS", "86401", "lease.ttl_secs"),
             ("LEASE__HEARTBEAT_SECS", "0", "lease.heartbeat_secs"),
@@ -694,6 +847,8 @@ mod tests {
                 "10.5",
                 "fine.max_cents must be a whole number",
             ),
+            ("SETTLE__LOOKBACK_MONTHS", "1201", "settle.lookback_months"),
+            ("SETTLE__LOOKBACK", "3", "lookback"),
             ("SCHEDULE__CRON", "0 30 2 1 13 *", "schedule.cron"),
             ("SCHEDULE__TIMEZONE", "UTC+8", "schedule.timezone"),
             ("SCHEDULE__CATCH_UP", "yes please", "catch_up"),
@@ -741,6 +896,190 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(s.lease.ttl_secs, 86_400);
+    }
+
+    /// A config file with `toml` in it, loaded with `env`.
+    fn load_file(toml: &str, env: &[(&str, &str)]) -> Result<Settings> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("settlementd.toml");
+        std::fs::write(&path, toml).unwrap();
+        Settings::load_from(
+            Some(&path),
+            env.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+    }
+
+    /// Every integer key of [`INTEGER_KEYS`] refuses what is not an integer within its range —
+    /// a boolean, a fraction, an exponent, an empty string, a value beyond the range, one below —
+    /// from the environment and from a file alike, in one line naming the key and the value; and
+    /// accepts both ends of its range. A key added to the table is covered by adding its line here
+    /// (the test fails until it is).
+    #[test]
+    fn every_integer_key_accepts_an_integer_in_its_range_and_nothing_else() {
+        // (key as in INTEGER_KEYS, the [section] or list it lives in for a file, settings it needs
+        // to be valid at its extremes)
+        let keys: &[(&str, &str)] = &[
+            ("database.max_connections", ""),
+            ("database.acquire_timeout_secs", ""),
+            ("shard.index", "[shard]\ncount = 1024\n"),
+            ("shard.count", ""),
+            ("batch.size", ""),
+            ("lease.ttl_secs", "[lease]\nheartbeat_secs = 1\n"),
+            ("lease.heartbeat_secs", "[lease]\nttl_secs = 86400\n"),
+            ("fine.daily_rate_cents", ""),
+            ("fine.grace_days", ""),
+            ("fine.max_cents", ""),
+            ("fine.rules[].daily_rate_cents", ""),
+            ("fine.rules[].grace_days", ""),
+            ("fine.rules[].max_cents", ""),
+            ("settle.lookback_months", ""),
+            ("retry.initial_secs", "[retry]\nmax_secs = 86400\n"),
+            ("retry.max_secs", "[retry]\ninitial_secs = 1\n"),
+            ("shutdown.grace_secs", ""),
+        ];
+        let listed: Vec<&str> = INTEGER_KEYS.iter().map(|k| k.0).collect();
+        let tested: Vec<&str> = keys.iter().map(|k| k.0).collect();
+        assert_eq!(listed, tested, "every key of INTEGER_KEYS, in order");
+        for &(key, min, max) in INTEGER_KEYS {
+            let setup = keys.iter().find(|k| k.0 == key).unwrap().1;
+            let bad = [
+                ("true".to_string(), "true"),
+                ("false".to_string(), "false"),
+                ("1.5".to_string(), "1.5"),
+                ("1e3".to_string(), "1e3"),
+                ("\"\"".to_string(), ""),
+                ((max + 1).to_string(), ""),
+                ((min - 1).to_string(), ""),
+                ("9223372036854775808".to_string(), "9223372036854775808"),
+            ];
+            for (toml_value, env_value) in &bad {
+                let from_file = load_file(&file_with(key, toml_value, setup), &[]);
+                let err = match from_file {
+                    Ok(_) => panic!("{key} = {toml_value} in a file was accepted"),
+                    Err(e) => e.to_string(),
+                };
+                let named = key.replace("[]", "[0]");
+                // 2^63 is no TOML integer: the file fails to parse (MERGE: named by line and key).
+                let named = match toml_value.as_str() {
+                    "9223372036854775808" => String::new(),
+                    _ => named,
+                };
+                assert!(
+                    err.contains(&named) && !err.contains('\n'),
+                    "{key} = {toml_value}: {err}"
+                );
+                // Values the environment can carry (a list of tables it cannot).
+                if key.contains("[]") || env_value.is_empty() && *toml_value != "\"\"" {
+                    continue;
+                }
+                let var = format!("SETTLEMENTD__{}", key.replace('.', "__").to_uppercase());
+                let from_env = load_file(setup, &[(var.as_str(), env_value)]);
+                let err = match from_env {
+                    Ok(_) => panic!("{var}={env_value} was accepted"),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    err.contains(key) && err.contains(&format!("{env_value:?}")),
+                    "{var}={env_value}: {err}"
+                );
+            }
+            for good in [min, max] {
+                let loaded = load_file(&file_with(key, &good.to_string(), setup), &[]);
+                assert!(loaded.is_ok(), "{key} = {good}: {:?}", loaded.err());
+            }
+        }
+    }
+
+    /// A file setting `key` (`section.name`, or `fine.rules[].name` in a complete rule) to
+    /// `value`, after `setup`.
+    fn file_with(key: &str, value: &str, setup: &str) -> String {
+        if let Some(name) = key.strip_prefix("fine.rules[].") {
+            let mut rule = [
+                ("from", "\"2020-01\"".to_string()),
+                ("daily_rate_cents", "50".into()),
+                ("grace_days", "0".into()),
+                ("max_cents", "10000".into()),
+            ];
+            rule.iter_mut()
+                .filter(|(k, _)| *k == name)
+                .for_each(|(_, v)| *v = value.to_string());
+            let body: Vec<String> = rule.iter().map(|(k, v)| format!("{k} = {v}")).collect();
+            return format!("{setup}[[fine.rules]]\n{}\n", body.join("\n"));
+        }
+        let (section, name) = key.split_once('.').unwrap();
+        if setup.starts_with(&format!("[{section}]")) {
+            return format!("{setup}{name} = {value}\n");
+        }
+        format!("{setup}[{section}]\n{name} = {value}\n")
+    }
+
+    #[test]
+    fn fine_rules_are_effective_from_a_month_and_the_single_keys_mean_one_rule_for_all() {
+        let s = load_file(
+            "[[fine.rules]]\nfrom = \"2027-01\"\ndaily_rate_cents = 60\ngrace_days = 2\nmax_cents = 12000\n\
+             [[fine.rules]]\nfrom = \"2020-01\"\ndaily_rate_cents = 50\ngrace_days = 0\nmax_cents = 10000\n",
+            &[],
+        )
+        .unwrap();
+        let rate = |s: &Settings, month: &str| {
+            s.fine
+                .rule_for(BusinessDate::from_month(month).unwrap().first_day())
+                .map(|r| r.rule.daily_rate_cents)
+        };
+        assert_eq!(rate(&s, "2019-12"), None);
+        assert_eq!(rate(&s, "2026-12"), Some(50));
+        assert_eq!(rate(&s, "2027-01"), Some(60));
+        let single = load(&[("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "37")]).unwrap();
+        assert_eq!(rate(&single, "0001-01"), Some(37));
+        assert_eq!(
+            single.fine.rules()[0].rule.max_cents,
+            FineRule::default().max_cents,
+            "unset keys keep their defaults"
+        );
+    }
+
+    #[test]
+    fn fine_rules_with_the_single_keys_a_duplicate_month_or_a_bad_month_are_refused() {
+        let rule = |from: &str| {
+            format!(
+                "[[fine.rules]]\nfrom = \"{from}\"\ndaily_rate_cents = 50\ngrace_days = 0\nmax_cents = 1\n"
+            )
+        };
+        let cases = [
+            (
+                format!("[fine]\nmax_cents = 5\n{}", rule("2020-01")),
+                &[][..],
+                "fine.rules and fine.max_cents are both set",
+            ),
+            (
+                rule("2020-01"),
+                &[("SETTLEMENTD__FINE__GRACE_DAYS", "1")][..],
+                "fine.rules and fine.grace_days are both set",
+            ),
+            (
+                format!("{}{}", rule("2020-01"), rule("2020-01")),
+                &[][..],
+                "two rules from 2020-01",
+            ),
+            (rule("2020-13"), &[][..], "fine.rules[0].from '2020-13'"),
+            (rule("2020-1-1"), &[][..], "is not a month"),
+            (rule("0000-12"), &[][..], "is not a month"),
+            (
+                "[[fine.rules]]\nfrom = \"2020-01\"\ndaily_rate_cents = 50\n".into(),
+                &[][..],
+                "grace_days",
+            ),
+            (
+                "[fine]\nrules = []\n".into(),
+                &[][..],
+                "fine.rules is empty",
+            ),
+        ];
+        for (file, env, needle) in cases {
+            let err = load_file(&file, env).unwrap_err().to_string();
+            assert!(err.contains(needle), "{file}: '{err}' should say {needle}");
+            assert!(!err.contains('\n'), "{err}");
+        }
     }
 
     #[test]

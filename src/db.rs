@@ -38,6 +38,9 @@ pub enum DbError {
          directly"
     )]
     TransactionPooler { url: String },
+    /// A column of an existing `loans` table is not of a type settlementd can read or write.
+    #[error("loans does not fit settlementd: {0}; nothing was written")]
+    Schema(String),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database error: {0}")]
@@ -49,7 +52,10 @@ impl DbError {
     pub fn is_config(&self) -> bool {
         matches!(
             self,
-            DbError::BadUrl { .. } | DbError::Auth { .. } | DbError::TransactionPooler { .. }
+            DbError::BadUrl { .. }
+                | DbError::Auth { .. }
+                | DbError::TransactionPooler { .. }
+                | DbError::Schema(_)
         )
     }
 }
@@ -210,6 +216,73 @@ async fn pause(start: std::time::Instant) {
     }
 }
 
+/// Checks the columns of `loans` that settlementd reads and writes, when the table exists (a new
+/// database gets it from the migrations): `borrowed_on`, `due_on` and `returned_on` are `date` (a
+/// domain over `date` too; `due_on` may be nullable: such loans are held), `id` an integer type,
+/// and `fine_cents`, where it exists, `bigint` — or a narrower integer that `max_fine` (the
+/// configuration's highest cap) fits. Run before migrating and before any run, so a table of
+/// another shape is refused in one line before anything is written, instead of failing in a
+/// migration ("functions in index expression must be marked IMMUTABLE") or in a batch ("integer
+/// out of range") with its rows left unsettled.
+pub async fn check_loans(pool: &PgPool, max_fine: i64) -> Result<()> {
+    let columns: Vec<(String, String, String)> = sqlx::query_as(
+        "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), b.typname::text
+           FROM pg_attribute a
+           JOIN pg_type t ON t.oid = a.atttypid
+           JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
+          WHERE a.attrelid = to_regclass('loans') AND a.attnum > 0 AND NOT a.attisdropped
+            AND a.attname IN ('id', 'borrowed_on', 'due_on', 'returned_on', 'fine_cents')",
+    )
+    .fetch_all(pool)
+    .await?;
+    // No such column at all: no table yet (the migrations create it; another process may be doing
+    // so right now).
+    if columns.is_empty() {
+        return Ok(());
+    }
+    loans_fit(&columns, max_fine).map_err(DbError::Schema)
+}
+
+/// [`check_loans`] on `(column, type as written, base type name)` rows.
+fn loans_fit(
+    columns: &[(String, String, String)],
+    max_fine: i64,
+) -> std::result::Result<(), String> {
+    let find = |name: &str| columns.iter().find(|c| c.0 == name);
+    for name in ["id", "borrowed_on", "due_on", "returned_on"] {
+        if find(name).is_none() {
+            return Err(format!("it has no column {name}"));
+        }
+    }
+    for (name, found, base) in columns {
+        let needed = match name.as_str() {
+            "id" if matches!(base.as_str(), "int2" | "int4" | "int8") => continue,
+            "id" => "an integer type (bigint, integer or smallint)",
+            "borrowed_on" | "due_on" | "returned_on" if base == "date" => continue,
+            "borrowed_on" | "due_on" | "returned_on" => "date",
+            "fine_cents" => {
+                let fits = match base.as_str() {
+                    "int8" => continue,
+                    "int4" => i64::from(i32::MAX),
+                    "int2" => i64::from(i16::MAX),
+                    _ => return Err(format!("column fine_cents is {found}; it must be bigint")),
+                };
+                if max_fine <= fits {
+                    continue;
+                }
+                return Err(format!(
+                    "column fine_cents is {found}, which holds at most {fits}, but the configured \
+                     cap fine.max_cents is {max_fine}: make the column bigint (ALTER TABLE loans \
+                     ALTER COLUMN fine_cents TYPE bigint) or lower the cap"
+                ));
+            }
+            _ => continue,
+        };
+        return Err(format!("column {name} is {found}; it must be {needed}"));
+    }
+    Ok(())
+}
+
 pub async fn migrate(pool: &PgPool) -> Result<()> {
     MIGRATOR.run(pool).await?;
     Ok(())
@@ -262,5 +335,80 @@ pub async fn wait_for_schema(pool: &PgPool, every: Duration, shutdown: &Cancella
             _ = shutdown.cancelled() => return false,
             _ = tokio::time::sleep(every) => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::loans_fit;
+
+    fn columns(list: &[(&str, &str, &str)]) -> Vec<(String, String, String)> {
+        list.iter()
+            .map(|(a, b, c)| (a.to_string(), b.to_string(), c.to_string()))
+            .collect()
+    }
+
+    const DATES: [(&str, &str, &str); 3] = [
+        ("borrowed_on", "date", "date"),
+        ("due_on", "date", "date"),
+        ("returned_on", "date", "date"),
+    ];
+
+    #[test]
+    fn a_loans_table_of_settlementds_shape_fits() {
+        let mut ok = columns(&DATES);
+        ok.extend(columns(&[
+            ("id", "bigint", "int8"),
+            ("fine_cents", "bigint", "int8"),
+        ]));
+        assert_eq!(loans_fit(&ok, i64::MAX), Ok(()));
+    }
+
+    #[test]
+    fn each_mismatch_names_the_column_the_type_found_and_the_type_needed() {
+        type Column<'a> = (&'a str, &'a str, &'a str);
+        let cases: &[(&[Column], i64, &str)] = &[
+            (
+                &[("returned_on", "timestamp with time zone", "timestamptz")],
+                0,
+                "column returned_on is timestamp with time zone; it must be date",
+            ),
+            (
+                &[("id", "numeric", "numeric")],
+                0,
+                "column id is numeric; it must be an integer type",
+            ),
+            (
+                &[("fine_cents", "integer", "int4")],
+                3_000_000_000,
+                "column fine_cents is integer, which holds at most 2147483647, but the configured cap fine.max_cents is 3000000000",
+            ),
+            (
+                &[("fine_cents", "numeric(12,2)", "numeric")],
+                0,
+                "column fine_cents is numeric(12,2); it must be bigint",
+            ),
+        ];
+        for (replace, cap, needle) in cases {
+            let mut table = columns(&DATES);
+            table.push(("id".into(), "bigint".into(), "int8".into()));
+            for (name, found, base) in replace.iter() {
+                table.retain(|c| c.0 != *name);
+                table.push((name.to_string(), found.to_string(), base.to_string()));
+            }
+            let err = loans_fit(&table, *cap).unwrap_err();
+            assert!(err.contains(needle), "{err}");
+        }
+        let mut narrow = columns(&DATES);
+        narrow.extend(columns(&[
+            ("id", "integer", "int4"),
+            ("fine_cents", "integer", "int4"),
+        ]));
+        assert_eq!(loans_fit(&narrow, 10_000), Ok(()), "a cap that fits");
+        let mut no_returns = columns(&DATES[..2]);
+        no_returns.push(("id".into(), "bigint".into(), "int8".into()));
+        assert!(loans_fit(&no_returns, 0)
+            .unwrap_err()
+            .contains("no column returned_on"));
     }
 }

@@ -1,9 +1,15 @@
-//! The fine rule: a pure function of a loan's dates and the configured rates.
+//! The fine rule: a pure function of a loan's dates and the configured rates, and the schedule of
+//! rules over the months.
 //!
 //! `days_late = (returned_on - due_on) - grace_days`;
 //! `fine_cents = min(max(days_late, 0) * daily_rate_cents, max_cents)`.
 //! A zero fine is a valid result, never a "not settled" marker. The settlement SQL computes the
 //! same expression (see [`FineRule::SQL_EXPR`]); a test checks both agree on real rows.
+//!
+//! Rules change over time: a [`FineSchedule`] holds rules effective from a month each, and the rule
+//! of a month is the last one whose `from` is not after it ([`FineSchedule::rule_for`]). A month
+//! is always settled under one rule; which one is pinned in the database with the month's first
+//! claim (`src/jobs/params.rs`).
 
 use chrono::NaiveDate;
 use serde::Deserialize;
@@ -73,22 +79,119 @@ impl FineRule {
     pub const MAX_DAILY_RATE_CENTS: i64 = 1_000_000_000;
     pub const MAX_GRACE_DAYS: i64 = 36_500;
 
-    /// Every field must be non-negative and within the bounds above.
-    pub fn validate(&self) -> Result<(), String> {
+    /// Every field must be non-negative and within the bounds above; `at` names the rule's keys
+    /// in the error (`fine`, or `fine.rules[2]`).
+    pub fn validate(&self, at: &str) -> Result<(), String> {
         for (name, value, max) in [
             (
-                "fine.daily_rate_cents",
+                "daily_rate_cents",
                 self.daily_rate_cents,
                 Self::MAX_DAILY_RATE_CENTS,
             ),
-            ("fine.grace_days", self.grace_days, Self::MAX_GRACE_DAYS),
-            ("fine.max_cents", self.max_cents, i64::MAX),
+            ("grace_days", self.grace_days, Self::MAX_GRACE_DAYS),
+            ("max_cents", self.max_cents, i64::MAX),
         ] {
             if !(0..=max).contains(&value) {
-                return Err(format!("{name} must be between 0 and {max}, got {value}"));
+                return Err(format!(
+                    "{at}.{name} must be between 0 and {max}, got {value}"
+                ));
             }
         }
         Ok(())
+    }
+}
+
+/// A rule and the first month it applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DatedRule {
+    /// The first day of the first month the rule applies to.
+    pub from: NaiveDate,
+    pub rule: FineRule,
+}
+
+impl DatedRule {
+    /// `from` as `YYYY-MM`.
+    pub fn from_month(&self) -> String {
+        self.from.format("%Y-%m").to_string()
+    }
+}
+
+impl std::fmt::Display for DatedRule {
+    /// "50 cents a day after 0 grace days, at most 10000 cents (rule from 2020-01)".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let r = &self.rule;
+        write!(
+            f,
+            "{} cents a day after {} grace days, at most {} cents (rule from {})",
+            r.daily_rate_cents,
+            r.grace_days,
+            r.max_cents,
+            self.from_month()
+        )
+    }
+}
+
+/// The rules over time: sorted by `from`, no two from the same month, at least one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FineSchedule {
+    rules: Vec<DatedRule>,
+}
+
+impl FineSchedule {
+    /// The first day of the earliest month a business date may have (year 1): what "from the
+    /// beginning of time" means for a single rule.
+    pub fn beginning() -> NaiveDate {
+        NaiveDate::from_ymd_opt(1, 1, 1).expect("year 1 is a valid date")
+    }
+
+    /// One rule for every month.
+    pub fn single(rule: FineRule) -> Self {
+        Self {
+            rules: vec![DatedRule {
+                from: Self::beginning(),
+                rule,
+            }],
+        }
+    }
+
+    /// The rules sorted by `from`; an error names a duplicate month or an empty list.
+    pub fn new(mut rules: Vec<DatedRule>) -> Result<Self, String> {
+        if rules.is_empty() {
+            return Err("fine.rules is empty: give at least one rule".into());
+        }
+        rules.sort_by_key(|r| r.from);
+        if let Some(pair) = rules.windows(2).find(|p| p[0].from == p[1].from) {
+            return Err(format!(
+                "fine.rules has two rules from {}: keep one",
+                pair[0].from_month()
+            ));
+        }
+        Ok(Self { rules })
+    }
+
+    /// The rule of the month starting on `first_day`: the last one whose `from` is not after it.
+    /// `None` when the month comes before every rule.
+    pub fn rule_for(&self, first_day: NaiveDate) -> Option<&DatedRule> {
+        self.rules.iter().rev().find(|r| r.from <= first_day)
+    }
+
+    pub fn rules(&self) -> &[DatedRule] {
+        &self.rules
+    }
+
+    /// The highest cap of any rule: the largest fine settlement can write.
+    pub fn max_cents(&self) -> Cents {
+        self.rules
+            .iter()
+            .map(|r| r.rule.max_cents)
+            .max()
+            .unwrap_or(0)
+    }
+}
+
+impl Default for FineSchedule {
+    fn default() -> Self {
+        Self::single(FineRule::default())
     }
 }
 
@@ -131,7 +234,46 @@ mod tests {
             max_cents: -1,
             ..FineRule::default()
         };
-        assert!(rule.validate().unwrap_err().contains("fine.max_cents"));
+        assert!(rule
+            .validate("fine")
+            .unwrap_err()
+            .contains("fine.max_cents"));
+    }
+
+    fn dated(from: &str, rate: i64) -> DatedRule {
+        DatedRule {
+            from: d(from),
+            rule: FineRule {
+                daily_rate_cents: rate,
+                ..FineRule::default()
+            },
+        }
+    }
+
+    #[test]
+    fn the_rule_of_a_month_is_the_last_one_whose_from_is_not_after_it() {
+        let schedule =
+            FineSchedule::new(vec![dated("2027-01-01", 60), dated("2020-01-01", 50)]).unwrap();
+        let rate = |month| schedule.rule_for(d(month)).map(|r| r.rule.daily_rate_cents);
+        assert_eq!(rate("2019-12-01"), None);
+        assert_eq!(rate("2020-01-01"), Some(50));
+        assert_eq!(rate("2026-12-01"), Some(50));
+        assert_eq!(rate("2027-01-01"), Some(60));
+        assert_eq!(rate("9999-12-01"), Some(60));
+        assert_eq!(schedule.rules()[0].from, d("2020-01-01"), "sorted");
+    }
+
+    #[test]
+    fn a_single_rule_covers_every_month_and_two_rules_may_not_share_a_month() {
+        let single = FineSchedule::default();
+        assert_eq!(
+            single.rule_for(d("0001-01-01")).unwrap().from_month(),
+            "0001-01"
+        );
+        let err =
+            FineSchedule::new(vec![dated("2020-01-01", 50), dated("2020-01-01", 60)]).unwrap_err();
+        assert!(err.contains("two rules from 2020-01"), "{err}");
+        assert!(FineSchedule::new(vec![]).is_err());
     }
 
     proptest! {

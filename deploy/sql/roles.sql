@@ -13,6 +13,9 @@
 --   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP)
 --   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state)
 --   job_events       SELECT, INSERT (the audit trail: append-only, never updated or deleted)
+--   job_params       SELECT, INSERT, UPDATE (each month's pinned fine rule; UPDATE for `correct`)
+--   fine_corrections SELECT, INSERT, UPDATE (corrections by key; UPDATE marks one complete)
+--   fine_adjustments SELECT, INSERT (every fine a correction changed: append-only)
 --   _sqlx_migrations SELECT (/readyz compares it with the binary's migrations)
 -- and nothing else: no DELETE or TRUNCATE anywhere, no DDL, no other column of loans.
 -- Job tables are granted by name, not through default privileges, so a table a later migration
@@ -48,7 +51,9 @@ DO $$
 DECLARE
     name text;
 BEGIN
-    FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards', '_sqlx_migrations'] LOOP
+    FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
+                                'job_params', 'fine_corrections', 'fine_adjustments',
+                                '_sqlx_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
         END IF;
@@ -101,6 +106,9 @@ BEGIN
                               ('run_requests', 'SELECT, INSERT, UPDATE'),
                               ('run_request_shards', 'SELECT, INSERT, UPDATE'),
                               ('job_events', 'SELECT, INSERT'),
+                              ('job_params', 'SELECT, INSERT, UPDATE'),
+                              ('fine_corrections', 'SELECT, INSERT, UPDATE'),
+                              ('fine_adjustments', 'SELECT, INSERT'),
                               ('_sqlx_migrations', 'SELECT')) AS g(tbl, privileges)
     LOOP
         CONTINUE WHEN to_regclass(format('public.%I', grant_.tbl)) IS NULL;

@@ -6,8 +6,10 @@
 //! `serve` and `demo` live next to the layers they drive: [`crate::daemon::serve_command`] and
 //! [`crate::demo::run`].
 
+pub mod correct;
 pub mod migrate;
 pub mod run;
 pub mod schedule;
 pub mod seed;
 pub mod status;
+pub mod verify;

@@ -1,8 +1,8 @@
 //! `settlementd run`: settle one month for one shard, once.
 
 use crate::app::{
-    business_date_or_default, ensure_month_is_over, run_options, settlement_job,
-    shutdown_on_signals, Database, Result,
+    business_date_or_default, check_schema, ensure_month_is_over, run_options, settlement_job,
+    shutdown_on_signals, AppError, Database, Result,
 };
 use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec};
@@ -43,12 +43,18 @@ pub async fn run(
     let business_date =
         business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
     ensure_month_is_over(business_date, settings, &SystemClock)?;
+    let job = settlement_job(settings);
+    job.rule_of(business_date.date())
+        .map_err(|why| AppError::Invalid(format!("{business_date}: {why}")))?;
     let database = Database::open(settings, request.embedded_db).await?;
+    if let Err(e) = check_schema(&database.pool, settings).await {
+        database.close().await;
+        return Err(e);
+    }
     if database.embedded.is_some() {
         db::migrate(&database.pool).await?;
     }
     let shutdown = shutdown_on_signals();
-    let job = settlement_job(settings);
     let opts = run_options(settings, request.force, request.estimate);
     let result = loop {
         let result = jobs::run_once(
@@ -84,6 +90,10 @@ pub fn report_json(report: &RunReport) -> serde_json::Value {
         "scanned": report.scanned,
         "updated": report.updated,
         "odd_rows": report.odd,
+        "held": report.held,
+        "held_ids": report.held_ids,
+        "late_returns": report.late,
+        "rule": report.params,
         "attempt": report.attempt,
         "elapsed_ms": report.elapsed.as_millis() as u64,
     })
@@ -104,9 +114,18 @@ pub fn report_line(report: &RunReport) -> String {
             format!("{head}: skipped, the run request was already served [{ms} ms]")
         }
         None => format!(
-            "{head}: SUCCESS attempt {}{}: scanned {}, updated {}{} in {ms} ms",
+            "{head}: SUCCESS attempt {}{}{}: scanned {}, updated {}{}{} in {ms} ms; rule: {}",
             report.attempt.unwrap_or_default(),
-            if report.took_over { " (took over)" } else { "" },
+            if report.took_over && report.late == 0 {
+                " (took over)"
+            } else {
+                ""
+            },
+            if report.late > 0 {
+                format!(" (for {} late returns)", report.late)
+            } else {
+                String::new()
+            },
             report.scanned,
             report.updated,
             if report.odd > 0 {
@@ -116,7 +135,16 @@ pub fn report_line(report: &RunReport) -> String {
                 )
             } else {
                 String::new()
-            }
+            },
+            if report.held > 0 {
+                format!(
+                    "; {} rows held (bad dates), left unsettled: ids {:?}",
+                    report.held, report.held_ids
+                )
+            } else {
+                String::new()
+            },
+            settlement::describe_params(&report.params)
         ),
     }
 }

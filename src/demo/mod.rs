@@ -241,7 +241,7 @@ async fn claim_twice(
             won.attempt
         );
         // Release the demo key the normal way: a fenced SUCCESS, which also blocks re-runs.
-        claim::mark_success(&mut *conn, won).await?;
+        claim::mark_success(&mut conn, won, &[]).await?;
         let third = claim::claim(&mut conn, &key, &Owner::for_process(), ttl, false).await?;
         say!(
             out,
@@ -260,11 +260,12 @@ async fn naive_marker_twice(
     pool: &PgPool,
     month: BusinessDate,
 ) -> Result<(u64, u64)> {
+    let rule = settlement::rule_of(&settings.fine, month.date())
+        .map_err(AppError::Invalid)?
+        .rule;
     let mut tx = pool.begin().await?;
-    let first =
-        zero_fine_marker::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
-    let second =
-        zero_fine_marker::settle_with_zero_fine_marker(&mut *tx, month, settings.fine).await?;
+    let first = zero_fine_marker::settle_with_zero_fine_marker(&mut *tx, month, rule).await?;
+    let second = zero_fine_marker::settle_with_zero_fine_marker(&mut *tx, month, rule).await?;
     tx.rollback().await?;
     Ok((first, second))
 }

@@ -5,7 +5,8 @@
 //! takeover, SUCCESS and FAILED is appended to `job_events` in the transaction that makes it, and
 //! moves the state of the run request it serves, if any (`job_runs.request_id`).
 
-use super::{events, requests, Batch, Cursor, JobKey, Owner, Result};
+use super::params::{self, Params, Pin};
+use super::{events, requests, Batch, Cursor, JobKey, Owner, Reopen, Result};
 use sqlx::{Connection, PgConnection, PgExecutor};
 use std::time::Duration;
 
@@ -35,9 +36,32 @@ pub enum ClaimOutcome {
     },
     /// The request this claim was made for is already served (another replica got to it first).
     RequestServed,
+    /// The key's period is pinned to other parameters than the claimer's (these): nothing was
+    /// claimed, and a `rule_conflict` event says so.
+    Conflict {
+        pinned: Params,
+    },
 }
 
-/// Claims `key` in one short transaction on `conn`.
+/// How a claimer states its parameters: the parameters, and how to say them in words.
+pub type Stated<'a> = (&'a Params, &'a (dyn Fn(&Params) -> String + Sync));
+
+/// How a claim is made, besides its key, owner and lease.
+#[derive(Clone, Copy, Default)]
+pub struct ClaimOptions<'a> {
+    /// Re-open a SUCCESS key: an operator's forced re-run (event `forced`).
+    pub force: bool,
+    /// Re-open the key whatever its state but a live RUNNING one (never stolen), from its first
+    /// item, under the reopen's event: items that arrived after it was done, a correction.
+    pub reopen: Option<&'a Reopen>,
+    /// The stored run request this claim serves ([`claim_for`]).
+    pub request: Option<&'a str>,
+    /// The claimer's identifying parameters: pinned for the period by its first claim, compared by
+    /// every later one ([`params`]). `None`: a claim that states none (tests, the demo's story).
+    pub params: Option<Stated<'a>>,
+}
+
+/// Claims `key` in one short transaction on `conn`, stating no parameters.
 ///
 /// Inserts a RUNNING row (attempt 1); when the key exists, takes over a FAILED row, a RUNNING row
 /// whose heartbeat is older than `ttl`, or (with `force`) a SUCCESS row, bumping `attempt`.
@@ -50,21 +74,30 @@ pub async fn claim(
     ttl: Duration,
     force: bool,
 ) -> Result<ClaimOutcome> {
-    claim_for(conn, key, owner, ttl, force, None).await
+    let opts = ClaimOptions {
+        force,
+        ..ClaimOptions::default()
+    };
+    claim_for(conn, key, owner, ttl, opts).await
 }
 
-/// [`claim`] on behalf of a stored run request ([`super::requests`]): in the same transaction, the
-/// request's row for this shard is locked and must still be open, and it moves with the claim —
-/// `running` with the attempt won, or `succeeded` when the key is SUCCESS and the request does not
-/// force. A request that another replica already served is [`ClaimOutcome::RequestServed`].
+/// [`claim`] with [`ClaimOptions`]:
+/// - with `params`, the period's pin is set or compared first, in the same transaction; parameters
+///   that differ claim nothing ([`ClaimOutcome::Conflict`], a `rule_conflict` event, and a served
+///   request's shard `failed` with the reason);
+/// - with `reopen`, a SUCCESS key is taken over as with `force`, and any claim won starts from the
+///   key's first item (no committed progress is resumed), under the reopen's event;
+/// - with `request`, the request's row for this shard is locked and must still be open, and it
+///   moves with the claim (`running` with the attempt won). A request that another replica already
+///   served is [`ClaimOutcome::RequestServed`]; one whose key is SUCCESS is left to the caller.
 pub async fn claim_for(
     conn: &mut PgConnection,
     key: &JobKey,
     owner: &Owner,
     ttl: Duration,
-    force: bool,
-    request: Option<&str>,
+    opts: ClaimOptions<'_>,
 ) -> Result<ClaimOutcome> {
+    let request = opts.request;
     let mut tx = conn.begin().await?;
     if let Some(request) = request {
         if !requests::lock_open(&mut tx, request, key.shard).await? {
@@ -72,6 +105,24 @@ pub async fn claim_for(
             return Ok(ClaimOutcome::RequestServed);
         }
     }
+    if let Some((mine, describe)) = opts.params {
+        if let Pin::Differs(pinned) = params::pin_or_compare(&mut tx, key, mine, owner).await? {
+            let message = format!(
+                "claimed nothing: the month is pinned to {}; this claimer's is {}",
+                describe(&pinned),
+                describe(mine)
+            );
+            events::append_unclaimed(&mut *tx, key, owner, "rule_conflict", request, &message)
+                .await?;
+            if let Some(request) = request {
+                requests::finish(&mut *tx, request, key.shard, "failed", None, Some(&message))
+                    .await?;
+            }
+            tx.commit().await?;
+            return Ok(ClaimOutcome::Conflict { pinned });
+        }
+    }
+    let rule = opts.params.map(|(mine, describe)| describe(mine));
     let inserted: Option<(i32, Option<String>)> = sqlx::query_as(
         "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
                                started_at, heartbeat_at, request_id)
@@ -95,7 +146,19 @@ pub async fn claim_for(
             resume: Cursor::default(),
             took_over: false,
         };
-        won(&mut tx, &claim, "claimed", lineage.as_deref()).await?;
+        let (event, why) = match opts.reopen {
+            Some(reopen) => (reopen.event, Some(reopen.message.as_str())),
+            None => ("claimed", None),
+        };
+        won(
+            &mut tx,
+            &claim,
+            event,
+            why,
+            lineage.as_deref(),
+            rule.as_deref(),
+        )
+        .await?;
         tx.commit().await?;
         return Ok(ClaimOutcome::Won(claim));
     }
@@ -113,10 +176,11 @@ pub async fn claim_for(
             SET status = 'RUNNING', attempt = j.attempt + 1, owner = $5,
                 started_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
                 finished_at = NULL, last_error = NULL,
-                last_id = CASE WHEN j.status = 'SUCCESS' THEN NULL ELSE j.last_id END,
-                last_id_desc = CASE WHEN j.status = 'SUCCESS' THEN NULL ELSE j.last_id_desc END,
-                scanned = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.scanned END,
-                updated = CASE WHEN j.status = 'SUCCESS' THEN 0 ELSE j.updated END,
+                last_id = CASE WHEN j.status = 'SUCCESS' OR $9 THEN NULL ELSE j.last_id END,
+                last_id_desc = CASE WHEN j.status = 'SUCCESS' OR $9 THEN NULL
+                                    ELSE j.last_id_desc END,
+                scanned = CASE WHEN j.status = 'SUCCESS' OR $9 THEN 0 ELSE j.scanned END,
+                updated = CASE WHEN j.status = 'SUCCESS' OR $9 THEN 0 ELSE j.updated END,
                 request_id = CASE WHEN j.status = 'SUCCESS' THEN $8::uuid
                                   ELSE COALESCE($8::uuid, j.request_id) END
            FROM prior
@@ -134,8 +198,9 @@ pub async fn claim_for(
     .bind(key.shard as i32)
     .bind(&owner.0)
     .bind(ttl.as_secs_f64())
-    .bind(force)
+    .bind(opts.force || opts.reopen.is_some())
     .bind(request)
+    .bind(opts.reopen.is_some())
     .fetch_optional(&mut *tx)
     .await?;
     if let Some(Taken {
@@ -156,12 +221,20 @@ pub async fn claim_for(
             },
             took_over: true,
         };
-        let event = if prior == "SUCCESS" {
-            "forced"
-        } else {
-            "took_over"
+        let (event, why) = match (prior.as_str(), opts.reopen) {
+            (_, Some(reopen)) => (reopen.event, Some(reopen.message.as_str())),
+            ("SUCCESS", None) => ("forced", None),
+            _ => ("took_over", None),
         };
-        won(&mut tx, &claim, event, lineage.as_deref()).await?;
+        won(
+            &mut tx,
+            &claim,
+            event,
+            why,
+            lineage.as_deref(),
+            rule.as_deref(),
+        )
+        .await?;
         tx.commit().await?;
         return Ok(ClaimOutcome::Won(claim));
     }
@@ -177,20 +250,6 @@ pub async fn claim_for(
     .fetch_one(&mut *tx)
     .await?;
     let outcome = if status == "SUCCESS" {
-        if let Some(request) = request {
-            // Without force, a settled month is reported as done, not re-run.
-            requests::finish(
-                &mut *tx,
-                request,
-                key.shard,
-                "succeeded",
-                attempt,
-                Some(&format!(
-                    "already SUCCESS (attempt {attempt}); not re-run without force"
-                )),
-            )
-            .await?;
-        }
         ClaimOutcome::AlreadyDone { attempt }
     } else {
         ClaimOutcome::Held {
@@ -213,16 +272,24 @@ struct Taken {
     lineage: Option<String>,
 }
 
-/// What every won claim writes besides the row: the audit event, and the state of the request the
-/// attempt serves.
+/// What every won claim writes besides the row: the audit event (why, where it resumes, under
+/// which parameters), and the state of the request the attempt serves.
 async fn won(
     tx: &mut PgConnection,
     claim: &Claim,
     event: &str,
+    why: Option<&str>,
     request: Option<&str>,
+    rule: Option<&str>,
 ) -> Result<()> {
-    let message = (event == "took_over" && !claim.resume.is_start())
+    let resumes = (event == "took_over" && !claim.resume.is_start())
         .then(|| format!("resumes {}", claim.resume));
+    let rule = rule.map(|r| format!("rule: {r}"));
+    let parts: Vec<&str> = [why, resumes.as_deref(), rule.as_deref()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let message = (!parts.is_empty()).then(|| parts.join("; "));
     events::append(&mut *tx, claim, event, request, message.as_deref()).await?;
     if let Some(request) = request {
         requests::start(&mut *tx, request, claim.key.shard, claim.attempt).await?;
@@ -262,10 +329,27 @@ pub async fn heartbeat(db: impl PgExecutor<'_>, claim: &Claim) -> Result<bool> {
     fenced_update(db, claim, "heartbeat_at = clock_timestamp()").await
 }
 
-/// Marks the run SUCCESS, records it in `job_events` and closes the request it served, in one
-/// statement. `false` means the claim was lost and nothing was written.
-pub async fn mark_success(db: impl PgExecutor<'_>, claim: &Claim) -> Result<bool> {
-    finish(db, claim, None).await
+/// An audit event a run's final write appends with it: `(event, message)`.
+pub type Note = (&'static str, String);
+
+/// Marks the run SUCCESS, records it in `job_events` with `notes` (what the run leaves for an
+/// operator: held items) and closes the request it served, in one transaction. `false` means the
+/// claim was lost and nothing was written.
+pub async fn mark_success<'c>(
+    db: impl sqlx::Acquire<'c, Database = sqlx::Postgres>,
+    claim: &Claim,
+    notes: &[Note],
+) -> Result<bool> {
+    let mut tx = db.begin().await?;
+    if !finish(&mut *tx, claim, None).await? {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    for (event, message) in notes {
+        events::append(&mut *tx, claim, event, None, Some(message)).await?;
+    }
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// Marks the run FAILED so a peer can take it over at once, with the same records as

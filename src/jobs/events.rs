@@ -7,7 +7,7 @@
 //! re-ran it, when, and why — is answered by [`recent`].
 
 use super::claim::Claim;
-use super::{JobKey, Result};
+use super::{JobKey, Owner, Result};
 use sqlx::PgExecutor;
 
 /// Appends one event of `claim`'s attempt.
@@ -30,6 +30,33 @@ pub async fn append(
     .bind(event)
     .bind(claim.attempt)
     .bind(&claim.owner.0)
+    .bind(request)
+    .bind(message)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
+/// Appends one event of `key` that belongs to no attempt (a claim refused before it was made).
+pub async fn append_unclaimed(
+    db: impl PgExecutor<'_>,
+    key: &JobKey,
+    owner: &Owner,
+    event: &str,
+    request: Option<&str>,
+    message: &str,
+) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO job_events
+                (job_name, business_date, shards, shard, event, owner, request_id, message)
+         VALUES ($1, $2, $3, $4, $5, $6, $7::uuid, $8)",
+    )
+    .bind(&key.job_name)
+    .bind(key.business_date)
+    .bind(key.shards as i32)
+    .bind(key.shard as i32)
+    .bind(event)
+    .bind(&owner.0)
     .bind(request)
     .bind(message)
     .execute(db)

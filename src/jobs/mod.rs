@@ -7,13 +7,18 @@
 //!   or — with `force` — SUCCESS rows; every takeover bumps `attempt`;
 //! - every write of a run (batch, progress, success, failure) is fenced by `attempt` in the same
 //!   transaction; zero rows affected means the claim was lost and nothing is written;
-//! - SUCCESS blocks re-runs unless forced.
+//! - SUCCESS blocks re-runs unless forced, or unless the job reports items of the key that arrived
+//!   after it was done ([`Job::late_items`]): then the key is re-opened for them, a new fenced
+//!   attempt like any other;
+//! - a period (job, business date) is computed under one set of identifying parameters, pinned by
+//!   its first claim and compared by every later one ([`params`]).
 //!
 //! A [`Job`] supplies the work one batch at a time; [`runner::run_once`] drives it.
 
 pub mod claim;
 pub mod events;
 pub mod lease;
+pub mod params;
 pub mod requests;
 pub mod runner;
 
@@ -26,6 +31,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use claim::{Claim, ClaimOutcome};
+pub use params::Params;
 pub use runner::{run_once, Progress, RunOptions, RunReport, SkipReason};
 
 /// The idempotency key of one run.
@@ -115,8 +121,11 @@ impl fmt::Display for Cursor {
     }
 }
 
+/// How many held items a report names by id: enough to find the rest.
+pub const HELD_IDS: usize = 20;
+
 /// What one committed batch did.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Batch {
     /// The run's cursor after this batch (unchanged when nothing was read).
     pub cursor: Cursor,
@@ -125,6 +134,12 @@ pub struct Batch {
     /// Items done that the job flags for an operator's attention (for the fine settlement: loans
     /// whose dates contradict each other). Counted in the report and a metric, never skipped.
     pub odd: u64,
+    /// Items the job could not do and left as they were for an operator (for the fine settlement:
+    /// loans the rule cannot price). Never done at a guess, never stopping the other items; a
+    /// later run does them once they are fixed.
+    pub held: u64,
+    /// The first [`HELD_IDS`] held items' ids, in the walk's order.
+    pub held_ids: Vec<i64>,
     /// No more work after this batch.
     pub done: bool,
 }
@@ -140,10 +155,52 @@ impl Batch {
     }
 }
 
+/// Why a done key is opened again: the audit event the re-opening claim writes, and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reopen {
+    pub event: &'static str,
+    pub message: String,
+}
+
 /// A unit of work the job layer can run idempotently, one batch per transaction.
 pub trait Job: Sync {
     /// Per-run state computed once after the claim (bounds, parameters).
     type Plan: Send + Sync;
+
+    /// The parameters that decide what a run of `key` computes (for the fine settlement: the
+    /// month's fine rule), pinned by the first claim of the key's period and compared by every
+    /// later one ([`params`]). `Err` says why the job has none for this key (a configuration that
+    /// does not cover it): nothing is claimed.
+    fn params(&self, key: &JobKey) -> std::result::Result<Params, String>;
+
+    /// `params` in words, for errors and the audit trail.
+    fn describe(&self, params: &Params) -> String {
+        params.0.to_string()
+    }
+
+    /// How many items of `key` are left to do although its claim is SUCCESS: items that arrived
+    /// after the key was done (for the fine settlement: late returns). A claim that finds the key
+    /// SUCCESS asks, and re-opens the key as a new attempt when there are some. Default: none.
+    fn late_items(
+        &self,
+        _pool: &PgPool,
+        _key: &JobKey,
+    ) -> impl Future<Output = sqlx::Result<u64>> + Send {
+        async { Ok(0) }
+    }
+
+    /// The audit event and message of a claim that re-opens a done key for `late` late items.
+    fn reopen(&self, late: u64) -> Reopen {
+        Reopen {
+            event: "reopened",
+            message: format!("{late} items arrived after SUCCESS"),
+        }
+    }
+
+    /// What a held item is, in words (the warning and the audit trail name the ids with it).
+    fn held_means(&self) -> &'static str {
+        "items the job could not do"
+    }
 
     /// Prepares a run of `key` that resumes at `resume` (the committed progress of earlier
     /// attempts). With `estimate`, also returns how many items remain, for progress display only.
@@ -183,6 +240,20 @@ pub enum JobError {
     LeaseLost { key: JobKey, attempt: i32 },
     #[error("interrupted: shutdown")]
     Interrupted,
+    /// The key's period is pinned to other identifying parameters than this claimer's: it claimed
+    /// nothing. Only a configuration that agrees, or a correction that re-pins, ends it.
+    #[error(
+        "the month's recorded parameters differ from this replica's: {key} is pinned to {pinned}; \
+         this replica's is {mine}. Nothing was settled"
+    )]
+    ParamsConflict {
+        key: JobKey,
+        pinned: String,
+        mine: String,
+    },
+    /// The job has no parameters for the key: its configuration does not cover it.
+    #[error("{key}: {why}")]
+    NoParams { key: JobKey, why: String },
     /// A connection stopped answering: nothing came back within `waited`. For a run's claim,
     /// batches and SUCCESS write that is [`runner::ANSWER_WITHIN_LEASES`] leases, longer than the
     /// server's own guards let a batch run; for a heartbeat renewal, one period. What a half-open
@@ -217,6 +288,9 @@ impl JobError {
             JobError::Db(_) | JobError::Unanswered { .. } => true,
             // Someone else owns the key now; the scheduler watches it instead of fighting.
             JobError::LeaseLost { .. } | JobError::Interrupted => false,
+            // The same configuration gets the same answer (a scheduler may still look again later:
+            // a correction can re-pin the period).
+            JobError::ParamsConflict { .. } | JobError::NoParams { .. } => false,
         }
     }
 }

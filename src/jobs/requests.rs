@@ -315,13 +315,14 @@ pub(super) async fn start(
     Ok(())
 }
 
-/// The request's shard ends in `state` without a run of its own (see [`super::claim::claim_for`]).
+/// The request's shard ends in `state` without a run of its own (see [`super::claim::claim_for`]);
+/// `attempt` is the key's, when there is one.
 pub(super) async fn finish(
     db: impl PgExecutor<'_>,
     request: &str,
     shard: u32,
     state: &str,
-    attempt: i32,
+    attempt: Option<i32>,
     detail: Option<&str>,
 ) -> Result<()> {
     sqlx::query(

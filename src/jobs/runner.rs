@@ -1,12 +1,21 @@
 //! `run_once`: claim → heartbeat → fenced batches → SUCCESS (or FAILED).
 //!
+//! The claim states the job's identifying parameters for the key ([`Job::params`]): the first claim
+//! of the period pins them, a later one that differs claims nothing ([`JobError::ParamsConflict`]).
+//! A claim that finds the key SUCCESS asks the job for items that arrived after it was done
+//! ([`Job::late_items`]) and, when there are some, claims the key again as a new attempt that does
+//! them ([`Job::reopen`]); otherwise the run is skipped as done.
+//!
 //! The CLI, the daemon's cron callback and the tests all call this one function.
 //! The claim is a short transaction on its own connection; each batch is a transaction on the pool
 //! that commits the work together with the fenced progress update; no transaction spans the run.
 
-use super::claim::{self, ClaimOutcome};
+use super::claim::{self, ClaimOptions, ClaimOutcome, Stated};
 use super::lease::Heartbeat;
-use super::{abandon_if_unanswered, answered, events, Job, JobError, JobKey, Owner, Result};
+use super::{
+    abandon_if_unanswered, answered, events, requests, Job, JobError, JobKey, Owner, Params,
+    Reopen, Result, HELD_IDS,
+};
 use sqlx::{Connection, PgConnection, PgPool};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -33,6 +42,9 @@ pub struct RunOptions {
     /// The stored run request this run serves ([`super::requests`]); `None` for the schedule and
     /// the command line.
     pub request: Option<String>,
+    /// Re-open the key whatever its state (but a live run), from its first item, under this event:
+    /// a correction. `None` for every other run.
+    pub reopen: Option<Reopen>,
 }
 
 impl RunOptions {
@@ -61,10 +73,17 @@ pub struct RunReport {
     /// This run's attempt; `None` when skipped.
     pub attempt: Option<i32>,
     pub took_over: bool,
+    /// The period's identifying parameters: pinned, and equal to this run's.
+    pub params: Params,
+    /// Items that arrived after the key was done, which this run re-opened it for (0 otherwise).
+    pub late: u64,
     pub scanned: u64,
     pub updated: u64,
     /// Items the job flagged as odd (done, not skipped; see [`super::Batch::odd`]).
     pub odd: u64,
+    /// Items the job held (not done; see [`super::Batch::held`]), and the first of their ids.
+    pub held: u64,
+    pub held_ids: Vec<i64>,
     /// Batch transactions this run committed (0 when skipped).
     pub batches: u64,
     pub elapsed: Duration,
@@ -77,6 +96,7 @@ pub struct Progress {
     pub scanned: u64,
     pub updated: u64,
     pub odd: u64,
+    pub held: u64,
     pub batches: u64,
 }
 
@@ -114,46 +134,96 @@ async fn run_in_span<J: Job>(
     span: tracing::Span,
 ) -> Result<RunReport> {
     let started = Instant::now();
+    let params = job.params(&key).map_err(|why| JobError::NoParams {
+        key: key.clone(),
+        why,
+    })?;
+    let describe = |p: &Params| job.describe(p);
+    let stated: Stated = (&params, &describe);
     // One connection carries the run: the claim, every batch, SUCCESS. (The heartbeat takes its own
     // from the pool, and FAILED is written on a fresh one, in case this one is what broke.)
     let mut conn = pool.acquire().await?;
     let within = opts.answer_within();
-    let claimed = answered(
-        within,
-        claim::claim_for(
-            &mut conn,
-            &key,
-            &opts.owner,
-            opts.lease_ttl,
-            opts.force,
-            opts.request.as_deref(),
-        ),
-    )
-    .await;
-    let outcome = claimed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))?;
-    let claim = match outcome {
-        ClaimOutcome::Won(claim) => claim,
-        ClaimOutcome::Held { owner, attempt } => {
-            metrics::counter!("settlementd_claims_total", "result" => "lost").increment(1);
-            tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: claim held by a live run");
-            return Ok(skipped(key, SkipReason::Held, started));
-        }
-        ClaimOutcome::AlreadyDone { attempt } => {
-            metrics::counter!("settlementd_claims_total", "result" => "done").increment(1);
-            tracing::info!(holder_attempt = attempt, "skipped: already SUCCESS");
-            return Ok(skipped(key, SkipReason::AlreadyDone, started));
-        }
-        ClaimOutcome::RequestServed => {
-            tracing::info!(request = ?opts.request, "skipped: the request was already served");
-            return Ok(skipped(key, SkipReason::RequestServed, started));
-        }
+    let mut reopen: Option<(u64, Reopen)> = opts.reopen.clone().map(|r| (0, r));
+    let claim = loop {
+        let claimed = answered(
+            within,
+            claim::claim_for(
+                &mut conn,
+                &key,
+                &opts.owner,
+                opts.lease_ttl,
+                ClaimOptions {
+                    force: opts.force,
+                    reopen: reopen.as_ref().map(|(_, r)| r),
+                    request: opts.request.as_deref(),
+                    params: Some(stated),
+                },
+            ),
+        )
+        .await;
+        let outcome = claimed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))?;
+        let skip = match outcome {
+            ClaimOutcome::Won(claim) => break claim,
+            ClaimOutcome::Held { owner, attempt } => {
+                metrics::counter!("settlementd_claims_total", "result" => "lost").increment(1);
+                tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: claim held by a live run");
+                SkipReason::Held
+            }
+            ClaimOutcome::AlreadyDone { attempt } if reopen.is_none() => {
+                let late =
+                    answered(within, async { Ok(job.late_items(pool, &key).await?) }).await?;
+                if late > 0 {
+                    tracing::info!(
+                        late,
+                        holder_attempt = attempt,
+                        "SUCCESS, with items that arrived after it: opening the key again for them"
+                    );
+                    reopen = Some((late, job.reopen(late)));
+                    continue;
+                }
+                metrics::counter!("settlementd_claims_total", "result" => "done").increment(1);
+                tracing::info!(holder_attempt = attempt, "skipped: already SUCCESS");
+                if let Some(request) = &opts.request {
+                    // Without force, a settled month is reported as done, not re-run.
+                    let detail =
+                        format!("already SUCCESS (attempt {attempt}); not re-run without force");
+                    requests::finish(
+                        &mut *conn,
+                        request,
+                        key.shard,
+                        "succeeded",
+                        Some(attempt),
+                        Some(&detail),
+                    )
+                    .await?;
+                }
+                SkipReason::AlreadyDone
+            }
+            // Another run re-opened the key and finished it meanwhile.
+            ClaimOutcome::AlreadyDone { .. } => SkipReason::AlreadyDone,
+            ClaimOutcome::RequestServed => {
+                tracing::info!(request = ?opts.request, "skipped: the request was already served");
+                SkipReason::RequestServed
+            }
+            ClaimOutcome::Conflict { pinned } => {
+                metrics::counter!("settlementd_rule_conflicts_total").increment(1);
+                return Err(JobError::ParamsConflict {
+                    key,
+                    pinned: describe(&pinned),
+                    mine: describe(&params),
+                });
+            }
+        };
+        return Ok(skipped(key, params, skip, started));
     };
     span.record("attempt", claim.attempt);
     metrics::counter!("settlementd_claims_total", "result" => "won").increment(1);
     if claim.took_over {
         metrics::counter!("settlementd_takeovers_total").increment(1);
     }
-    tracing::info!(took_over = claim.took_over, resume = %claim.resume, "claimed");
+    let late = reopen.map_or(0, |(late, _)| late);
+    tracing::info!(took_over = claim.took_over, resume = %claim.resume, late, rule = %describe(&params), "claimed");
 
     let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
     let worked = work(
@@ -171,14 +241,26 @@ async fn run_in_span<J: Job>(
     let worked = worked.inspect_err(|e| abandon_if_unanswered(&mut conn, e));
 
     let failure = match worked {
-        Ok(Progress {
-            scanned,
-            updated,
-            odd,
-            batches,
-            ..
-        }) => {
-            let marked = answered(within, claim::mark_success(&mut *conn, &claim)).await;
+        Ok((progress, held_ids)) => {
+            let Progress {
+                scanned,
+                updated,
+                odd,
+                held,
+                batches,
+                ..
+            } = progress;
+            let mut notes = Vec::new();
+            if held > 0 {
+                let named = format!(
+                    "{held} {}, left as they were: ids {held_ids:?}",
+                    job.held_means()
+                );
+                // What "held" means is the job's (fine settlement: loans the rule cannot price).
+                tracing::warn!(held, held_ids = ?held_ids, "done; {named}");
+                notes.push(("held_rows", named));
+            }
+            let marked = answered(within, claim::mark_success(&mut conn, &claim, &notes)).await;
             // Unanswered here, the SUCCESS write may or may not have committed: the row stays as
             // it is (RUNNING, or SUCCESS) and no FAILED is written over it. With the heartbeat
             // stopped, a RUNNING row goes stale after one lease, and the retry that takes it over
@@ -195,15 +277,19 @@ async fn run_in_span<J: Job>(
                     "done, including items the job flags as odd (not skipped)"
                 );
             }
-            tracing::info!(scanned, updated, odd, batches, "SUCCESS");
+            tracing::info!(scanned, updated, odd, held, batches, "SUCCESS");
             return Ok(RunReport {
                 key,
                 skipped: None,
                 attempt: Some(claim.attempt),
                 took_over: claim.took_over,
+                params,
+                late,
                 scanned,
                 updated,
                 odd,
+                held,
+                held_ids,
                 batches,
                 elapsed: started.elapsed(),
             });
@@ -239,7 +325,7 @@ async fn work<J: Job>(
     lost: &CancellationToken,
     shutdown: &CancellationToken,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
-) -> Result<Progress> {
+) -> Result<(Progress, Vec<i64>)> {
     let (plan, total) = job
         .plan(pool, &claim.key, claim.resume, opts.estimate)
         .await?;
@@ -248,6 +334,7 @@ async fn work<J: Job>(
         ..Progress::default()
     };
     on_progress(progress);
+    let mut held_ids = Vec::new();
     let mut cursor = claim.resume;
     loop {
         if lost.is_cancelled() {
@@ -275,14 +362,17 @@ async fn work<J: Job>(
         progress.scanned += batch.scanned;
         progress.updated += batch.updated;
         progress.odd += batch.odd;
+        progress.held += batch.held;
         progress.batches += 1;
+        let room = HELD_IDS.saturating_sub(held_ids.len());
+        held_ids.extend(batch.held_ids.iter().take(room));
         metrics::counter!("settlementd_rows_scanned_total").increment(batch.scanned);
         metrics::counter!("settlementd_rows_updated_total").increment(batch.updated);
         metrics::counter!("settlementd_odd_rows_total").increment(batch.odd);
         on_progress(progress);
         cursor = batch.cursor;
         if batch.done {
-            return Ok(progress);
+            return Ok((progress, held_ids));
         }
     }
 }
@@ -294,15 +384,19 @@ fn lease_lost(claim: &claim::Claim) -> JobError {
     }
 }
 
-fn skipped(key: JobKey, reason: SkipReason, started: Instant) -> RunReport {
+fn skipped(key: JobKey, params: Params, reason: SkipReason, started: Instant) -> RunReport {
     RunReport {
         key,
         skipped: Some(reason),
         attempt: None,
         took_over: false,
+        params,
+        late: 0,
         scanned: 0,
         updated: 0,
         odd: 0,
+        held: 0,
+        held_ids: Vec::new(),
         batches: 0,
         elapsed: started.elapsed(),
     }

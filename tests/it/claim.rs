@@ -49,8 +49,7 @@ async fn record(
         },
         scanned: rows,
         updated: rows,
-        odd: 0,
-        done: false,
+        ..Batch::default()
     };
     claim::record_batch(&mut db.pool.acquire().await.unwrap(), claim, &batch)
         .await
@@ -159,7 +158,7 @@ async fn success_blocks_a_rerun_unless_forced() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
     assert!(record(&db, &first, (Some(42), Some(900)), 5).await);
-    assert!(claim::mark_success(&db.pool, &first).await.unwrap());
+    assert!(claim::mark_success(&db.pool, &first, &[]).await.unwrap());
     assert_eq!(
         claim_as(&db, "b", false).await,
         ClaimOutcome::AlreadyDone { attempt: 1 }
@@ -202,7 +201,7 @@ async fn a_rerun_claimed_by_an_older_binary_forgets_the_descending_cursor() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
     assert!(record(&db, &first, (None, Some(900)), 5).await);
-    assert!(claim::mark_success(&db.pool, &first).await.unwrap());
+    assert!(claim::mark_success(&db.pool, &first, &[]).await.unwrap());
     // The previous release's forced takeover, as it was written.
     sqlx::query(
         "UPDATE job_runs j
@@ -232,7 +231,7 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
 
     assert!(!record(&db, &zombie, (Some(7), Some(9)), 1).await);
     assert!(!claim::heartbeat(&db.pool, &zombie).await.unwrap());
-    assert!(!claim::mark_success(&db.pool, &zombie).await.unwrap());
+    assert!(!claim::mark_success(&db.pool, &zombie, &[]).await.unwrap());
     assert!(!claim::mark_failed(&db.pool, &zombie, "zombie says hi")
         .await
         .unwrap());
@@ -264,7 +263,7 @@ async fn owners_of_two_processes_on_one_host_differ() {
 async fn the_shard_count_is_part_of_the_key() {
     let db = test_db().await;
     let three = won(claim_as(&db, "a", false).await);
-    assert!(claim::mark_success(&db.pool, &three).await.unwrap());
+    assert!(claim::mark_success(&db.pool, &three, &[]).await.unwrap());
     let four = JobKey { shards: 4, ..key() };
     let mut conn = db.pool.acquire().await.unwrap();
     let outcome = claim::claim(&mut conn, &four, &owner("a"), TTL, false)

@@ -52,13 +52,25 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
             "attempt",
             "business_date",
             "elapsed_ms",
+            "held",
+            "held_ids",
+            "late_returns",
             "odd_rows",
+            "rule",
             "scanned",
             "shard",
             "shards",
             "skipped",
             "updated"
         ]
+    );
+    assert_eq!(
+        v["rule"],
+        serde_json::json!({"from": "0001-01", "daily_rate_cents": 50, "grace_days": 0, "max_cents": 10000})
+    );
+    assert_eq!(
+        (v["held"].as_u64(), v["late_returns"].as_u64()),
+        (Some(0), Some(0))
     );
     assert_eq!(v["business_date"], "2026-10-31");
     assert_eq!(

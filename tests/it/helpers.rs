@@ -212,6 +212,7 @@ pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions
         force,
         estimate,
         request: None,
+        reopen: None,
     }
 }
 
@@ -224,7 +225,7 @@ pub async fn settle_shards(
     batch_size: u32,
 ) -> u64 {
     let job = settlementd::settlement::FineSettlement {
-        rule: settlementd::fine::FineRule::default(),
+        rules: Default::default(),
         batch_size,
         guards: Default::default(),
     };

@@ -29,7 +29,7 @@ const SHORT_LEASE: [(&str, &str); 2] = [
 
 fn short_lease_job(batch_size: u32) -> FineSettlement {
     FineSettlement {
-        rule: Default::default(),
+        rules: Default::default(),
         batch_size,
         guards: LeaseSettings {
             ttl_secs: 3,
@@ -821,6 +821,9 @@ struct StopBeforeFirstBatch {
 
 impl Job for StopBeforeFirstBatch {
     type Plan = MonthPlan;
+    fn params(&self, key: &JobKey) -> Result<settlementd::jobs::Params, String> {
+        self.inner.params(key)
+    }
     async fn plan(
         &self,
         pool: &PgPool,

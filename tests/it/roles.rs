@@ -93,6 +93,22 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
     ]));
     let status: serde_json::Value = serde_json::from_slice(&status.stdout).unwrap();
     assert_eq!(status["runs"][1]["status"], "SUCCESS");
+    // verify and correct, as the runtime role: a correction under another rate re-pins the month
+    // and records its changes, and the month then verifies under it.
+    run_ok(settlementd(Some(&app_url)).args(["verify", "--business-date", "2026-10-31"]));
+    let corrected = run_ok(
+        settlementd(Some(&app_url))
+            .env("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60")
+            .args(["correct", "--business-date", "2026-10-31", "--json"])
+            .args(["--reason", "the 2026 rate", "--key", "roles-test"]),
+    );
+    let corrected: serde_json::Value = serde_json::from_slice(&corrected.stdout).unwrap();
+    assert!(corrected["changed"].as_i64().unwrap() > 0, "{corrected}");
+    run_ok(
+        settlementd(Some(&app_url))
+            .env("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60")
+            .args(["verify", "--business-date", "2026-10-31"]),
+    );
 
     // serve as the runtime role: ready (it reads _sqlx_migrations), with migrations left to the
     // migration role.
@@ -129,6 +145,10 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "DELETE FROM job_events",
         "DELETE FROM run_requests",
         "DELETE FROM run_request_shards",
+        "DELETE FROM job_params",
+        "DELETE FROM fine_corrections",
+        "DELETE FROM fine_adjustments",
+        "TRUNCATE fine_adjustments",
     ];
     for sql in denied {
         assert_eq!(
@@ -137,20 +157,36 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
             "{sql}"
         );
     }
-    // job_events is append-only for the runtime role; run_requests is read and updated.
-    let events = settable_column(&mut app, "job_events").await;
-    let update_events = format!("UPDATE job_events SET {events} = {events} WHERE false");
-    assert_eq!(
-        sqlstate(&mut app, &update_events).await.as_deref(),
-        Some(DENIED)
-    );
+    // job_events and fine_adjustments are append-only for the runtime role; run_requests is
+    // read and updated.
+    for table in ["job_events", "fine_adjustments"] {
+        let column = settable_column(&mut app, table).await;
+        let update = format!("UPDATE {table} SET {column} = {column} WHERE false");
+        assert_eq!(
+            sqlstate(&mut app, &update).await.as_deref(),
+            Some(DENIED),
+            "{update}"
+        );
+    }
+    for table in ["job_params", "fine_corrections"] {
+        let column = settable_column(&mut app, table).await;
+        let update = format!("UPDATE {table} SET {column} = {column} WHERE false");
+        assert_eq!(sqlstate(&mut app, &update).await, None, "{update}");
+    }
     let requests = settable_column(&mut app, "run_requests").await;
     let update_requests = format!("UPDATE run_requests SET {requests} = {requests} WHERE false");
     assert_eq!(sqlstate(&mut app, &update_requests).await, None);
     let shards = settable_column(&mut app, "run_request_shards").await;
     let update_shards = format!("UPDATE run_request_shards SET {shards} = {shards} WHERE false");
     assert_eq!(sqlstate(&mut app, &update_shards).await, None);
-    for table in ["job_events", "run_requests", "run_request_shards"] {
+    for table in [
+        "job_events",
+        "run_requests",
+        "run_request_shards",
+        "job_params",
+        "fine_corrections",
+        "fine_adjustments",
+    ] {
         // Inserting is permitted, including the id sequence; a real table's NOT NULL columns
         // may still refuse an empty row, which is not a privilege error.
         let insert = format!("INSERT INTO {table} DEFAULT VALUES");

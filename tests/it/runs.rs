@@ -499,13 +499,13 @@ async fn claims_takeovers_fencing_rejections_successes_and_failures_are_in_the_a
             .unwrap(),
     );
     // The first owner, back from the dead, tries to finish: refused, and recorded.
-    assert!(!claim::mark_success(&db.pool, &first).await.unwrap());
+    assert!(!claim::mark_success(&db.pool, &first, &[]).await.unwrap());
     events::fencing_rejected(&db.pool, &first, "SUCCESS").await;
-    assert!(claim::mark_success(&db.pool, &second).await.unwrap());
+    assert!(claim::mark_success(&db.pool, &second, &[]).await.unwrap());
     let third = won(claim::claim(&mut conn, &key, &Owner("c".into()), ttl, true)
         .await
         .unwrap());
-    assert!(claim::mark_success(&db.pool, &third).await.unwrap());
+    assert!(claim::mark_success(&db.pool, &third, &[]).await.unwrap());
 
     let trail: Vec<(String, Option<i32>, String)> = events::for_key(&db.pool, &key)
         .await

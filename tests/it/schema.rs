@@ -104,10 +104,12 @@ fn nodes(plan: &Value) -> Vec<&Value> {
 /// index scan for the update); returns the index entries they read in all (rows returned plus
 /// rows of other shards filtered out).
 fn assert_month_index_only(plan: &Value) -> i64 {
-    // Every node that reads a table or an index (ModifyTable names `loans` but reads nothing).
+    // Every node that reads a table or an index (ModifyTable names `loans` but reads nothing; a
+    // Tid Scan reads only the rows whose addresses it is given: the odd rows the batch found).
     let scans: Vec<&Value> = nodes(plan)
         .into_iter()
         .filter(|n| n["Node Type"].as_str().is_some_and(|t| t.ends_with("Scan")))
+        .filter(|n| n["Node Type"].as_str() != Some("Tid Scan"))
         .filter(|n| n["Relation Name"].as_str() == Some("loans") || n["Index Name"].is_string())
         .collect();
     assert!(!scans.is_empty(), "{plan:#}");
@@ -237,12 +239,26 @@ async fn unsettled_loans_of_a_month_are_found_through_the_partial_index_not_the_
     .await
     .unwrap();
     assert!(odd > 0, "the seed has loans with contradictory dates");
-    // One batch as large as the month: the page reads the month's entries, the odd rows' update
-    // reads the same range once more and settles those, the settle statement reads the range a
-    // third time (the odd rows' entries are no longer visible to it), and nothing else is read.
+    // One batch as large as the month: the page reads the month's entries, the odd rows'
+    // statement reads the same range once more (to find the held and odd rows, then settles the
+    // odd ones where it found them), the settle statement reads the range a third time (the odd
+    // rows' entries are no longer visible to it), and nothing else is read.
     let plans = explain_batch(&db.pool, oct, (0, 1), (i64::MIN, i64::MAX), 1_000_000).await;
     assert_eq!(plans.len(), 3);
     assert_eq!(month_index_reads(&plans), 3 * rows - odd, "{plans:#?}");
+    let tid_scans: Vec<&Value> = plans
+        .iter()
+        .flat_map(nodes)
+        .filter(|n| n["Node Type"].as_str() == Some("Tid Scan"))
+        .collect();
+    let odd_rows_read: i64 = tid_scans
+        .iter()
+        .map(|n| n["Actual Rows"].as_i64().unwrap_or(0))
+        .sum();
+    assert_eq!(
+        odd_rows_read, odd,
+        "the odd rows, by their addresses: {tid_scans:#?}"
+    );
 }
 
 #[tokio::test]
@@ -276,7 +292,7 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
     seed_month(&db.pool, oct, 3000, 1).await;
     settle(&db.pool, oct).await;
     let job = FineSettlement {
-        rule: FineRule::default(),
+        rules: Default::default(),
         batch_size: 500,
         guards: Default::default(),
     };
@@ -340,7 +356,7 @@ async fn every_batch_is_planned_for_its_own_cursor_also_after_five_executions() 
     let db = test_db().await;
     seed_month(&db.pool, bd("2026-09-30"), 3000, 1).await;
     let job = FineSettlement {
-        rule: FineRule::default(),
+        rules: Default::default(),
         batch_size: 100,
         guards: Default::default(),
     };

@@ -17,7 +17,7 @@ const OCT: &str = "2026-10-31";
 
 fn job(batch_size: u32) -> FineSettlement {
     FineSettlement {
-        rule: FineRule::default(),
+        rules: Default::default(),
         batch_size,
         guards: Default::default(),
     }
@@ -210,7 +210,7 @@ async fn the_settlement_sql_agrees_with_the_pure_fine_rule() {
         max_cents: 700,
     };
     let job = FineSettlement {
-        rule,
+        rules: settlementd::fine::FineSchedule::single(rule),
         batch_size: 64,
         guards: Default::default(),
     };
@@ -272,6 +272,9 @@ struct PausedFirstBatch {
 
 impl Job for PausedFirstBatch {
     type Plan = MonthPlan;
+    fn params(&self, key: &JobKey) -> Result<settlementd::jobs::Params, String> {
+        self.inner.params(key)
+    }
     async fn plan(
         &self,
         pool: &PgPool,

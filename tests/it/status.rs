@@ -78,7 +78,7 @@ impl Replica {
 
 fn job(batch_size: u32) -> FineSettlement {
     FineSettlement {
-        rule: settlementd::fine::FineRule::default(),
+        rules: Default::default(),
         batch_size,
         guards: Default::default(),
     }
@@ -283,8 +283,8 @@ fn grouped(n: i64) -> String {
     out
 }
 
-fn money(cents: i64) -> String {
-    format!("{}.{:02}", grouped(cents / 100), cents % 100)
+fn money(cents: i128) -> String {
+    format!("{}.{:02}", grouped((cents / 100) as i64), cents % 100)
 }
 
 const SEP: &str = "2026-09-30";

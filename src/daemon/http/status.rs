@@ -486,7 +486,8 @@ fn age(secs: f64) -> String {
 }
 
 /// 1234567 → "1,234,567".
-fn count(n: i64) -> String {
+fn count(n: impl Into<i128>) -> String {
+    let n: i128 = n.into();
     let digits = n.unsigned_abs().to_string();
     let mut out = String::new();
     for (i, c) in digits.chars().enumerate() {
@@ -502,10 +503,10 @@ fn count(n: i64) -> String {
 }
 
 /// Cents as money: 1572250 → "15,722.50".
-fn money(cents: i64) -> String {
+fn money(cents: i128) -> String {
     let sign = if cents < 0 { "-" } else { "" };
     let abs = cents.unsigned_abs();
-    format!("{sign}{}.{:02}", count((abs / 100) as i64), abs % 100)
+    format!("{sign}{}.{:02}", count((abs / 100) as i128), abs % 100)
 }
 
 #[cfg(test)]

@@ -20,17 +20,29 @@
 //! single `UPDATE`). A run always stays inside both cursors ([`Cursor::remaining`]), whichever
 //! direction committed them.
 //!
+//! Each month is settled under one fine rule: the configuration's rule for the month
+//! ([`FineSchedule::rule_for`]) is the job's identifying parameter ([`Job::params`]), pinned by the
+//! month's first claim; a claim whose rule differs settles nothing.
+//!
+//! A loan the rule cannot price — its due date missing or infinite ([`HELD_ROW`]) — is *held*: left
+//! unsettled, never priced at a guess, never stopping the batch; the run reports it, and the first
+//! run after it is fixed settles it. Loans returned into a month after it was closed (late returns)
+//! are found by [`Job::late_items`] and settled by a new attempt of the month's shard.
+//!
 //! When the month has one shard, the page of the next batch is read on a spare connection of the
 //! pool while a batch settles ([`Lookahead`]): the index read that finds where a batch ends runs
 //! on another core instead of in front of every batch (docs/PERFORMANCE.md). It is only a read;
 //! every write stays in the fenced batch transaction, and a batch whose page was not read ahead
 //! reads it itself.
 
+pub mod correction;
+pub mod verify;
+
 use crate::calendar::BusinessDate;
 use crate::config::{SessionGuards, ShardSpec};
-use crate::fine::FineRule;
-use crate::jobs::{Batch, Cursor, Job, JobKey};
-use chrono::{NaiveDateTime, NaiveTime};
+use crate::fine::{DatedRule, FineRule, FineSchedule};
+use crate::jobs::{Batch, Cursor, Job, JobKey, Params, Reopen, HELD_IDS};
+use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool, Postgres};
 use std::borrow::Cow;
@@ -50,17 +62,20 @@ pub fn key(business_date: BusinessDate, shard: ShardSpec) -> JobKey {
 
 #[derive(Debug, Clone)]
 pub struct FineSettlement {
-    pub rule: FineRule,
+    /// The rules over the months; a month is settled under its own ([`FineSchedule::rule_for`]).
+    pub rules: FineSchedule,
     pub batch_size: u32,
     /// Server-side limits of every batch transaction, derived from the lease
     /// ([`crate::config::LeaseSettings::guards`]).
     pub guards: SessionGuards,
 }
 
-/// One run: its bounds, fixed after the claim, and the page read ahead for its next batch.
+/// One run: its bounds and rule, fixed after the claim, and the page read ahead for its next
+/// batch.
 #[derive(Debug)]
 pub struct MonthPlan {
     bounds: Bounds,
+    rule: FineRule,
     ahead: Lookahead,
 }
 
@@ -256,6 +271,8 @@ const MONTH_KEY: &str = "date_trunc('month', returned_on::timestamp)";
 ///   expression only that index holds, so not even the primary key can serve them. Stale or missing
 ///   statistics can therefore change nothing. JIT is off because a disabled path, if one were ever
 ///   taken, is priced high enough to trigger it at every batch.
+/// - **joins as nested loops.** A join inside a batch (a correction's rows, found again by id)
+///   probes an index once per row it has, rather than hashing a scan of the whole table.
 /// - **a plan per batch.** `plan_cache_mode = force_custom_plan`: the batch statements are
 ///   prepared once per connection, and without this PostgreSQL would switch them to a generic
 ///   plan after five executions (one that knows neither the cursor nor the shard count).
@@ -268,6 +285,8 @@ pub const BEGIN_BATCH: &str = "BEGIN;
     SET LOCAL enable_seqscan = off;
     SET LOCAL enable_bitmapscan = off;
     SET LOCAL enable_sort = off;
+    SET LOCAL enable_hashjoin = off;
+    SET LOCAL enable_mergejoin = off;
     SET LOCAL jit = off;
     SET LOCAL plan_cache_mode = force_custom_plan;
     SET LOCAL synchronous_commit = off";
@@ -290,8 +309,92 @@ pub fn begin_batch_sql(guards: &SessionGuards) -> String {
     )
 }
 
+impl FineSettlement {
+    /// The rule of `key`'s month, or why there is none.
+    pub fn rule_of(&self, business_date: NaiveDate) -> Result<DatedRule, String> {
+        rule_of(&self.rules, business_date)
+    }
+}
+
+/// The rule `rules` give the month of `business_date`, or why there is none.
+pub fn rule_of(rules: &FineSchedule, business_date: NaiveDate) -> Result<DatedRule, String> {
+    let month = BusinessDate::new(business_date).map_err(|e| e.to_string())?;
+    rules.rule_for(month.first_day()).copied().ok_or_else(|| {
+        let first = rules.rules().first().map(DatedRule::from_month);
+        format!(
+            "no fine rule covers {}: the earliest of fine.rules is from {}",
+            month.first_day().format("%Y-%m"),
+            first.unwrap_or_default()
+        )
+    })
+}
+
+/// A month's rule as the job's identifying parameters:
+/// `{"from": "YYYY-MM", "daily_rate_cents": …, "grace_days": …, "max_cents": …}`.
+pub fn rule_params(rule: &DatedRule) -> Params {
+    Params(serde_json::json!({
+        "from": rule.from_month(),
+        "daily_rate_cents": rule.rule.daily_rate_cents,
+        "grace_days": rule.rule.grace_days,
+        "max_cents": rule.rule.max_cents,
+    }))
+}
+
+/// The rule a month's pinned parameters describe; `None` for parameters this version does not
+/// read (then they are shown as they are).
+pub fn rule_from_params(params: &Params) -> Option<DatedRule> {
+    let p = &params.0;
+    let from = BusinessDate::from_month(p.get("from")?.as_str()?).ok()?;
+    let int = |name: &str| p.get(name).and_then(serde_json::Value::as_i64);
+    let rule = FineRule {
+        daily_rate_cents: int("daily_rate_cents")?,
+        grace_days: int("grace_days")?,
+        max_cents: int("max_cents")?,
+    };
+    Some(DatedRule {
+        from: from.first_day(),
+        rule,
+    })
+}
+
+/// Pinned parameters in words: the rule, or the JSON when it is not one.
+pub fn describe_params(params: &Params) -> String {
+    match rule_from_params(params) {
+        Some(rule) => rule.to_string(),
+        None => params.0.to_string(),
+    }
+}
+
 impl Job for FineSettlement {
     type Plan = MonthPlan;
+
+    fn params(&self, key: &JobKey) -> Result<Params, String> {
+        Ok(rule_params(&self.rule_of(key.business_date)?))
+    }
+
+    fn describe(&self, params: &Params) -> String {
+        describe_params(params)
+    }
+
+    async fn late_items(&self, pool: &PgPool, key: &JobKey) -> sqlx::Result<u64> {
+        let bounds = Bounds::for_key(key)?;
+        let mut tx = pool.begin_with(begin_batch_sql(&self.guards)).await?;
+        let counts =
+            unsettled_by_month(&mut *tx, &[bounds.month], bounds.shards, bounds.shard).await?;
+        tx.rollback().await?;
+        Ok(counts.first().map_or(0, |c| c.late))
+    }
+
+    fn reopen(&self, late: u64) -> Reopen {
+        Reopen {
+            event: "late_returns",
+            message: format!("{late} late returns: loans returned into the month after it closed"),
+        }
+    }
+
+    fn held_means(&self) -> &'static str {
+        "rows held (bad dates: due_on missing or infinite, which the rule cannot price)"
+    }
 
     fn begin_batch(&self) -> Cow<'static, str> {
         Cow::Owned(begin_batch_sql(&self.guards))
@@ -305,6 +408,10 @@ impl Job for FineSettlement {
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         let bounds = Bounds::for_key(key)?;
+        // The claim compared this rule with the month's pinned one: they are the same.
+        let rule = self
+            .rule_of(key.business_date)
+            .map_err(sqlx::Error::Protocol)?;
         let remaining = match estimate {
             true => Some(unsettled(pool, &bounds, resume).await?),
             false => None,
@@ -318,7 +425,14 @@ impl Job for FineSettlement {
             begin: begin_batch_sql(&self.guards),
             state: Mutex::default(),
         };
-        Ok((MonthPlan { bounds, ahead }, remaining))
+        Ok((
+            MonthPlan {
+                bounds,
+                rule: rule.rule,
+                ahead,
+            },
+            remaining,
+        ))
     }
 
     /// One batch: the next `batch_size` unsettled loans of this shard's month inside `cursor`, in
@@ -327,9 +441,11 @@ impl Job for FineSettlement {
     /// 1. `page` reads where the batch ends: an index-only range scan of `loans_unsettled_by_month`
     ///    that starts at the cursor's end of the remaining ids and stops after `batch_size` rows
     ///    of this shard. Read ahead while the batch before settled ([`Lookahead`]), or here.
-    /// 2. `odd` settles and counts the range's odd rows ([`ODD_ROW`], rare).
+    /// 2. `odd` finds the range's held rows ([`HELD_ROW`], rare: counted and named, left alone) and
+    ///    settles and counts its odd rows ([`ODD_ROW`], rare).
     /// 3. `settle` updates the same index range, up to the page's last id, with the same filters:
-    ///    every row the odd statement did not settle. Its row count is the rest of `updated`.
+    ///    every row the odd statement did not settle, but the held ones. Its row count is the rest
+    ///    of `updated`.
     ///
     /// While 2 and 3 run, the next batch's page is read on the spare connection.
     ///
@@ -382,32 +498,43 @@ impl Job for FineSettlement {
         // A short page read every remaining row of the shard's month.
         let done = page.scanned < limit;
         let sql = BatchSql::of(bounds.walk);
+        let rule = &plan.rule;
         let settle = async {
-            let mut updated = [0; 2];
-            for (statement, count) in [&sql.odd, &sql.settle].into_iter().zip(&mut updated) {
-                *count = sqlx::query(statement)
-                    .bind(bounds.month)
-                    .bind(from)
-                    .bind(to)
-                    .bind(bounds.shards)
-                    .bind(bounds.shard)
-                    .bind(self.rule.grace_days)
-                    .bind(self.rule.daily_rate_cents)
-                    .bind(self.rule.max_cents)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-            }
-            Ok::<_, sqlx::Error>(updated)
+            let (odd, held, held_ids): (i64, i64, Vec<i64>) = sqlx::query_as(&sql.odd)
+                .bind(bounds.month)
+                .bind(from)
+                .bind(to)
+                .bind(bounds.shards)
+                .bind(bounds.shard)
+                .bind(rule.grace_days)
+                .bind(rule.daily_rate_cents)
+                .bind(rule.max_cents)
+                .fetch_one(&mut *tx)
+                .await?;
+            let rest = sqlx::query(&sql.settle)
+                .bind(bounds.month)
+                .bind(from)
+                .bind(to)
+                .bind(bounds.shards)
+                .bind(bounds.shard)
+                .bind(rule.grace_days)
+                .bind(rule.daily_rate_cents)
+                .bind(rule.max_cents)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            Ok::<_, sqlx::Error>((odd as u64, rest, held as u64, held_ids))
         };
         let next = if done { None } else { cursor.remaining() };
-        let (updated, ()) = tokio::join!(settle, plan.ahead.read(bounds, next, limit));
-        let [odd, rest] = updated?;
+        let (settled, ()) = tokio::join!(settle, plan.ahead.read(bounds, next, limit));
+        let (odd, rest, held, held_ids) = settled?;
         Ok(Batch {
             cursor,
             scanned: page.scanned as u64,
             updated: odd + rest,
             odd,
+            held,
+            held_ids,
             done,
         })
     }
@@ -445,11 +572,20 @@ async fn unsettled(db: impl PgExecutor<'_>, plan: &Bounds, cursor: Cursor) -> sq
 }
 
 /// Loans whose dates contradict each other: returned, or due, before they were borrowed. They are
-/// settled by the same rule as every other loan (the rule only reads `due_on` and `returned_on`,
-/// saturating, so any dates give a fine between 0 and the cap), and counted: `odd` in the run's
+/// settled by the same rule as every other loan (the rule only reads `due_on` and `returned_on`:
+/// any two finite dates give a fine between 0 and the cap), and counted: `odd` in the run's
 /// report, `settlementd_odd_rows_total`, a warning in the log. A loan returned decades late, or
 /// due decades after it came back, is consistent, not odd: it gets the cap, or 0.
 pub const ODD_ROW: &str = "(l.returned_on < l.borrowed_on OR l.due_on < l.borrowed_on)";
+
+/// Loans the rule cannot price: no due date (a nullable `due_on` of a table that predates
+/// settlementd), or an infinite one (`-infinity` from an import meaning "none"). Their fine would be
+/// a guess or an error ("cannot subtract infinite dates"), so they are *held*: left unsettled,
+/// counted and named by id (`held` in the run's report, a `held_rows` event, the
+/// `settlementd_held_rows` gauge), and settled by the first run after their due date is fixed. A
+/// returned loan's `returned_on` is always finite here: the month index has no entries for
+/// `±infinity`.
+pub const HELD_ROW: &str = "(l.due_on IS NULL OR NOT isfinite(l.due_on))";
 
 /// The three statements of a batch of one walk.
 ///
@@ -488,46 +624,132 @@ impl BatchSql {
                   LIMIT $6
              ) page"
         );
+        let range = "date_trunc('month', l.returned_on::timestamp) = $1
+                AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
+                AND l.id + 0 BETWEEN $2 AND $3
+                AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)";
+        let fine = FineRule::sql_params(6);
+        // One pass over the range finds the rare rows that need more than the plain update: held
+        // ones (named, left alone) and odd ones (settled here, so that they are counted by what
+        // was really written). The odd ones are updated where that pass found them, by their
+        // rows' addresses (a Tid Scan), every condition checked again on the row as it is then
+        // (written so that no index can serve it instead); `settle` updates the rest.
+        let odd = format!(
+            "WITH flagged AS MATERIALIZED (
+                 SELECT l.id, l.ctid, {HELD_ROW} AS held FROM loans l
+                  WHERE {range} AND ({HELD_ROW} OR {ODD_ROW})
+             ), odd AS (
+                 UPDATE loans l SET fine_cents = {fine}, fine_settled_at = now()
+                  WHERE l.ctid = ANY (ARRAY(SELECT ctid FROM flagged WHERE NOT held))
+                    AND l.returned_on >= $1::date
+                    AND l.returned_on < ($1 + interval '1 month')::date
+                    AND l.fine_settled_at IS NULL
+                    AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)
+                    AND NOT {HELD_ROW} AND {ODD_ROW}
+                 RETURNING 1
+             )
+             SELECT (SELECT count(*) FROM odd),
+                    (SELECT count(*) FROM flagged WHERE held),
+                    ARRAY(SELECT id FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})"
+        );
         let settle = format!(
             "UPDATE loans l
                 SET fine_cents = {fine}, fine_settled_at = now()
-              WHERE date_trunc('month', l.returned_on::timestamp) = $1
-                AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
-                AND l.id + 0 BETWEEN $2 AND $3
-                AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)",
-            fine = FineRule::sql_params(6),
+              WHERE {range}
+                AND NOT {HELD_ROW}"
         );
-        let odd = format!("{settle}\n                AND {ODD_ROW}");
         BatchSql { page, odd, settle }
     }
 }
+
+/// One month's unsettled returns of one shard: `late` the rule can price, `held` it cannot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Unsettled {
+    /// The month's first day at midnight (its key in `loans_unsettled_by_month`).
+    pub month: NaiveDateTime,
+    pub late: u64,
+    pub held: u64,
+}
+
+/// The unsettled returns of shard `shard` of `shards` in each of `months` (first days at
+/// midnight) that has any; a month with none is one index probe that finds nothing. Meant for
+/// months whose shard is done, where what is left is few rows (late returns and held ones): it
+/// reads each entry's row to tell the two apart. Run it inside a transaction opened with
+/// [`begin_batch_sql`], so that only the month index can serve it.
+pub async fn unsettled_by_month(
+    db: impl PgExecutor<'_>,
+    months: &[NaiveDateTime],
+    shards: i64,
+    shard: i64,
+) -> sqlx::Result<Vec<Unsettled>> {
+    let rows: Vec<(NaiveDateTime, i64, i64)> = sqlx::query_as(&format!(
+        "SELECT m.month, count(*) FILTER (WHERE NOT u.held), count(*) FILTER (WHERE u.held)
+           FROM unnest($1::timestamp[]) AS m(month)
+           JOIN LATERAL (
+                SELECT {HELD_ROW} AS held FROM loans l
+                 WHERE {MONTH_KEY_L} = m.month
+                   AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
+                   AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
+           ) u ON true
+          GROUP BY m.month
+          ORDER BY m.month"
+    ))
+    .bind(months)
+    .bind(shards)
+    .bind(shard)
+    .fetch_all(db)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(month, late, held)| Unsettled {
+            month,
+            late: late as u64,
+            held: held as u64,
+        })
+        .collect())
+}
+
+/// [`MONTH_KEY`] on the alias `l`.
+const MONTH_KEY_L: &str = "date_trunc('month', l.returned_on::timestamp)";
 
 /// What a month looks like after settlement, to compare runs byte for byte.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct MonthTotals {
     pub settled_rows: i64,
-    pub fine_cents_sum: i64,
+    /// Summed as `numeric`: a month's fines may exceed a bigint (each is capped at up to 2⁶³ − 1).
+    pub fine_cents_sum: i128,
     /// md5 of `id:fine_cents` for every settled row of the month, in id order.
     pub digest: String,
 }
+
+/// The SQL of [`MonthTotals`] over the rows of `FROM loans … WHERE`: count, sum (as text: a
+/// `numeric`) and digest of the settled ones.
+pub const TOTALS_SQL: &str = "count(*) FILTER (WHERE fine_settled_at IS NOT NULL),
+       COALESCE(sum(fine_cents) FILTER (WHERE fine_settled_at IS NOT NULL), 0)::text,
+       md5(COALESCE(string_agg(id::text || ':' || fine_cents::text, ',' ORDER BY id)
+                      FILTER (WHERE fine_settled_at IS NOT NULL), ''))";
 
 pub async fn month_totals(
     db: impl PgExecutor<'_>,
     business_date: BusinessDate,
 ) -> sqlx::Result<MonthTotals> {
-    let (settled_rows, fine_cents_sum, digest): (i64, i64, String) = sqlx::query_as(
-        "SELECT count(*), COALESCE(sum(fine_cents), 0)::bigint,
-                md5(COALESCE(string_agg(id::text || ':' || fine_cents::text, ',' ORDER BY id), ''))
-           FROM loans
-          WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NOT NULL",
-    )
+    let (settled_rows, sum, digest): (i64, String, String) = sqlx::query_as(&format!(
+        "SELECT {TOTALS_SQL} FROM loans
+          WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NOT NULL"
+    ))
     .bind(business_date.first_day())
     .bind(business_date.date())
     .fetch_one(db)
     .await?;
     Ok(MonthTotals {
         settled_rows,
-        fine_cents_sum,
+        fine_cents_sum: parse_sum(&sum)?,
         digest,
     })
+}
+
+/// A `numeric` sum of cents read as text.
+pub fn parse_sum(text: &str) -> sqlx::Result<i128> {
+    text.parse()
+        .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
 }

@@ -1,0 +1,115 @@
+//! `settlementd verify`: is a month's money what its rule gives? Read-only.
+
+use crate::app::{
+    business_date_or_default, check_schema, ensure_month_is_over, AppError, Database, Result,
+};
+use crate::clock::SystemClock;
+use crate::config::Settings;
+use crate::settlement::verify::{self, RuleSource, Verification};
+use crate::settlement::{self, rule_params};
+use std::fmt::Write;
+
+#[derive(Debug, Clone, Default)]
+pub struct VerifyRequest {
+    /// The month as its last day (default: last month's end in schedule.timezone).
+    pub business_date: Option<String>,
+    pub embedded_db: bool,
+}
+
+/// Recomputes every loan returned in the month from its rule. `Ok` whether the month is right or
+/// not ([`Verification::is_right`] says which; the command line exits 1 when it is not).
+pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Verification> {
+    let business_date =
+        business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
+    ensure_month_is_over(business_date, settings, &SystemClock)?;
+    let database = Database::open(settings, request.embedded_db).await?;
+    let result = async {
+        check_schema(&database.pool, settings).await?;
+        let mut conn = database.pool.acquire().await?;
+        verify::verify(&mut conn, business_date, &settings.fine)
+            .await
+            .map_err(|e| match e {
+                Ok(why) => AppError::Invalid(format!("{business_date}: {why}")),
+                Err(e) => AppError::from(e),
+            })
+    }
+    .await;
+    database.close().await;
+    result
+}
+
+/// Why `verify` exits 1, in one line; `None` when the month is right.
+pub fn failure(v: &Verification) -> Option<AppError> {
+    v.problems()
+        .map(|p| AppError::Failed(format!("{} is not right: {p}", v.business_date)))
+}
+
+/// The `verify --json` object.
+pub fn to_json(v: &Verification) -> serde_json::Value {
+    serde_json::json!({
+        "job": settlement::JOB_NAME,
+        "business_date": v.business_date,
+        "right": v.is_right(),
+        "rule": rule_params(&v.rule),
+        "rule_source": v.rule_source,
+        "returned": v.returned,
+        "totals": v.totals,
+        "mismatched": {
+            "count": v.mismatched,
+            "net_cents": v.mismatch_cents,
+            "first": v.mismatches,
+        },
+        "unsettled": { "count": v.unsettled, "ids": v.unsettled_ids },
+        "held": { "count": v.held, "ids": v.held_ids },
+    })
+}
+
+/// What `verify` prints without `--json` (lines end with a newline).
+pub fn to_text(v: &Verification) -> String {
+    let mut out = String::new();
+    // Writing to a String cannot fail.
+    let verdict = if v.is_right() { "right" } else { "NOT RIGHT" };
+    let _ = writeln!(
+        out,
+        "{} {}: {verdict}",
+        settlement::JOB_NAME,
+        v.business_date
+    );
+    let source = match v.rule_source {
+        RuleSource::Pinned => "the month's pinned rule",
+        RuleSource::Configuration => {
+            "the month has no pinned rule: checked against the configuration's"
+        }
+    };
+    let _ = writeln!(out, "rule: {} ({source})", v.rule);
+    let _ = writeln!(
+        out,
+        "returned in the month: {}; settled: rows={} fine_cents_sum={} digest={}",
+        v.returned, v.totals.settled_rows, v.totals.fine_cents_sum, v.totals.digest
+    );
+    let _ = writeln!(
+        out,
+        "fines that differ from the rule: {} (net {:+} cents)",
+        v.mismatched, v.mismatch_cents
+    );
+    for m in &v.mismatches {
+        let _ = writeln!(
+            out,
+            "  loan {}: stored {} cents, the rule gives {}",
+            m.id, m.stored_cents, m.expected_cents
+        );
+    }
+    let _ = writeln!(out, "returns not settled: {}", v.unsettled);
+    if !v.unsettled_ids.is_empty() {
+        let _ = writeln!(out, "  ids {:?}", v.unsettled_ids);
+    }
+    let _ = writeln!(
+        out,
+        "rows held (bad dates: due_on missing or infinite): {}",
+        v.held
+    );
+    if !v.held_ids.is_empty() {
+        let _ = writeln!(out, "  ids {:?}", v.held_ids);
+    }
+    out
+}
