@@ -69,6 +69,14 @@ impl BusinessDate {
         Self(first.pred_opt().expect("dates after year -262143"))
     }
 
+    /// The business date `months` months before this one (`None` before the first year).
+    pub fn months_before(&self, months: u32) -> Option<Self> {
+        let first = self
+            .first_day()
+            .checked_sub_months(chrono::Months::new(months))?;
+        Self::new(month_end(first.year(), first.month())?).ok()
+    }
+
     /// The business date for an instant (a cron fire time) in a zone: last month's end there.
     pub fn for_instant<Z: TimeZone>(instant: &DateTime<Z>) -> Self {
         Self::month_before(instant.date_naive())
@@ -181,6 +189,17 @@ mod tests {
             BusinessDate::from_month("0001-01").unwrap().first_day(),
             d("0001-01-01")
         );
+    }
+
+    #[test]
+    fn a_business_date_some_months_before_is_that_months_last_day() {
+        let nov = BusinessDate::parse("2026-11-30").unwrap();
+        assert_eq!(nov.months_before(0), Some(nov));
+        assert_eq!(nov.months_before(9).unwrap().date(), d("2026-02-28"));
+        assert_eq!(nov.months_before(11).unwrap().date(), d("2025-12-31"));
+        let early = BusinessDate::parse("0001-02-28").unwrap();
+        assert_eq!(early.months_before(1).unwrap().date(), d("0001-01-31"));
+        assert_eq!(early.months_before(2), None);
     }
 
     #[test]

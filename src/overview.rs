@@ -19,15 +19,24 @@
 //!   computed live within what is left of the budget, or shown as unavailable.
 //! - A running shard's progress bar needs how many loans its run still has to read
 //!   ([`settlement::unsettled_after`]); that is counted once per attempt, within the budget.
+//! - A month whose every shard is SUCCESS is *closed* only when none of its returns is left
+//!   unsettled: its month index entries (late returns, held rows) are counted, one index probe per
+//!   month that has none. A month with late returns waiting is shown as such, and its totals are
+//!   computed live like an open month's until they are settled.
+//! - Each month shows its pinned rule, and a shard whose latest claim was refused because its
+//!   replica's rule differs (a `rule_conflict` event newer than the shard's claim) shows that.
+//!
+//! The status page reads with [`VIEW_BUDGET`]; `settlementd status` reads the same overview with a
+//! budget of its own ([`Reader::with_budget`]), so the two cannot disagree.
 
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::jobs::claim::{self, JobRunRow, MonthRunRow};
 use crate::jobs::events::{self, ShardEvent};
-use crate::jobs::{Cursor, JobError, JobKey};
+use crate::jobs::{params, Cursor, JobError, JobKey, Params};
 use crate::schedule::{self, Slot};
-use crate::settlement::{self, MonthTotals};
-use chrono::{DateTime, NaiveDate, Utc};
+use crate::settlement::{self, MonthTotals, Unsettled};
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
 use chrono_tz::Tz;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
@@ -157,12 +166,35 @@ pub struct Month {
     /// Every shard of the count, in order.
     pub shards: Vec<Shard>,
     pub totals: Totals,
+    /// The rule the month's first claim pinned (or its last correction); `None`: none yet.
+    pub rule: Option<Params>,
+    /// When every shard is SUCCESS: the returns still unsettled, late (waiting for a run) and held
+    /// (the rule cannot price them). `None` when not counted (an open month, or the count did not
+    /// fit in the view's budget).
+    pub unsettled: Option<Unsettled>,
 }
 
 impl Month {
     /// Every shard SUCCESS.
-    pub fn closed(&self) -> bool {
+    pub fn all_success(&self) -> bool {
         self.shards.iter().all(|s| s.state() == State::Success)
+    }
+
+    /// Late returns waiting in a month whose every shard is SUCCESS (0 when not counted).
+    pub fn late_returns(&self) -> u64 {
+        self.unsettled.map_or(0, |u| u.late)
+    }
+
+    /// Held rows (bad dates) of a month whose every shard is SUCCESS (0 when not counted).
+    pub fn held(&self) -> u64 {
+        self.unsettled.map_or(0, |u| u.held)
+    }
+
+    /// Every shard SUCCESS and no return known to wait: what the month's own rows allow is
+    /// settled (held rows stay, named, until their dates are fixed). Not closed while its
+    /// unsettled returns could not be counted.
+    pub fn closed(&self) -> bool {
+        self.all_success() && self.unsettled.is_some_and(|u| u.late == 0)
     }
 
     /// The shards in `state`.
@@ -204,6 +236,10 @@ pub struct Shard {
     pub run: Option<JobRunRow>,
     /// A running shard's loans read so far against all it has to read, when known.
     pub progress: Option<Progress>,
+    /// A claim of this shard was refused after its latest claim because the replica's rule differs
+    /// from the month's pinned one: the refusal's message. The replica retries with its backoff,
+    /// so this stands until its configuration agrees (or a correction re-pins the month).
+    pub conflict: Option<String>,
 }
 
 impl Shard {
@@ -264,6 +300,8 @@ pub struct Reader {
     /// One view at a time.
     turn: Semaphore,
     kept: Arc<Mutex<Kept>>,
+    /// The database time one view may take ([`VIEW_BUDGET`] for the status page).
+    budget: Duration,
 }
 
 #[derive(Default)]
@@ -305,20 +343,32 @@ impl Reader {
     /// A reader on the database of `pool`, with its own pool of at most two connections (opened
     /// when first needed, closed after a minute unused) named `settlementd-status`.
     pub fn new(pool: &PgPool) -> Self {
+        Self::with_budget(pool, VIEW_BUDGET)
+    }
+
+    /// A reader whose views may take `budget` of database time (the command line's `status`
+    /// waits for its answer as long as a command does).
+    pub fn with_budget(pool: &PgPool, budget: Duration) -> Self {
         let options = (*pool.connect_options())
             .clone()
             .application_name("settlementd-status");
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .min_connections(0)
-            .acquire_timeout(VIEW_BUDGET)
+            .acquire_timeout(budget)
             .idle_timeout(Some(Duration::from_secs(60)))
             .connect_lazy_with(options);
         Self {
             pool,
             turn: Semaphore::new(1),
             kept: Arc::default(),
+            budget,
         }
+    }
+
+    /// Closes the reader's own pool (a command that is done with it).
+    pub async fn close(&self) {
+        self.pool.close().await;
     }
 
     /// Reads what `scope` shows under `shards`, with the schedule as of `now`.
@@ -329,8 +379,26 @@ impl Reader {
         scope: Scope,
         shards: u32,
     ) -> Result<Overview> {
-        let deadline = Instant::now() + VIEW_BUDGET;
-        let _turn = tokio::time::timeout(VIEW_BUDGET, self.turn.acquire())
+        let per_shard = match scope {
+            Scope::Latest => HISTORY_LATEST,
+            Scope::Month(_) => HISTORY_MONTH,
+        };
+        self.read_with_history(settings, now, scope, shards, per_shard)
+            .await
+    }
+
+    /// [`Reader::read`] with each shard's latest `per_shard` audit events.
+    pub async fn read_with_history(
+        &self,
+        settings: &Settings,
+        now: DateTime<Utc>,
+        scope: Scope,
+        shards: u32,
+        per_shard: u32,
+    ) -> Result<Overview> {
+        let budget = self.budget;
+        let deadline = Instant::now() + budget;
+        let _turn = tokio::time::timeout(budget, self.turn.acquire())
             .await
             .map_err(|_| OverviewError::Busy)?
             .map_err(|_| OverviewError::Busy)?;
@@ -345,19 +413,57 @@ impl Reader {
             Scope::Latest => MONTHS,
             Scope::Month(_) => 1,
         };
-        let per_shard = match scope {
-            Scope::Latest => HISTORY_LATEST,
-            Scope::Month(_) => HISTORY_MONTH,
-        };
         let job = settlement::JOB_NAME;
         set_timeout(&mut tx, left(deadline)).await?;
         let rows = claim::latest_months(&mut *tx, job, shards, scope.month(), months).await?;
         set_timeout(&mut tx, left(deadline)).await?;
-        let history =
-            events::latest_per_shard(&mut *tx, job, shards, scope.month(), per_shard).await?;
+        let history = match per_shard {
+            0 => Vec::new(),
+            n => events::latest_per_shard(&mut *tx, job, shards, scope.month(), n).await?,
+        };
+        let mut grouped = by_month(rows);
+        if let (Scope::Month(month), true) = (scope, grouped.is_empty()) {
+            // One month asked for, and no shard of the count has claimed it: every shard missing,
+            // and whatever is settled of it (under another count, say) all the same.
+            grouped.push((month.date(), 0, Vec::new()));
+        }
+        let dates: Vec<NaiveDate> = grouped.iter().map(|(d, _, _)| *d).collect();
+        set_timeout(&mut tx, left(deadline)).await?;
+        let mut rules: HashMap<NaiveDate, Params> = params::pinned_for(&mut *tx, job, &dates)
+            .await?
+            .into_iter()
+            .collect();
+        let mut conflicts = events::latest_of_kind(&mut *tx, job, shards, &dates, "rule_conflict")
+            .await?;
+        // The months whose every shard is SUCCESS: are their returns all settled?
+        let done: Vec<NaiveDate> = grouped
+            .iter()
+            .filter(|(_, _, runs)| {
+                runs.len() == shards as usize && runs.iter().all(|r| r.status == "SUCCESS")
+            })
+            .map(|(d, _, _)| *d)
+            .collect();
+        let unsettled = match costly(&mut tx, (deadline, budget), unsettled_of, done.clone()).await? {
+            Ok(found) => Some(found),
+            Err(_) => None,
+        };
         let mut months = Vec::new();
-        for (business_date, month_attempts, runs) in by_month(rows) {
-            let month = self
+        for (business_date, month_attempts, runs) in grouped {
+            let counted = match (&unsettled, done.contains(&business_date)) {
+                (Some(found), true) => Some(
+                    found
+                        .iter()
+                        .find(|u| u.month.date() == business_date.with_day(1).unwrap_or(business_date))
+                        .copied()
+                        .unwrap_or(Unsettled {
+                            month: business_date.and_time(chrono::NaiveTime::MIN),
+                            late: 0,
+                            held: 0,
+                        }),
+                ),
+                _ => None,
+            };
+            let mut month = self
                 .costly_reads(
                     &mut tx,
                     deadline,
@@ -365,8 +471,25 @@ impl Reader {
                     month_attempts,
                     runs,
                     shards,
+                    counted,
                 )
                 .await?;
+            month.rule = rules.remove(&business_date);
+            for shard in &mut month.shards {
+                let refused = conflicts
+                    .iter()
+                    .position(|e| e.business_date == business_date && e.event.shard == shard.index as i32);
+                let Some(refused) = refused.map(|i| conflicts.swap_remove(i)) else {
+                    continue;
+                };
+                let after_claim = shard
+                    .run
+                    .as_ref()
+                    .is_none_or(|run| refused.event.at > run.started_at);
+                if after_claim {
+                    shard.conflict = refused.event.message;
+                }
+            }
             months.push(month);
         }
         // Read-only: nothing to commit.
@@ -387,7 +510,9 @@ impl Reader {
     }
 
     /// One month's shards, running shards' progress and totals, each costly read within what is
-    /// left of the view's budget.
+    /// left of the view's budget. `unsettled`: the month's counted unsettled returns, when every
+    /// shard is SUCCESS and they could be counted.
+    #[allow(clippy::too_many_arguments)]
     async fn costly_reads(
         &self,
         tx: &mut PgConnection,
@@ -396,6 +521,7 @@ impl Reader {
         month_attempts: i64,
         runs: Vec<JobRunRow>,
         shards: u32,
+        unsettled: Option<Unsettled>,
     ) -> Result<Month> {
         let mut runs: BTreeMap<u32, JobRunRow> =
             runs.into_iter().map(|r| (r.shard as u32, r)).collect();
@@ -418,8 +544,11 @@ impl Reader {
                 index,
                 run,
                 progress,
+                conflict: None,
             });
         }
+        // Every shard SUCCESS: its settled rows change only with a new attempt (a late return
+        // waits unsettled until one settles it), so its totals are kept under the month's attempts.
         let closed = month_shards.iter().all(|s| s.state() == State::Success);
         let totals = match BusinessDate::new(business_date) {
             // Claims are made for month ends only; a row written by hand may not be one.
@@ -428,7 +557,7 @@ impl Reader {
                 self.closed_totals(tx, deadline, date, month_attempts)
                     .await?
             }
-            Ok(date) => match costly(tx, deadline, totals_of, date).await? {
+            Ok(date) => match costly(tx, (deadline, self.budget), totals_of, date).await? {
                 Ok(totals) => Totals::SoFar(totals),
                 Err(why) => Totals::Unavailable(why),
             },
@@ -437,6 +566,8 @@ impl Reader {
             business_date,
             shards: month_shards,
             totals,
+            rule: None,
+            unsettled,
         })
     }
 
@@ -452,7 +583,14 @@ impl Reader {
         let known = self.kept().run_totals.get(&id).copied();
         let total = match known {
             Some(total) => total,
-            None => match costly(tx, deadline, unsettled_of, (key, run.cursor())).await? {
+            None => match costly(
+                tx,
+                (deadline, self.budget),
+                unsettled_of_run,
+                (key, run.cursor()),
+            )
+            .await?
+            {
                 Ok(left) => {
                     let total = read + left;
                     let mut kept = self.kept();
@@ -495,7 +633,7 @@ impl Reader {
             }
             None => {}
         }
-        match costly(tx, deadline, totals_of, month).await? {
+        match costly(tx, (deadline, self.budget), totals_of, month).await? {
             Ok(totals) => {
                 self.keep(
                     date,
@@ -617,8 +755,39 @@ fn totals_of(c: &mut PgConnection, month: BusinessDate) -> Read<'_, MonthTotals>
     Box::pin(settlement::month_totals(c, month))
 }
 
-fn unsettled_of(c: &mut PgConnection, (key, cursor): (JobKey, Cursor)) -> Read<'_, u64> {
+fn unsettled_of_run(c: &mut PgConnection, (key, cursor): (JobKey, Cursor)) -> Read<'_, u64> {
     Box::pin(async move { settlement::unsettled_after(c, &key, cursor).await })
+}
+
+/// The unsettled returns (late and held, every shard) of the months ending on `dates`, read through
+/// the month index only (the plan settings are local to a savepoint that is rolled back after).
+fn unsettled_of(c: &mut PgConnection, dates: Vec<NaiveDate>) -> Read<'_, Vec<Unsettled>> {
+    Box::pin(unsettled_months(c, dates))
+}
+
+async fn unsettled_months(
+    c: &mut PgConnection,
+    dates: Vec<NaiveDate>,
+) -> sqlx::Result<Vec<Unsettled>> {
+    if dates.is_empty() {
+        return Ok(Vec::new());
+    }
+    let months: Vec<chrono::NaiveDateTime> = dates
+        .iter()
+        .filter_map(|d| d.with_day(1))
+        .map(|d| d.and_time(chrono::NaiveTime::MIN))
+        .collect();
+    sqlx::query("SAVEPOINT month_index")
+        .execute(&mut *c)
+        .await?;
+    sqlx::query(settlement::PIN_MONTH_INDEX)
+        .execute(&mut *c)
+        .await?;
+    let found = settlement::unsettled_by_month(&mut *c, &months, 1, 0).await;
+    sqlx::query("ROLLBACK TO SAVEPOINT month_index")
+        .execute(&mut *c)
+        .await?;
+    found
 }
 
 /// Runs one costly read in a savepoint, limited to what is left of the budget. `Ok(Err(why))`
@@ -626,13 +795,13 @@ fn unsettled_of(c: &mut PgConnection, (key, cursor): (JobKey, Cursor)) -> Read<'
 /// itself is broken.
 async fn costly<A, T>(
     tx: &mut PgConnection,
-    deadline: Instant,
+    (deadline, whole): (Instant, Duration),
     read: for<'a> fn(&'a mut PgConnection, A) -> Read<'a, T>,
     arg: A,
 ) -> Result<Result<T, String>> {
     let budget = left(deadline);
     if budget.is_zero() {
-        return Ok(Err(spent()));
+        return Ok(Err(spent(whole)));
     }
     sqlx::query("SAVEPOINT costly").execute(&mut *tx).await?;
     set_timeout(tx, budget).await?;
@@ -649,7 +818,7 @@ async fn costly<A, T>(
                 .execute(&mut *tx)
                 .await?;
             Ok(Err(if is_timeout(&e) {
-                spent()
+                spent(whole)
             } else {
                 format!("failed: {e}")
             }))
@@ -657,10 +826,10 @@ async fn costly<A, T>(
     }
 }
 
-fn spent() -> String {
+fn spent(budget: Duration) -> String {
     format!(
         "did not fit in this view's {} s of database time",
-        VIEW_BUDGET.as_secs()
+        budget.as_secs()
     )
 }
 
@@ -696,9 +865,12 @@ mod tests {
                     index: index as u32,
                     run,
                     progress: None,
+                    conflict: None,
                 })
                 .collect(),
             totals: Totals::Computing,
+            rule: None,
+            unsettled: None,
         }
     }
 
@@ -721,11 +893,30 @@ mod tests {
     }
 
     #[test]
+    fn a_month_with_late_returns_waiting_is_not_closed_and_held_rows_do_not_keep_it_open() {
+        let mut month = month(vec![Some(run(0, "SUCCESS", 1.0))]);
+        let counted = |late, held| Unsettled {
+            month: NaiveDate::from_ymd_opt(2026, 10, 1)
+                .unwrap()
+                .and_time(chrono::NaiveTime::MIN),
+            late,
+            held,
+        };
+        month.unsettled = Some(counted(2, 0));
+        assert!(month.all_success() && !month.closed());
+        assert_eq!(month.late_returns(), 2);
+        month.unsettled = Some(counted(0, 3));
+        assert!(month.closed());
+        assert_eq!(month.held(), 3);
+    }
+
+    #[test]
     fn only_a_running_claim_older_than_the_lease_has_an_expired_lease() {
         let shard = |status, age| Shard {
             index: 0,
             run: Some(run(0, status, age)),
             progress: None,
+            conflict: None,
         };
         assert!(shard("RUNNING", 61.0).lease_expired(60));
         assert!(!shard("RUNNING", 59.0).lease_expired(60));

@@ -1,15 +1,23 @@
-//! `settlementd status`: each shard's claim for one month, the month's settled totals, and each
-//! shard's latest events from the audit trail (`--history N`).
+//! `settlementd status`: one month as the status page shows it — each shard's claim, whether the
+//! month is closed (late returns waiting, rows held), its pinned rule, its settled totals, and each
+//! shard's latest events from the audit trail (`--history N`). It reads the page's own overview
+//! ([`crate::overview`]), with a command's patience instead of the page's budget, so the two never
+//! disagree.
 
 use crate::app::{business_date_or_default, AppError, Database, Result};
 use crate::calendar::BusinessDate;
-use crate::clock::SystemClock;
-use crate::config::Settings;
-use crate::jobs::claim::{self, JobRunRow};
-use crate::jobs::events::{self, JobEvent};
+use crate::clock::{Clock, SystemClock};
+use crate::config::{Settings, MAX_SHARDS};
+use crate::jobs::claim::JobRunRow;
+use crate::jobs::events::ShardEvent;
 use crate::jobs::Cursor;
-use crate::settlement::{self, MonthTotals};
+use crate::overview::{self, Month, OverviewError, Scope, Totals};
+use crate::settlement::{self, describe_params};
 use std::fmt::Write;
+use std::time::Duration;
+
+/// How long `status` lets its read take: a command waits for its answer.
+pub const BUDGET: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, Default)]
 pub struct StatusRequest {
@@ -27,77 +35,110 @@ pub struct StatusRequest {
 pub struct MonthStatus {
     pub business_date: BusinessDate,
     pub shards: u32,
-    /// The claims that exist, by shard; a shard without a row is "missing".
-    pub rows: Vec<JobRunRow>,
-    pub totals: MonthTotals,
+    pub month: Month,
     /// Each shard's latest audit events, by shard, newest first.
-    pub history: Vec<JobEvent>,
+    pub history: Vec<ShardEvent>,
 }
 
 pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<MonthStatus> {
     let business_date =
         business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
     let shards = request.shards.unwrap_or(settings.shard.count);
-    if shards < 1 {
-        return Err(AppError::Invalid("--shards must be >= 1".into()));
+    if !(1..=MAX_SHARDS).contains(&shards) {
+        return Err(AppError::Invalid(format!(
+            "--shards must be between 1 and {MAX_SHARDS}, got {shards}"
+        )));
     }
     let database = Database::open(settings, request.embedded_db).await?;
-    let result = async {
-        let rows = claim::rows_for(
-            &database.pool,
-            settlement::JOB_NAME,
-            business_date.date(),
+    let reader = overview::Reader::with_budget(&database.pool, BUDGET);
+    let read = reader
+        .read_with_history(
+            settings,
+            SystemClock.now(),
+            Scope::Month(business_date),
             shards,
+            request.history,
         )
-        .await?;
-        let totals = settlement::month_totals(&database.pool, business_date).await?;
-        let history = match request.history {
-            0 => Vec::new(),
-            n => {
-                events::recent(
-                    &database.pool,
-                    settlement::JOB_NAME,
-                    business_date.date(),
-                    shards,
-                    n,
-                )
-                .await?
-            }
-        };
-        Ok::<_, AppError>((rows, totals, history))
-    }
-    .await;
+        .await;
+    reader.close().await;
     database.close().await;
-    let (rows, totals, history) = result?;
+    let view = read.map_err(|e| match e {
+        OverviewError::Job(e) => AppError::from(e),
+        OverviewError::Db(e) => AppError::from(e),
+        other => AppError::Failed(other.to_string()),
+    })?;
+    let month = view
+        .months
+        .into_iter()
+        .next()
+        .ok_or_else(|| AppError::Failed(format!("{business_date}: the overview has no month")))?;
     Ok(MonthStatus {
         business_date,
         shards,
-        rows,
-        totals,
-        history,
+        month,
+        history: view.history,
     })
 }
 
 impl MonthStatus {
-    fn row(&self, shard: i32) -> Option<&JobRunRow> {
-        self.rows.iter().find(|r| r.shard == shard)
+    fn row(&self, shard: u32) -> Option<&JobRunRow> {
+        self.month.shards.get(shard as usize)?.run.as_ref()
+    }
+
+    /// "closed", "closed, 2 late returns waiting" or "not closed".
+    pub fn verdict(&self) -> String {
+        let m = &self.month;
+        if m.closed() {
+            "closed".into()
+        } else if m.all_success() && m.unsettled.is_none() {
+            "every shard SUCCESS; late returns not counted".into()
+        } else if m.all_success() {
+            format!("closed, {} late returns waiting", m.late_returns())
+        } else {
+            "not closed".into()
+        }
     }
 
     /// The `status --json` object.
     pub fn to_json(&self) -> serde_json::Value {
-        let runs: Vec<serde_json::Value> = (0..self.shards as i32)
-            .map(|s| match self.row(s) {
-                Some(row) => serde_json::to_value(row).unwrap_or_default(),
-                None => serde_json::json!({ "shard": s, "status": "missing" }),
+        let runs: Vec<serde_json::Value> = self
+            .month
+            .shards
+            .iter()
+            .map(|shard| {
+                let mut run = match &shard.run {
+                    Some(row) => serde_json::to_value(row).unwrap_or_default(),
+                    None => serde_json::json!({ "shard": shard.index, "status": "missing" }),
+                };
+                run["rule_conflict"] = serde_json::json!(shard.conflict);
+                run
             })
             .collect();
+        let totals = match &self.month.totals {
+            Totals::Closed(t) | Totals::SoFar(t) => serde_json::json!(t),
+            _ => serde_json::Value::Null,
+        };
         serde_json::json!({
             "job": settlement::JOB_NAME,
             "business_date": self.business_date.to_string(),
             "shards": self.shards,
+            "closed": self.month.closed(),
+            "verdict": self.verdict(),
+            "late_returns": self.month.unsettled.map(|u| u.late),
+            "held": self.month.unsettled.map(|u| u.held),
+            "rule": self.month.rule,
             "runs": runs,
-            "totals": self.totals,
-            "history": self.history,
+            "totals": totals,
+            "history": self.history.iter().map(|e| serde_json::json!({
+                "business_date": e.business_date,
+                "shard": e.event.shard,
+                "at": e.event.at,
+                "event": e.event.event,
+                "attempt": e.event.attempt,
+                "owner": e.event.owner,
+                "request_id": e.event.request_id,
+                "message": e.event.message,
+            })).collect::<Vec<_>>(),
         })
     }
 
@@ -107,17 +148,30 @@ impl MonthStatus {
         // Writing to a String cannot fail.
         let _ = writeln!(
             out,
-            "{} {} with {} shard(s)",
+            "{} {} with {} shard(s): {}",
             settlement::JOB_NAME,
             self.business_date,
-            self.shards
+            self.shards,
+            self.verdict()
         );
+        let _ = match &self.month.rule {
+            Some(rule) => writeln!(out, "rule: {}", describe_params(rule)),
+            None => writeln!(out, "rule: none pinned yet (no claim of the month)"),
+        };
+        if self.month.held() > 0 {
+            let _ = writeln!(
+                out,
+                "{} rows held (bad dates): unsettled until their due dates are fixed \
+                 (`settlementd verify` names them)",
+                self.month.held()
+            );
+        }
         let _ = writeln!(
             out,
             "{:<6} {:<8} {:>7} {:<28} {:>10} {:>12} {:>10} {:>10}  last_error",
             "shard", "status", "attempt", "owner", "heartbeat", "cursor", "scanned", "updated"
         );
-        for s in 0..self.shards as i32 {
+        for s in 0..self.shards {
             let _ = match self.row(s) {
                 Some(r) => writeln!(
                     out,
@@ -134,19 +188,27 @@ impl MonthStatus {
                 ),
                 None => writeln!(out, "{s:<6} missing"),
             };
+            if let Some(conflict) = self.month.shards.get(s as usize).and_then(|x| x.conflict.as_ref()) {
+                let _ = writeln!(out, "       RULE CONFLICT: {conflict}");
+            }
         }
-        let _ = writeln!(
-            out,
-            "settled in {}: rows={} fine_cents_sum={} digest={}",
-            self.business_date.first_day().format("%Y-%m"),
-            self.totals.settled_rows,
-            self.totals.fine_cents_sum,
-            self.totals.digest
-        );
+        let _ = match &self.month.totals {
+            Totals::Closed(t) | Totals::SoFar(t) => writeln!(
+                out,
+                "settled in {}: rows={} fine_cents_sum={} digest={}",
+                self.business_date.first_day().format("%Y-%m"),
+                t.settled_rows,
+                t.fine_cents_sum,
+                t.digest
+            ),
+            Totals::Computing => writeln!(out, "settled totals: being computed"),
+            Totals::Unavailable(why) => writeln!(out, "settled totals unavailable: {why}"),
+        };
         if !self.history.is_empty() {
             let _ = writeln!(out, "history (newest first):");
         }
         for e in &self.history {
+            let e = &e.event;
             let _ = writeln!(
                 out,
                 "  shard {:<3} {}  {:<16} {:<10} {:<28} {}{}",

@@ -7,14 +7,22 @@
 //! Metrics emitted by the job layer: `settlementd_claims_total{result=won|lost|done}`,
 //! `settlementd_takeovers_total`, `settlementd_fencing_rejections_total`,
 //! `settlementd_rows_scanned_total`, `settlementd_rows_updated_total`,
-//! `settlementd_odd_rows_total`. Emitted here: the rest.
+//! `settlementd_odd_rows_total`, `settlementd_rule_conflicts_total`. Emitted here: the rest.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
 /// Runs by outcome: `settled`, `skipped` (already SUCCESS or held by a live peer), `failed`,
-/// `lease_lost`.
+/// `lease_lost`, `rule_conflict` (refused: the month is pinned to another rule).
 pub const RUNS_TOTAL: &str = "settlementd_runs_total";
+/// Claims refused because the month's pinned rule differs from this replica's (job layer).
+pub const RULE_CONFLICTS_TOTAL: &str = "settlementd_rule_conflicts_total";
+/// Late returns (loans returned into a closed month) this replica settled.
+pub const LATE_RETURNS_SETTLED_TOTAL: &str = "settlementd_late_returns_settled_total";
+/// Late returns still waiting in this shard's closed months inside the lookback.
+pub const UNSETTLED_IN_CLOSED_MONTHS: &str = "settlementd_unsettled_in_closed_months";
+/// Rows of this shard's closed months inside the lookback that the rule cannot price (held).
+pub const HELD_ROWS: &str = "settlementd_held_rows";
 /// Runs of stored run requests by outcome: `settled`, `failed`.
 pub const REQUEST_RUNS_TOTAL: &str = "settlementd_request_runs_total";
 /// Run requests accepted over HTTP (new ones, not replays).
@@ -108,6 +116,22 @@ pub fn describe() {
         "Shards of the shard count whose claim for the latest fire's month is not SUCCESS"
     );
     describe_gauge!(SHARD_COUNT, "The configured shard.count");
+    describe_counter!(
+        RULE_CONFLICTS_TOTAL,
+        "Claims refused because the month's pinned fine rule differs from this replica's"
+    );
+    describe_counter!(
+        LATE_RETURNS_SETTLED_TOTAL,
+        "Late returns (loans returned into a closed month) settled by this replica"
+    );
+    describe_gauge!(
+        UNSETTLED_IN_CLOSED_MONTHS,
+        "Late returns waiting in this shard's closed months inside settle.lookback_months"
+    );
+    describe_gauge!(
+        HELD_ROWS,
+        "Rows of this shard's closed months that the fine rule cannot price (bad dates), left unsettled"
+    );
     describe_gauge!(
         READY,
         "1 when the database answers and the schema is current (what /readyz checks)"
@@ -144,7 +168,7 @@ pub fn describe() {
         "settlementd_odd_rows_total",
         "Loans settled whose dates contradict each other (returned or due before borrowed)"
     );
-    for outcome in ["settled", "skipped", "failed", "lease_lost"] {
+    for outcome in ["settled", "skipped", "failed", "lease_lost", "rule_conflict"] {
         metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
     }
     for outcome in ["settled", "failed"] {
@@ -160,6 +184,8 @@ pub fn describe() {
         "settlementd_rows_scanned_total",
         "settlementd_rows_updated_total",
         "settlementd_odd_rows_total",
+        RULE_CONFLICTS_TOTAL,
+        LATE_RETURNS_SETTLED_TOTAL,
     ] {
         metrics::counter!(name).increment(0);
     }

@@ -36,6 +36,7 @@ use tracing::Instrument;
 
 /// `settlementd serve`: opens the database, binds `http.listen`, serves until SIGTERM/SIGINT.
 pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
+    rules_cover_the_schedule(&settings, SystemClock.now())?;
     let database = Database::open(&settings, embedded).await?;
     if database.embedded.is_some() && !settings.database.migrate_on_start {
         db::migrate(&database.pool).await?;
@@ -66,6 +67,22 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
         tracing::warn!("database did not close in time");
     }
     result
+}
+
+/// Refuses a configuration whose fine rules do not cover the months the schedule settles now and
+/// next (a `[[fine.rules]]` list starting after them): such a replica could settle nothing.
+pub fn rules_cover_the_schedule(settings: &Settings, now: chrono::DateTime<chrono::Utc>) -> Result<()> {
+    let (cron, tz) = (&settings.schedule.cron, settings.schedule.timezone);
+    let slots = [
+        crate::schedule::latest_slot_at_or_before(cron, tz, now),
+        crate::schedule::next_slot_after(cron, tz, now),
+    ];
+    for fire_at in slots.into_iter().flatten() {
+        let month = crate::schedule::Slot::new(fire_at).business_date;
+        crate::settlement::rule_of(&settings.fine, month.date())
+            .map_err(|why| AppError::Invalid(format!("the schedule settles {month}: {why}")))?;
+    }
+    Ok(())
 }
 
 /// Runs a replica until `shutdown` is cancelled: HTTP on `listener`, migrations (when
@@ -117,6 +134,11 @@ async fn run_replica(
     owner: Owner,
     shutdown: CancellationToken,
 ) -> Result<()> {
+    // A loans table of another shape is refused before anything is written (exit 2).
+    tokio::select! {
+        checked = app::check_schema(&pool, settings) => checked?,
+        _ = shutdown.cancelled() => return Ok(()),
+    }
     if settings.database.migrate_on_start {
         tokio::select! {
             migrated = db::migrate(&pool) => migrated?,
@@ -181,8 +203,11 @@ async fn tick_loop(mut replica: Replica, wake: Arc<Notify>, shutdown: Cancellati
             TickOutcome::Settled { slot, .. } => {
                 tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month settled")
             }
-            // Another request, or the schedule, may be due: look again at once.
-            TickOutcome::Served { .. } | TickOutcome::RequestFailed { .. } => continue,
+            // Another request, the schedule or another month's late returns may be due: look
+            // again at once.
+            TickOutcome::Served { .. }
+            | TickOutcome::RequestFailed { .. }
+            | TickOutcome::LateReturns { .. } => continue,
             other => tracing::debug!(outcome = ?other, "tick"),
         }
         if shutdown.is_cancelled() {

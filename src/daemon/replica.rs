@@ -11,7 +11,12 @@
 //!   one; a doubled fire is harmless because `run_once` is idempotent;
 //! - whether a month is done is decided in SQL by the claim; the in-process `settled` memo only
 //!   saves a round-trip until the next slot;
-//! - once shutdown is requested, nothing new is claimed.
+//! - once shutdown is requested, nothing new is claimed;
+//! - when the scheduled month needs nothing, the tick sweeps the shard's closed months inside
+//!   `settle.lookback_months` for late returns ([`Replica::sweep`]): one index probe per closed
+//!   month, and a new fenced attempt of a month that has some;
+//! - a claim refused because the month is pinned to another rule is logged once per month and
+//!   retried with the backoff, like a failure, so a fixed configuration finishes the month.
 
 use super::metrics as m;
 use crate::calendar::BusinessDate;
@@ -19,12 +24,13 @@ use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
 use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
+use crate::jobs::Job;
 use crate::settlement::{self, FineSettlement};
 use chrono::{DateTime, TimeDelta, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
 use sqlx::PgPool;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -70,6 +76,17 @@ pub enum TickOutcome {
         after: Duration,
         error: String,
     },
+    /// The sweep settled late returns of a closed month of this shard.
+    LateReturns {
+        business_date: BusinessDate,
+        report: RunReport,
+    },
+    /// The sweep's run of a closed month failed or was refused; it is retried after `after`.
+    SweepFailed {
+        business_date: BusinessDate,
+        after: Duration,
+        error: String,
+    },
 }
 
 /// A pending retry of one month.
@@ -102,6 +119,12 @@ pub struct Replica {
     pending_retry: Option<Retry>,
     /// Run requests whose last run failed: consecutive failures and when to try again.
     request_retries: HashMap<String, (u32, DateTime<Utc>)>,
+    /// Closed months whose late returns' run failed: consecutive failures and when to try again.
+    sweep_retries: HashMap<BusinessDate, (u32, DateTime<Utc>)>,
+    /// `settle.lookback_months`: how far back the sweep looks (0: it does not settle).
+    lookback_months: u32,
+    /// Months whose rule conflict has been logged: once per month is enough.
+    conflicts_logged: HashSet<BusinessDate>,
     /// Every log line of this replica carries shard, shards and owner.
     span: tracing::Span,
 }
@@ -135,6 +158,9 @@ impl Replica {
             settled: None,
             pending_retry: None,
             request_retries: HashMap::new(),
+            sweep_retries: HashMap::new(),
+            lookback_months: settings.settle.lookback_months,
+            conflicts_logged: HashSet::new(),
             span,
         }
     }
@@ -190,6 +216,26 @@ impl Replica {
     }
 
     async fn tick_inner(&mut self) -> TickOutcome {
+        let outcome = self.scheduled().await;
+        // At most one run per tick: the sweep runs when the schedule had nothing to run.
+        let idle = matches!(
+            outcome,
+            TickOutcome::Idle
+                | TickOutcome::AlreadyDone { .. }
+                | TickOutcome::Watching { .. }
+                | TickOutcome::BackingOff { .. }
+        );
+        if !idle || self.shutdown.is_cancelled() {
+            return outcome;
+        }
+        match self.sweep().await {
+            Some(swept) => swept,
+            None => outcome,
+        }
+    }
+
+    /// Run requests first, then the scheduled month (or the oldest unfinished one).
+    async fn scheduled(&mut self) -> TickOutcome {
         let now = self.clock.now();
         if let Some(next) = next_slot_after(&self.cron, self.tz, now) {
             metrics::gauge!(m::NEXT_FIRE_TIMESTAMP).set(next.timestamp() as f64);
@@ -293,7 +339,11 @@ impl Replica {
                 }
             }
             Err(e) => {
-                metrics::counter!(m::RUNS_TOTAL, "outcome" => "failed").increment(1);
+                let outcome = match e {
+                    JobError::ParamsConflict { .. } => "rule_conflict",
+                    _ => "failed",
+                };
+                metrics::counter!(m::RUNS_TOTAL, "outcome" => outcome).increment(1);
                 let failures = match self.pending_retry {
                     Some(r) if r.business_date == slot.business_date => r.failures + 1,
                     _ => 1,
@@ -311,15 +361,7 @@ impl Replica {
                     failures,
                     not_before,
                 });
-                let retryable = e.is_retryable();
-                tracing::warn!(
-                    error = %e,
-                    retryable,
-                    failures,
-                    retry_in_secs = after.as_secs_f64(),
-                    business_date = %slot.business_date,
-                    "run failed; retrying with backoff"
-                );
+                self.log_failure(slot.business_date, &e, failures, after);
                 TickOutcome::RetryScheduled {
                     slot,
                     failures,
@@ -328,6 +370,170 @@ impl Replica {
                 }
             }
         }
+    }
+
+    /// A failed or refused run, in the log: a rule conflict once per month (it repeats at every
+    /// retry until the configuration or the pin changes), anything else every time.
+    fn log_failure(&mut self, month: BusinessDate, e: &JobError, failures: u32, after: Duration) {
+        if matches!(e, JobError::ParamsConflict { .. }) {
+            if self.conflicts_logged.insert(month) {
+                tracing::error!(
+                    error = %e,
+                    business_date = %month,
+                    retry_in_secs = after.as_secs_f64(),
+                    "rule conflict: this replica's fine rule for the month is not the one its first \
+                     claim pinned; nothing of it is settled here until the configuration agrees \
+                     (retrying with backoff)"
+                );
+            }
+            return;
+        }
+        tracing::warn!(
+            error = %e,
+            retryable = e.is_retryable(),
+            failures,
+            retry_in_secs = after.as_secs_f64(),
+            business_date = %month,
+            "run failed; retrying with backoff"
+        );
+    }
+
+    /// Looks for late returns of this shard in its closed months inside the lookback — the months
+    /// whose claim is SUCCESS, from `settle.lookback_months` months before the current one up to
+    /// last month — with one index probe per month, publishes what waits and what is held, and
+    /// runs the oldest month that has late returns (not backing off) as a new fenced attempt
+    /// under the month's pinned rule. `None` when nothing was run.
+    async fn sweep(&mut self) -> Option<TickOutcome> {
+        let now = self.clock.now();
+        let today = now.with_timezone(&self.tz).date_naive();
+        let latest = BusinessDate::month_before(today);
+        // The gauges cover last month at least, also with the sweep turned off.
+        let months_back = self.lookback_months.max(1);
+        let earliest = latest
+            .months_before(months_back - 1)
+            .unwrap_or_else(|| BusinessDate::from_month("0001-01").unwrap_or(latest));
+        let found = match self.closed_with_unsettled(earliest, latest).await {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for late returns");
+                return None;
+            }
+        };
+        let waiting: u64 = found.iter().map(|(_, u)| u.late).sum();
+        let held: u64 = found.iter().map(|(_, u)| u.held).sum();
+        metrics::gauge!(m::UNSETTLED_IN_CLOSED_MONTHS).set(waiting as f64);
+        metrics::gauge!(m::HELD_ROWS).set(held as f64);
+        self.sweep_retries
+            .retain(|month, _| found.iter().any(|(m, _)| m == month));
+        if self.lookback_months == 0 {
+            return None;
+        }
+        for (month, unsettled) in found {
+            if unsettled.late == 0
+                || self
+                    .sweep_retries
+                    .get(&month)
+                    .is_some_and(|(_, not_before)| now < *not_before)
+            {
+                continue;
+            }
+            let key = settlement::key(month, self.shard);
+            let result =
+                jobs::run_once(&self.pool, &self.job, key, &self.opts, &self.shutdown, &|_| {})
+                    .await;
+            match result {
+                Ok(report) if report.skipped.is_none() => {
+                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "settled").increment(1);
+                    metrics::counter!(m::LATE_RETURNS_SETTLED_TOTAL).increment(report.updated);
+                    self.sweep_retries.remove(&month);
+                    self.conflicts_logged.remove(&month);
+                    tracing::info!(business_date = %month, late = report.late, updated = report.updated, "late returns settled");
+                    return Some(TickOutcome::LateReturns {
+                        business_date: month,
+                        report,
+                    });
+                }
+                // A peer of this shard is on it, or they were settled meanwhile.
+                Ok(_) => continue,
+                Err(JobError::Interrupted) => return Some(TickOutcome::ShuttingDown),
+                Err(e @ JobError::LeaseLost { .. }) => {
+                    tracing::warn!(business_date = %month, error = %e, "lost a late-return run to a peer");
+                    continue;
+                }
+                Err(e) => {
+                    let outcome = match e {
+                        JobError::ParamsConflict { .. } => "rule_conflict",
+                        _ => "failed",
+                    };
+                    metrics::counter!(m::RUNS_TOTAL, "outcome" => outcome).increment(1);
+                    let failures = self.sweep_retries.get(&month).map_or(0, |r| r.0) + 1;
+                    let after = backoff(
+                        failures,
+                        self.retry.initial_secs,
+                        self.retry.max_secs,
+                        rand::random::<f64>(),
+                    );
+                    let not_before = self.clock.now()
+                        + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+                    self.sweep_retries.insert(month, (failures, not_before));
+                    self.log_failure(month, &e, failures, after);
+                    return Some(TickOutcome::SweepFailed {
+                        business_date: month,
+                        after,
+                        error: e.to_string(),
+                    });
+                }
+            }
+        }
+        None
+    }
+
+    /// The closed months of this shard between `earliest` and `latest` (business dates) and
+    /// their unsettled returns, oldest first; a closed month with none is left out.
+    async fn closed_with_unsettled(
+        &self,
+        earliest: BusinessDate,
+        latest: BusinessDate,
+    ) -> sqlx::Result<Vec<(BusinessDate, settlement::Unsettled)>> {
+        let mut tx = self.pool.begin_with(self.job.begin_batch()).await?;
+        let closed = jobs::claim::done_between(
+            &mut *tx,
+            settlement::JOB_NAME,
+            self.shard.count,
+            self.shard.index,
+            earliest.date(),
+            latest.date(),
+        )
+        .await
+        .map_err(|e| match e {
+            JobError::Db(e) => e,
+            other => sqlx::Error::Protocol(other.to_string()),
+        })?;
+        let months: Vec<BusinessDate> = closed
+            .into_iter()
+            .filter_map(|d| BusinessDate::new(d).ok())
+            .collect();
+        let keys: Vec<chrono::NaiveDateTime> = months
+            .iter()
+            .map(|m| m.first_day().and_time(chrono::NaiveTime::MIN))
+            .collect();
+        let counts = settlement::unsettled_by_month(
+            &mut *tx,
+            &keys,
+            self.shard.count.into(),
+            self.shard.index.into(),
+        )
+        .await?;
+        tx.rollback().await?;
+        Ok(counts
+            .into_iter()
+            .filter_map(|u| {
+                let month = months
+                    .iter()
+                    .find(|m| m.first_day().and_time(chrono::NaiveTime::MIN) == u.month)?;
+                Some((*month, u))
+            })
+            .collect())
     }
 }
 

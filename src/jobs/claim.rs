@@ -444,6 +444,31 @@ impl JobRunRow {
     }
 }
 
+/// The business dates from `from` to `to` whose key of shard `shard` of `shards` is SUCCESS,
+/// oldest first.
+pub async fn done_between(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+    shard: u32,
+    from: chrono::NaiveDate,
+    to: chrono::NaiveDate,
+) -> Result<Vec<chrono::NaiveDate>> {
+    Ok(sqlx::query_scalar(
+        "SELECT business_date FROM job_runs
+          WHERE job_name = $1 AND shards = $2 AND shard = $3 AND status = 'SUCCESS'
+            AND business_date BETWEEN $4 AND $5
+          ORDER BY business_date",
+    )
+    .bind(job_name)
+    .bind(shards as i32)
+    .bind(shard as i32)
+    .bind(from)
+    .bind(to)
+    .fetch_all(db)
+    .await?)
+}
+
 /// Every row of `job_name` for one business date and shard count, by shard.
 pub async fn rows_for(
     db: impl PgExecutor<'_>,

@@ -130,6 +130,32 @@ pub async fn for_key(db: impl PgExecutor<'_>, key: &JobKey) -> Result<Vec<JobEve
     .await?)
 }
 
+/// The latest event of kind `event` of each shard of `job_name` under `shards`, for each of
+/// `dates` that has one.
+pub async fn latest_of_kind(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+    dates: &[chrono::NaiveDate],
+    event: &str,
+) -> Result<Vec<ShardEvent>> {
+    Ok(sqlx::query_as(
+        "SELECT DISTINCT ON (e.business_date, e.shard)
+                e.business_date, e.shard, e.at, e.event, e.attempt, e.owner,
+                e.request_id::text AS request_id, e.message, NULL::text AS request_state
+           FROM job_events e
+          WHERE e.job_name = $1 AND e.shards = $2 AND e.business_date = ANY($3)
+            AND e.event = $4
+          ORDER BY e.business_date, e.shard, e.id DESC",
+    )
+    .bind(job_name)
+    .bind(shards as i32)
+    .bind(dates)
+    .bind(event)
+    .fetch_all(db)
+    .await?)
+}
+
 /// An event with its month and, for an event of a run request, where that request stands for the
 /// event's shard now.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]

@@ -677,7 +677,7 @@ pub struct Unsettled {
 /// reads each entry's row to tell the two apart. Run it inside a transaction opened with
 /// [`begin_batch_sql`], so that only the month index can serve it.
 pub async fn unsettled_by_month(
-    db: impl PgExecutor<'_>,
+    db: &mut PgConnection,
     months: &[NaiveDateTime],
     shards: i64,
     shard: i64,
@@ -708,6 +708,12 @@ pub async fn unsettled_by_month(
         })
         .collect())
 }
+
+/// Plan settings that leave the month index as the only way to read a month's unsettled loans
+/// (local: for the rest of the transaction, or until the savepoint they were set in is rolled
+/// back), for reads outside a batch transaction. One statement.
+pub const PIN_MONTH_INDEX: &str = "SELECT set_config('enable_seqscan', 'off', true),
+           set_config('enable_bitmapscan', 'off', true), set_config('jit', 'off', true)";
 
 /// [`MONTH_KEY`] on the alias `l`.
 const MONTH_KEY_L: &str = "date_trunc('month', l.returned_on::timestamp)";

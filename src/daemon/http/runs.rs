@@ -168,6 +168,8 @@ fn parse(state: &HttpState, idempotency_key: String, body: &[u8]) -> Result<NewR
     let business_date = BusinessDate::parse(&body.business_date).map_err(|e| e.to_string())?;
     ensure_month_is_over(business_date, &state.settings, state.clock.as_ref())
         .map_err(|e| e.to_string())?;
+    settlement::rule_of(&state.settings.fine, business_date.date())
+        .map_err(|why| format!("{business_date}: {why}"))?;
     let shards = body.shards.unwrap_or(state.settings.shard.count);
     if !(1..=MAX_SHARDS).contains(&shards) {
         return Err(format!(

@@ -161,6 +161,7 @@ thead th{background:#f6f8fa}.wrap{overflow-x:auto}td.cell{min-width:15em}
 .s-running{background:#ddf4ff}.s-running .status{color:#0550ae}
 .s-failed{background:#ffebe9}.s-failed .status,.open,.error{color:#a40e26}
 .s-missing{background:#fff8c5}.s-missing .status{color:#7d4e00}
+.late{color:#7d4e00;font-weight:700}.conflict{color:#a40e26;font-weight:700}
 .closed,.open{font-weight:700}.error{font-family:ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere;max-width:30em}
 progress{width:100%;height:.8em}code{font-family:ui-monospace,monospace}dt{font-weight:700}dd{margin:0 0 .5em 1em}
 th a,code,.nowrap{white-space:nowrap}
@@ -204,7 +205,8 @@ fn render(view: &Overview, replica: &Replica, now: DateTime<Utc>) -> Markup {
                 (history(view))
                 footer.note {
                     p {
-                        "Read-only. A month is closed when every shard of the count is SUCCESS. "
+                        "Read-only. A month is closed when every shard of the count is SUCCESS and none of its returns waits to be settled; "
+                        "rows held for bad dates stay unsettled, named, until their dates are fixed. "
                         "Totals are the month's settled loans, whatever the shard count that settled them: "
                         "computed once for a closed month, at each view for an open one, "
                         "within " (VIEW_BUDGET.as_secs()) " s of database time per view. "
@@ -238,7 +240,7 @@ fn schedule(view: &Overview) -> Markup {
                         (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", settles "
                         a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) } ": "
                         @match view.month(slot.business_date.date()) {
-                            Some(month) if month.closed() => span.closed { "closed" },
+                            Some(month) if month.all_success() => (verdict(month)),
                             Some(month) => { span.open { "not closed" } " (" (open_shards(month)) ")" }
                             None => { span.open { "not closed" } " (no shard of " (view.shards) " has claimed it)" }
                         }
@@ -271,7 +273,7 @@ fn months(view: &Overview) -> Markup {
                     table.grid {
                         thead {
                             tr {
-                                th { "Month" } th { "Closed" } th { "Settled totals" }
+                                th { "Month" } th { "Closed" } th { "Settled totals" } th { "Fine rule (pinned)" }
                                 @for shard in 0..view.shards { th { "shard " (shard) } }
                             }
                         }
@@ -290,15 +292,36 @@ fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
     html! {
         tr #{ "month-" (date) } {
             th { a href=(month_link_date(date, view.shards)) { (date) } }
-            td.verdict #{ "verdict-" (date) } {
-                @if month.closed() {
-                    span.closed { "closed" }
-                } @else {
-                    span.open { "not closed" } br; span.small { (open_shards(month)) }
+            td.verdict #{ "verdict-" (date) } { (verdict(month)) }
+            td.totals #{ "totals-" (date) } { (totals(&month.totals, detail)) }
+            td.rule.small #{ "rule-" (date) } {
+                @match &month.rule {
+                    Some(rule) => (crate::settlement::describe_params(rule)),
+                    None => "none pinned yet",
                 }
             }
-            td.totals #{ "totals-" (date) } { (totals(&month.totals, detail)) }
             @for shard in &month.shards { (cell(date, shard, view.lease_ttl_secs, detail)) }
+        }
+    }
+}
+
+/// Closed; closed but for late returns waiting; or not closed and why. Held rows are named either
+/// way: they are what the month's own data keeps from being settled.
+fn verdict(month: &Month) -> Markup {
+    html! {
+        @if month.closed() {
+            span.closed { "closed" }
+        } @else if month.all_success() && month.unsettled.is_none() {
+            span.late { "every shard SUCCESS; late returns not counted" }
+            br; span.small { "(the count did not fit in this view's database time)" }
+        } @else if month.all_success() {
+            span.late { "closed, " (month.late_returns()) " late returns waiting" }
+            br; span.small { "a replica of their shard settles them within a heartbeat" }
+        } @else {
+            span.open { "not closed" } br; span.small { (open_shards(month)) }
+        }
+        @if month.held() > 0 {
+            br; span.late.held { (month.held()) " rows held (bad dates)" }
         }
     }
 }
@@ -357,6 +380,9 @@ fn cell(date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail: bool) -> 
                         div.error { (error) }
                     }
                 }
+            }
+            @if let Some(conflict) = &shard.conflict {
+                div.error.conflict { "rule conflict: " (conflict) }
             }
         }
     }
@@ -439,17 +465,25 @@ fn notice(title: &str, message: &str) -> Markup {
 
 // ---- Formatting ---------------------------------------------------------------------------
 
-/// "shard 1 RUNNING; shards 2, 3 missing".
+/// "shard 1 RUNNING; shards 2, 3 missing; shard 3 refused (rule conflict)".
 fn open_shards(month: &Month) -> String {
-    [ShardState::Running, ShardState::Failed, ShardState::Missing]
+    let by_state = [ShardState::Running, ShardState::Failed, ShardState::Missing]
         .into_iter()
-        .filter_map(|state| {
-            let shards = month.in_state(state);
+        .map(|state| (month.in_state(state), state.word()));
+    let conflicts: Vec<u32> = month
+        .shards
+        .iter()
+        .filter(|s| s.conflict.is_some())
+        .map(|s| s.index)
+        .collect();
+    by_state
+        .chain([(conflicts, "refused (rule conflict)")])
+        .filter_map(|(shards, word)| {
             let list: Vec<String> = shards.iter().map(u32::to_string).collect();
             match shards.len() {
                 0 => None,
-                1 => Some(format!("shard {} {}", list[0], state.word())),
-                _ => Some(format!("shards {} {}", list.join(", "), state.word())),
+                1 => Some(format!("shard {} {word}", list[0])),
+                _ => Some(format!("shards {} {word}", list.join(", "))),
             }
         })
         .collect::<Vec<_>>()
