@@ -22,11 +22,11 @@ pub const LAST_YEAR: i32 = 9999;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum CalendarError {
-    #[error("invalid date '{0}': expected YYYY-MM-DD")]
+    #[error("invalid date '{0}': expected YYYY-MM-DD, years 1 to 9999")]
     Unparsable(String),
     #[error("invalid business date {0}: it must be the last day of a month (e.g. {1})")]
     NotMonthEnd(NaiveDate, NaiveDate),
-    #[error("invalid month '{0}': expected YYYY-MM")]
+    #[error("invalid month '{0}': expected YYYY-MM, years 1 to 9999")]
     BadMonth(String),
     #[error("invalid business date {0}: the year must be between {FIRST_YEAR} and {LAST_YEAR}")]
     OutOfRange(NaiveDate),

@@ -433,8 +433,8 @@ impl Reader {
             .await?
             .into_iter()
             .collect();
-        let mut conflicts = events::latest_of_kind(&mut *tx, job, shards, &dates, "rule_conflict")
-            .await?;
+        let mut conflicts =
+            events::latest_of_kind(&mut *tx, job, shards, &dates, "rule_conflict").await?;
         // The months whose every shard is SUCCESS: are their returns all settled?
         let done: Vec<NaiveDate> = grouped
             .iter()
@@ -443,17 +443,18 @@ impl Reader {
             })
             .map(|(d, _, _)| *d)
             .collect();
-        let unsettled = match costly(&mut tx, (deadline, budget), unsettled_of, done.clone()).await? {
-            Ok(found) => Some(found),
-            Err(_) => None,
-        };
+        let unsettled = costly(&mut tx, (deadline, budget), unsettled_of, done.clone())
+            .await?
+            .ok();
         let mut months = Vec::new();
         for (business_date, month_attempts, runs) in grouped {
             let counted = match (&unsettled, done.contains(&business_date)) {
                 (Some(found), true) => Some(
                     found
                         .iter()
-                        .find(|u| u.month.date() == business_date.with_day(1).unwrap_or(business_date))
+                        .find(|u| {
+                            u.month.date() == business_date.with_day(1).unwrap_or(business_date)
+                        })
                         .copied()
                         .unwrap_or(Unsettled {
                             month: business_date.and_time(chrono::NaiveTime::MIN),
@@ -476,16 +477,16 @@ impl Reader {
                 .await?;
             month.rule = rules.remove(&business_date);
             for shard in &mut month.shards {
-                let refused = conflicts
-                    .iter()
-                    .position(|e| e.business_date == business_date && e.event.shard == shard.index as i32);
+                let refused = conflicts.iter().position(|e| {
+                    e.business_date == business_date && e.event.shard == shard.index as i32
+                });
                 let Some(refused) = refused.map(|i| conflicts.swap_remove(i)) else {
                     continue;
                 };
-                let after_claim = shard
-                    .run
-                    .as_ref()
-                    .is_none_or(|run| refused.event.at > run.started_at);
+                let after_claim = match &shard.run {
+                    None => true,
+                    Some(run) => refused.event.at > run.started_at,
+                };
                 if after_claim {
                     shard.conflict = refused.event.message;
                 }
@@ -876,10 +877,19 @@ mod tests {
 
     #[test]
     fn a_month_is_closed_only_when_every_shard_of_the_count_is_success() {
-        let all = month(vec![
+        let mut all = month(vec![
             Some(run(0, "SUCCESS", 1.0)),
             Some(run(1, "SUCCESS", 1.0)),
         ]);
+        assert!(
+            !all.closed(),
+            "not while its unsettled returns are not counted"
+        );
+        all.unsettled = Some(Unsettled {
+            month: all.business_date.and_time(chrono::NaiveTime::MIN),
+            late: 0,
+            held: 0,
+        });
         assert!(all.closed());
         let one_missing = month(vec![Some(run(0, "SUCCESS", 1.0)), None]);
         assert!(!one_missing.closed());

@@ -67,11 +67,10 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
         OverviewError::Db(e) => AppError::from(e),
         other => AppError::Failed(other.to_string()),
     })?;
-    let month = view
-        .months
-        .into_iter()
-        .next()
-        .ok_or_else(|| AppError::Failed(format!("{business_date}: the overview has no month")))?;
+    let month =
+        view.months.into_iter().next().ok_or_else(|| {
+            AppError::Failed(format!("{business_date}: the overview has no month"))
+        })?;
     Ok(MonthStatus {
         business_date,
         shards,
@@ -188,7 +187,12 @@ impl MonthStatus {
                 ),
                 None => writeln!(out, "{s:<6} missing"),
             };
-            if let Some(conflict) = self.month.shards.get(s as usize).and_then(|x| x.conflict.as_ref()) {
+            if let Some(conflict) = self
+                .month
+                .shards
+                .get(s as usize)
+                .and_then(|x| x.conflict.as_ref())
+            {
                 let _ = writeln!(out, "       RULE CONFLICT: {conflict}");
             }
         }

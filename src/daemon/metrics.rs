@@ -168,7 +168,13 @@ pub fn describe() {
         "settlementd_odd_rows_total",
         "Loans settled whose dates contradict each other (returned or due before borrowed)"
     );
-    for outcome in ["settled", "skipped", "failed", "lease_lost", "rule_conflict"] {
+    for outcome in [
+        "settled",
+        "skipped",
+        "failed",
+        "lease_lost",
+        "rule_conflict",
+    ] {
         metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
     }
     for outcome in ["settled", "failed"] {

@@ -71,7 +71,10 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
 
 /// Refuses a configuration whose fine rules do not cover the months the schedule settles now and
 /// next (a `[[fine.rules]]` list starting after them): such a replica could settle nothing.
-pub fn rules_cover_the_schedule(settings: &Settings, now: chrono::DateTime<chrono::Utc>) -> Result<()> {
+pub fn rules_cover_the_schedule(
+    settings: &Settings,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<()> {
     let (cron, tz) = (&settings.schedule.cron, settings.schedule.timezone);
     let slots = [
         crate::schedule::latest_slot_at_or_before(cron, tz, now),

@@ -22,9 +22,9 @@ use super::metrics as m;
 use crate::calendar::BusinessDate;
 use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
+use crate::jobs::Job;
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
 use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
-use crate::jobs::Job;
 use crate::settlement::{self, FineSettlement};
 use chrono::{DateTime, TimeDelta, Utc};
 use chrono_tz::Tz;
@@ -438,9 +438,15 @@ impl Replica {
                 continue;
             }
             let key = settlement::key(month, self.shard);
-            let result =
-                jobs::run_once(&self.pool, &self.job, key, &self.opts, &self.shutdown, &|_| {})
-                    .await;
+            let result = jobs::run_once(
+                &self.pool,
+                &self.job,
+                key,
+                &self.opts,
+                &self.shutdown,
+                &|_| {},
+            )
+            .await;
             match result {
                 Ok(report) if report.skipped.is_none() => {
                     metrics::counter!(m::RUNS_TOTAL, "outcome" => "settled").increment(1);
@@ -518,7 +524,7 @@ impl Replica {
             .map(|m| m.first_day().and_time(chrono::NaiveTime::MIN))
             .collect();
         let counts = settlement::unsettled_by_month(
-            &mut *tx,
+            &mut tx,
             &keys,
             self.shard.count.into(),
             self.shard.index.into(),

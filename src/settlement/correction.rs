@@ -378,10 +378,10 @@ fn correction_sql() -> &'static str {
                         (correction_key, loan_id, business_date, old_cents, new_cents)
                  SELECT $11, id, $12, old, new FROM changed WHERE settled
              )
-             SELECT (SELECT count(*) FROM page), (SELECT max(id) FROM page),
+             SELECT (SELECT count(*) FROM page), (SELECT max(id)::bigint FROM page),
                     (SELECT count(*) FROM changed),
                     (SELECT count(*) FROM page WHERE held),
-                    ARRAY(SELECT id FROM page WHERE held ORDER BY id LIMIT {HELD_IDS})"
+                    ARRAY(SELECT id::bigint FROM page WHERE held ORDER BY id LIMIT {HELD_IDS})"
         )
     })
 }

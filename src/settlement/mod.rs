@@ -380,7 +380,7 @@ impl Job for FineSettlement {
         let bounds = Bounds::for_key(key)?;
         let mut tx = pool.begin_with(begin_batch_sql(&self.guards)).await?;
         let counts =
-            unsettled_by_month(&mut *tx, &[bounds.month], bounds.shards, bounds.shard).await?;
+            unsettled_by_month(&mut tx, &[bounds.month], bounds.shards, bounds.shard).await?;
         tx.rollback().await?;
         Ok(counts.first().map_or(0, |c| c.late))
     }
@@ -616,7 +616,7 @@ impl BatchSql {
 
     fn new(order: &str, last: &str) -> BatchSql {
         let page = format!(
-            "SELECT count(*), {last}(id) FROM (
+            "SELECT count(*), {last}(id)::bigint FROM (
                  SELECT id FROM loans
                   WHERE {MONTH_KEY} = $1 AND fine_settled_at IS NULL AND returned_on IS NOT NULL
                     AND id + 0 BETWEEN $2 AND $3 AND ($4 = 1 OR (id % $4 + $4) % $4 = $5)
@@ -650,7 +650,7 @@ impl BatchSql {
              )
              SELECT (SELECT count(*) FROM odd),
                     (SELECT count(*) FROM flagged WHERE held),
-                    ARRAY(SELECT id FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})"
+                    ARRAY(SELECT id::bigint FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})"
         );
         let settle = format!(
             "UPDATE loans l

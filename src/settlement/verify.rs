@@ -131,7 +131,7 @@ async fn read(
                 (array_agg(id ORDER BY id) FILTER (WHERE NOT settled AND NOT held))[1:{HELD_IDS}],
                 count(*) FILTER (WHERE held),
                 (array_agg(id ORDER BY id) FILTER (WHERE held))[1:{HELD_IDS}]
-           FROM (SELECT l.id, l.fine_cents, l.fine_settled_at,
+           FROM (SELECT l.id::bigint AS id, l.fine_cents::bigint AS fine_cents, l.fine_settled_at,
                         l.fine_settled_at IS NOT NULL AS settled,
                         {HELD_ROW} AS held,
                         CASE WHEN {HELD_ROW} THEN NULL ELSE {fine} END AS expected

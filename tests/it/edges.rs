@@ -1,0 +1,449 @@
+//! Odd rows and odd values never move money silently (issue 24), with the real binary: loans the
+//! rule cannot price are held and named; a `loans` table of another shape is refused before
+//! anything is written; business dates outside years 1–9999 are bad input; month totals beyond a
+//! bigint are reported, not failed on.
+
+use crate::helpers::*;
+use settlementd::fine::FineRule;
+use std::process::Output;
+
+fn cli(url: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
+    settlementd(Some(url))
+        .envs(env.iter().copied())
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn json_of(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The held loans of the tests below: ids and the due date that makes the rule unable to price
+/// them (`NULL` needs a `loans` whose `due_on` is nullable, as tables that predate settlementd
+/// may have).
+const HELD: [(i64, &str); 4] = [
+    (5, "'-infinity'"),
+    (12, "'infinity'"),
+    (17, "NULL"),
+    (26, "'-infinity'"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_rows_between_ordinary_ones_are_named_and_left_while_every_other_row_settles() {
+    let db = test_db().await;
+    let month = due_month();
+    sqlx::query("ALTER TABLE loans ALTER COLUMN due_on DROP NOT NULL")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    // 30 loans returned in the month, ids 1..30, four of them with a due date the rule cannot
+    // price; one loan in a hundred of an ordinary month would do, but thirty shows every row.
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT i, 1, 1, $1::date - 30, $1::date - (i % 7), $1::date + (i % 20)
+           FROM generate_series(1, 30) i",
+    )
+    .bind(month.first_day())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for (id, due) in HELD {
+        sqlx::query(&format!(
+            "UPDATE loans SET due_on = {due}::date WHERE id = $1"
+        ))
+        .bind(id)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let m = month.to_string();
+    let mut reported = Vec::new();
+    for shard in ["0", "1"] {
+        let out = cli(
+            &db.url,
+            &[
+                ("SETTLEMENTD__BATCH__SIZE", "1"),
+                ("SETTLEMENTD__LOG__FORMAT", "text"),
+            ],
+            &[
+                "run",
+                "--business-date",
+                &m,
+                "--shards",
+                "2",
+                "--shard",
+                shard,
+                "--json",
+            ],
+        );
+        assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+        let report = json_of(&out);
+        let ids: Vec<i64> = serde_json::from_value(report["held_ids"].clone()).unwrap();
+        assert_eq!(report["held"].as_u64(), Some(ids.len() as u64), "{report}");
+        // The warning names them.
+        if !ids.is_empty() {
+            let warning = stderr_of(&out);
+            assert!(
+                warning.contains("rows held (bad dates") && warning.contains(&format!("{ids:?}")),
+                "{warning}"
+            );
+        }
+        reported.extend(ids);
+    }
+    reported.sort();
+    let mut held: Vec<i64> = HELD.iter().map(|h| h.0).collect();
+    held.sort();
+    assert_eq!(reported, held);
+
+    // Every other row is settled, at the rule's fine; the held ones are not, at any amount.
+    let rows: Vec<(i64, Option<chrono::NaiveDate>, chrono::NaiveDate, i64, bool)> = sqlx::query_as(
+        "SELECT id, CASE WHEN isfinite(due_on) THEN due_on END, returned_on, fine_cents,
+                    fine_settled_at IS NOT NULL
+               FROM loans ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    for (id, due, returned, fine, settled) in rows {
+        if held.contains(&id) {
+            assert!(!settled && fine == 0, "held loan {id}");
+        } else {
+            assert!(settled, "loan {id}");
+            assert_eq!(fine, FineRule::default().fine_cents(due.unwrap(), returned));
+        }
+    }
+    let events: Vec<String> = sqlx::query_scalar(
+        "SELECT message FROM job_events WHERE event = 'held_rows' ORDER BY shard",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert!(events.iter().all(|e| e.contains("rows held (bad dates")));
+
+    // status, verify and the page say so.
+    let status = cli(
+        &db.url,
+        &[],
+        &["status", "--business-date", &m, "--shards", "2"],
+    );
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(text.contains("4 rows held (bad dates)"), "{text}");
+    assert!(
+        text.contains(": closed"),
+        "held rows do not keep the month open: {text}"
+    );
+    let out = cli(&db.url, &[], &["verify", "--business-date", &m, "--json"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(json_of(&out)["held"]["ids"], serde_json::json!(held));
+    assert!(stderr_of(&out).contains("4 rows held (bad dates), ids [5, 12, 17, 26]"));
+    let replica = ServeProcess::start(
+        &db.url,
+        &[
+            ("SETTLEMENTD__SHARD__COUNT", "2"),
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "3"),
+        ],
+    );
+    replica.wait_for("/readyz", 200).await;
+    let page = replica.wait_for("/status", 200).await;
+    assert!(page.contains("4 rows held (bad dates)"), "{page}");
+    // Shard 0's held rows (ids 12 and 26) are on its gauge.
+    assert!(
+        eventually(10, || async {
+            replica.metric("settlementd_held_rows").await == 2.0
+        })
+        .await,
+        "settlementd_held_rows"
+    );
+    drop(replica);
+
+    // Fixed, a held row is settled by the next run of its shard, under the month's rule.
+    sqlx::query("UPDATE loans SET due_on = returned_on - 3 WHERE id = 17")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let out = cli(
+        &db.url,
+        &[],
+        &[
+            "run",
+            "--business-date",
+            &m,
+            "--shards",
+            "2",
+            "--shard",
+            "1",
+            "--json",
+        ],
+    );
+    let report = json_of(&out);
+    assert_eq!(
+        (report["late_returns"].as_u64(), report["updated"].as_u64()),
+        (Some(1), Some(1))
+    );
+    assert_eq!(report["held_ids"], serde_json::json!([5]));
+    let (fine, settled): (i64, bool) =
+        sqlx::query_as("SELECT fine_cents, fine_settled_at IS NOT NULL FROM loans WHERE id = 17")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((fine, settled), (150, true));
+}
+
+/// An empty database with a `loans` table of libraryd's making, created by `ddl`.
+async fn libraryd_db(ddl: &str) -> (String, sqlx::PgPool) {
+    let (_name, url) = empty_db().await;
+    let pool = sqlx::PgPool::connect(&url).await.unwrap();
+    sqlx::query(ddl).execute(&pool).await.unwrap();
+    (url, pool)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loans_table_of_another_shape_is_refused_by_migrate_in_one_line_and_nothing_is_written() {
+    let table = |id: &str, due: &str, returned: &str, fine: &str| {
+        format!(
+            "CREATE TABLE loans (id {id} PRIMARY KEY, member_id bigint NOT NULL, book_id bigint \
+             NOT NULL, borrowed_on date NOT NULL, due_on {due}, returned_on {returned}{fine})"
+        )
+    };
+    let cases = [
+        (
+            table("bigint", "date NOT NULL", "timestamptz", ""),
+            "column returned_on is timestamp with time zone; it must be date",
+        ),
+        (
+            table("bigint", "date NOT NULL", "timestamp", ""),
+            "column returned_on is timestamp without time zone; it must be date",
+        ),
+        (
+            table("bigint", "text", "date", ""),
+            "column due_on is text; it must be date",
+        ),
+        (
+            table("numeric(20)", "date", "date", ""),
+            "column id is numeric(20,0); it must be an integer type",
+        ),
+        (
+            table(
+                "bigint",
+                "date",
+                "date",
+                ", fine_cents numeric(12,2) NOT NULL DEFAULT 0",
+            ),
+            "column fine_cents is numeric(12,2); it must be bigint",
+        ),
+    ];
+    for (ddl, needle) in cases {
+        let (url, pool) = libraryd_db(&ddl).await;
+        let out = cli(&url, &[], &["migrate"]);
+        assert_eq!(out.status.code(), Some(2), "{ddl}: {}", stderr_of(&out));
+        let line = stderr_of(&out);
+        assert!(line.contains(needle), "{ddl}: {line}");
+        assert_eq!(line.trim_end().lines().count(), 1);
+        let written: (bool, bool) = sqlx::query_as(
+            "SELECT to_regclass('_sqlx_migrations') IS NOT NULL,
+                    EXISTS (SELECT FROM pg_attribute WHERE attrelid = 'loans'::regclass
+                             AND attname = 'fine_settled_at')",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(written, (false, false), "{ddl}: nothing written");
+        pool.close().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_integer_fine_column_is_accepted_while_the_cap_fits_it_and_refused_everywhere_when_not()
+{
+    let (url, pool) = libraryd_db(
+        "CREATE TABLE loans (id integer PRIMARY KEY, member_id bigint NOT NULL, book_id bigint \
+         NOT NULL, borrowed_on date NOT NULL, due_on date, returned_on date, \
+         fine_cents integer NOT NULL DEFAULT 0)",
+    )
+    .await;
+    let big = [("SETTLEMENTD__FINE__MAX_CENTS", "3000000000")];
+    let out = cli(&url, &big, &["migrate"]);
+    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("column fine_cents is integer, which holds at most 2147483647, but the configured cap fine.max_cents is 3000000000"),
+        "{}",
+        stderr_of(&out)
+    );
+    // The default cap fits: migrated, and a month settles.
+    run_ok(&mut settlementd(Some(&url)).arg("migrate"));
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (1, 1, 1, '2026-09-01', '2026-09-20', '2026-10-05')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    run_ok(&mut settlementd(Some(&url)).args(["run", "--business-date", "2026-10-31"]));
+    // With the cap raised, run and serve refuse before writing anything.
+    for args in [&["run", "--business-date", "2026-09-30"][..], &["serve"]] {
+        let out = settlementd(Some(&url))
+            .envs(big)
+            .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", stderr_of(&out));
+        assert!(stderr_of(&out).contains("fine.max_cents is 3000000000"));
+    }
+    let claims: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM job_runs WHERE business_date = '2026-09-30'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(claims, 0);
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn business_dates_outside_years_1_to_9999_are_bad_input_and_year_1_settles() {
+    let db = test_db().await;
+    for date in ["-4714-12-31", "0000-12-31", "-262143-01-31", "10000-01-31"] {
+        let arg = format!("--business-date={date}");
+        for command in ["run", "status", "verify"] {
+            let out = cli(&db.url, &[], &[command, &arg]);
+            assert_eq!(
+                out.status.code(),
+                Some(2),
+                "{command} {date}: {}",
+                stderr_of(&out)
+            );
+            assert!(
+                stderr_of(&out).contains("1 to 9999")
+                    || stderr_of(&out).contains("between 1 and 9999"),
+                "{}",
+                stderr_of(&out)
+            );
+        }
+    }
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (1, 1, 1, '0001-01-01', '0001-01-10', '0001-01-13')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let out = cli(
+        &db.url,
+        &[],
+        &["run", "--business-date", "0001-01-31", "--json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert_eq!(json_of(&out)["updated"], 1);
+    let fine: i64 = sqlx::query_scalar("SELECT fine_cents FROM loans WHERE id = 1")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(fine, 150);
+
+    // Over HTTP: 400, and nothing stored.
+    let token = "0123456789abcdef0123456789abcdef";
+    let replica = ServeProcess::start(&db.url, &[("SETTLEMENTD__HTTP__ADMIN_TOKEN", token)]);
+    replica.wait_for("/healthz", 200).await;
+    for (i, date) in ["-262143-01-31", "0000-12-31"].iter().enumerate() {
+        let key = format!("edge-{i}");
+        let answer = http(
+            replica.addr,
+            "POST",
+            "/v1/runs",
+            &[
+                ("Authorization", &format!("Bearer {token}")),
+                ("Idempotency-Key", &key),
+            ],
+            &format!("{{\"business_date\": \"{date}\"}}"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(answer.status, 400, "{date}: {}", answer.body);
+        assert!(
+            answer.body.contains("between 1 and 9999"),
+            "{}",
+            answer.body
+        );
+    }
+    let (page, _) = (
+        replica
+            .wait_for("/status?business_date=0000-12-31", 400)
+            .await,
+        (),
+    );
+    assert!(page.contains("between 1 and 9999"));
+    drop(replica);
+    let stored: i64 = sqlx::query_scalar("SELECT count(*) FROM run_requests")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(stored, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_month_whose_fines_sum_beyond_a_bigint_is_reported_by_status_and_verify() {
+    let db = test_db().await;
+    let month = bd("2026-10-31");
+    seed_month(&db.pool, month, 20, 1).await;
+    run_ok(&mut settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31"]));
+    sqlx::query(
+        "UPDATE loans SET fine_cents = 9223372036854775807 WHERE id IN (
+             SELECT id FROM loans WHERE fine_settled_at IS NOT NULL ORDER BY id LIMIT 2)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let rest: i64 = sqlx::query_scalar(
+        "SELECT sum(fine_cents)::bigint FROM loans WHERE fine_settled_at IS NOT NULL
+            AND fine_cents < 9223372036854775807",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let expected = 2 * i128::from(i64::MAX) + i128::from(rest);
+    let out = cli(
+        &db.url,
+        &[],
+        &["status", "--business-date", "2026-10-31", "--json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let status = json_of(&out);
+    assert_eq!(
+        status["totals"]["fine_cents_sum"].to_string(),
+        expected.to_string(),
+        "{status}"
+    );
+    let out = cli(
+        &db.url,
+        &[],
+        &["verify", "--business-date", "2026-10-31", "--json"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "two fines edited: {}",
+        stderr_of(&out)
+    );
+    let verify = json_of(&out);
+    assert_eq!(
+        verify["totals"]["fine_cents_sum"].to_string(),
+        expected.to_string()
+    );
+    assert_eq!(verify["mismatched"]["count"], 2);
+    let replica = ServeProcess::start(&db.url, &[]);
+    let page = replica
+        .wait_for("/status?business_date=2026-10-31&shards=1", 200)
+        .await;
+    assert!(
+        page.contains("184,467,440,737,095,"),
+        "the sum in money on the page"
+    );
+}
