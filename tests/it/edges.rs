@@ -278,7 +278,7 @@ async fn an_integer_fine_column_is_accepted_while_the_cap_fits_it_and_refused_ev
         stderr_of(&out)
     );
     // The default cap fits: migrated, and a month settles.
-    run_ok(&mut settlementd(Some(&url)).arg("migrate"));
+    run_ok(settlementd(Some(&url)).arg("migrate"));
     sqlx::query(
         "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
          VALUES (1, 1, 1, '2026-09-01', '2026-09-20', '2026-10-05')",
@@ -286,7 +286,7 @@ async fn an_integer_fine_column_is_accepted_while_the_cap_fits_it_and_refused_ev
     .execute(&pool)
     .await
     .unwrap();
-    run_ok(&mut settlementd(Some(&url)).args(["run", "--business-date", "2026-10-31"]));
+    run_ok(settlementd(Some(&url)).args(["run", "--business-date", "2026-10-31"]));
     // With the cap raised, run and serve refuse before writing anything.
     for args in [&["run", "--business-date", "2026-09-30"][..], &["serve"]] {
         let out = settlementd(Some(&url))
@@ -393,7 +393,7 @@ async fn a_month_whose_fines_sum_beyond_a_bigint_is_reported_by_status_and_verif
     let db = test_db().await;
     let month = bd("2026-10-31");
     seed_month(&db.pool, month, 20, 1).await;
-    run_ok(&mut settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31"]));
+    run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31"]));
     sqlx::query(
         "UPDATE loans SET fine_cents = 9223372036854775807 WHERE id IN (
              SELECT id FROM loans WHERE fine_settled_at IS NOT NULL ORDER BY id LIMIT 2)",

@@ -364,7 +364,7 @@ async fn a_return_keyed_into_a_month_while_its_run_works_is_settled_by_the_run_o
     seed_month(&db.pool, month, 3000, 1).await;
     // One shard in small batches, so the run takes a while; returns are keyed in meanwhile, some
     // behind its cursor (ids below it, and loans still out that come back), some ahead.
-    let mut run = settlementd(Some(&db.url))
+    let run = settlementd(Some(&db.url))
         .env("SETTLEMENTD__BATCH__SIZE", "3")
         .args(["run", "--business-date", "2026-10-31", "--json"])
         .stdout(std::process::Stdio::piped())
