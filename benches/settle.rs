@@ -20,7 +20,9 @@
 //!   NULL` pipelined 500 at a time, one transaction per 500 (what JDBC `executeBatch` does);
 //! - `S1`, `S2`, `S3`: real `settlementd run` processes, 1, 2 or 3 shards in parallel; wall time
 //!   from the first spawn to the last exit, peak RSS of each process (`VmHWM`);
-//! - `R`: `settlementd run --force` of the settled month right after `S1`, and again after VACUUM.
+//! - `R`: `settlementd run --force` of the settled month right after `S1`, and again after VACUUM;
+//! - `V`: `settlementd verify` of the month right after `S1` (before `R`): every loan returned in
+//!   the month recomputed from its rule, one read-only pass; must answer "right".
 //!
 //! Shapes (`SETTLE_BENCH_SHAPE`, comma-separated; sizes scale with `SETTLE_BENCH_LOANS`, default
 //! 1,000,000 = `B`):
@@ -344,6 +346,7 @@ async fn bench(
     let want =
         |c: &str| shape.cases.contains(&c) && only.map_or(true, |o| o.iter().any(|x| x == c));
     let want_rerun = only.map_or(true, |o| o.iter().any(|x| x == "R"));
+    let want_verify = only.map_or(true, |o| o.iter().any(|x| x == "V"));
     // Case names in table order; a case with several batch sizes gets one row per size.
     let label = |case: &str, b: Option<u32>| match (batches.len() > 1, b) {
         (true, Some(b)) => format!("{case}@{b}"),
@@ -356,6 +359,7 @@ async fn bench(
     for (i, &b) in batches.iter().enumerate() {
         samples.push((label("S1", b), Vec::new()));
         if i == 0 {
+            samples.push(("V-after-run".into(), Vec::new()));
             samples.push(("R-after-run".into(), Vec::new()));
             samples.push(("R-after-vacuum".into(), Vec::new()));
         }
@@ -371,7 +375,7 @@ async fn bench(
         vec![("L", None, false), ("L2", None, false), ("N", None, false)];
     for (i, &b) in batches.iter().enumerate() {
         for case in ["S1", "S2", "S3"] {
-            runs.push((case, b, want_rerun && i == 0 && case == "S1"));
+            runs.push((case, b, i == 0 && case == "S1"));
         }
     }
     let mut reference: Option<MonthTotals> = None;
@@ -407,7 +411,15 @@ async fn bench(
                 sizes.push((name.clone(), relation_sizes(&mut db).await?));
             }
             push(&name, sample);
-            if with_rerun {
+            if with_rerun && want_verify {
+                let verified = verify_process(url, month, expected)?;
+                println!(
+                    "rep {rep} V         {:>8.1} ms right after the run",
+                    verified.wall_ms
+                );
+                push("V-after-run", verified);
+            }
+            if with_rerun && want_rerun {
                 let again = processes(url, month, 1, batch, true)?;
                 check_noop(&again)?;
                 println!(
@@ -800,6 +812,43 @@ fn processes(
 /// Peak RSS of a running process in KiB: its `VmHWM`, polled every millisecond until it exits.
 /// (`ru_maxrss` from `wait4` would not do: Linux carries the pre-exec image, a copy of this
 /// benchmark process, into the child's maximum.)
+/// `settlementd verify --json` of `month`, timed from spawn to exit; it must find the month right
+/// with `expected` rows settled.
+fn verify_process(url: &str, month: BusinessDate, expected: u64) -> Result<Sample, BoxError> {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_settlementd"));
+    for (key, _) in std::env::vars() {
+        if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
+            cmd.env_remove(key);
+        }
+    }
+    let t = Instant::now();
+    let out = cmd
+        .env("SETTLEMENTD__DATABASE__URL", url)
+        .args(["verify", "--json", "--business-date"])
+        .arg(month.to_string())
+        .stdin(Stdio::null())
+        .output()?;
+    let wall_ms = ms(t.elapsed());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "verify printed {:?} ({e}): {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    let settled = v["totals"]["settled_rows"].as_u64();
+    if !out.status.success() || v["right"] != true || settled != Some(expected) {
+        return Err(
+            format!("verify did not find the month right with {expected} rows: {v}").into(),
+        );
+    }
+    Ok(Sample {
+        wall_ms,
+        scanned: v["returned"].as_u64().unwrap_or(0),
+        ..Sample::default()
+    })
+}
+
 fn watch_hwm(pid: u32) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {
         let path = format!("/proc/{pid}/status");
@@ -875,6 +924,7 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
         "S2" => "settlementd run, 2 shards in parallel (processes)",
         "S3" => "settlementd run, 3 shards in parallel (processes)",
         "R-after-run" => "settlementd run --force of the settled month, right after S1",
+        "V-after-run" => "settlementd verify of the month (read-only), right after S1",
         _ => "settlementd run --force of the settled month, after VACUUM",
     };
     let l_rate = samples
@@ -887,7 +937,9 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
         .filter(|(_, v)| !v.is_empty())
         .map(|(case, v)| {
             let wall = median(v.iter().map(|s| s.wall_ms).collect());
-            let rerun = case.starts_with('R');
+            // A re-run or a verify settles nothing: no rate, no ratio to L (the summary compares
+            // verify's time with L's).
+            let rerun = case.starts_with('R') || case.starts_with('V');
             let rows = if rerun { 0 } else { expected };
             let rate = rows as f64 / (wall / 1000.0);
             Row {
@@ -1107,8 +1159,8 @@ fn print_summary(all: &[(&str, Vec<Row>)], doubled: Option<&Doubled>) {
 summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; R in ms)"
     );
     println!(
-        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>9}",
-        "shape", "S1", "S2", "S3", "best", "L2", "S1 ms", "R ms", "RSS MiB"
+        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>10} {:>10} {:>9}",
+        "shape", "S1", "S2", "S3", "best", "L2", "V÷L", "S1 ms", "R ms", "RSS MiB"
     );
     for (shape, rows) in all {
         let best = ["S2", "S3"]
@@ -1119,14 +1171,19 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
             .iter()
             .filter_map(|r| r.peak_rss_mib)
             .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+        // verify's time against L's (lower is better; the target is at most 1).
+        let verify_over_l = get(shape, "V-after-run")
+            .zip(get(shape, "L"))
+            .map(|(v, l)| v.wall_ms / l.wall_ms);
         println!(
-            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>10} {:>10} {:>9}",
+            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>10} {:>10} {:>9}",
             shape,
             fmt(ratio(shape, "S1")),
             fmt(ratio(shape, "S2")),
             fmt(ratio(shape, "S3")),
             fmt(best),
             fmt(ratio(shape, "L2")),
+            fmt(verify_over_l),
             get(shape, "S1").map_or("-".into(), |r| format!("{:.0}", r.wall_ms)),
             get(shape, "R-after-run").map_or("-".into(), |r| format!("{:.1}", r.wall_ms)),
             rss.map_or("-".into(), |m| format!("{m:.1}")),

@@ -6,7 +6,9 @@
 //! 2. the seed's trap — `fine_cents = 0` as the "not settled" marker, run twice inside a transaction
 //!    that is rolled back: the second run settles every zero-fine loan again;
 //! 3. the real thing — three replicas (shards 0..2 of 3) at once, then two duplicates of every shard,
-//!    then a forced re-run, with the month's settled digest after each round: identical every time.
+//!    then a forced re-run, with the month's settled digest after each round: identical every time;
+//!    then two returns keyed into the closed month, settled by the next run of their shards under
+//!    the month's pinned rule, and a replica on a stale fine rule, refused (exit 3).
 //!
 //! Everything but the `ms` column is reproducible: the month, the seed and the data are fixed.
 
@@ -17,7 +19,8 @@ use crate::calendar::BusinessDate;
 use crate::config::{Settings, ShardSpec};
 use crate::db;
 use crate::embedded_pg::{EmbeddedOptions, EmbeddedPg};
-use crate::jobs::{self, claim, ClaimOutcome, JobKey, Owner, RunReport, SkipReason};
+use crate::fine::FineSchedule;
+use crate::jobs::{self, claim, ClaimOutcome, JobError, JobKey, Owner, RunReport, SkipReason};
 use crate::seed::{self, SeedSpec};
 use crate::settlement::{self, FineSettlement, MonthTotals};
 use sqlx::PgPool;
@@ -211,7 +214,98 @@ async fn chapters(
             "the re-runs changed the month: settlement is not idempotent".into(),
         ));
     }
+    late_returns_and_a_stale_rule(settings, pool, &job, month, out, shutdown).await
+}
+
+/// Rounds 4 and 5: what "settled" guarantees besides "ran once" — returns keyed into a closed month
+/// are settled by the next run of their shard, and a replica whose fine rule is not the month's
+/// pinned one settles nothing.
+async fn late_returns_and_a_stale_rule(
+    settings: &Settings,
+    pool: &PgPool,
+    job: &FineSettlement,
+    month: BusinessDate,
+    out: &mut (dyn Write + Send),
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    let all: Vec<u32> = (0..SHARDS).collect();
+    say!(
+        out,
+        "\nround 4: two returns keyed into {MONTH} after it closed (a drop box emptied late); the next\n\
+         run of their shards settles them under the month's pinned rule instead of skipping"
+    );
+    let late_ids = [LOANS as i64 + 1, LOANS as i64 + 2];
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT id, 1, 1, $1::date - 20, $1::date - 6, $1::date FROM unnest($2::bigint[]) id",
+    )
+    .bind(month.date())
+    .bind(&late_ids[..])
+    .execute(pool)
+    .await?;
+    let round4 = round(settings, pool, job, month, &all, false, shutdown).await?;
+    print_table(out, &round4)?;
+    let totals4 = settlement::month_totals(pool, month).await?;
+    print_totals(out, month, &totals4, None)?;
+    let settled_late: u64 = round4.iter().map(|r| r.late).sum();
+    let left = unsettled(pool, month).await?;
+    say!(
+        out,
+        "late returns keyed={} settled={settled_late} left={left}",
+        late_ids.len()
+    );
+
+    let rule = settlement::rule_of(&settings.fine, month.date()).map_err(AppError::Invalid)?;
+    let mut stale = rule.rule;
+    stale.daily_rate_cents += 49;
+    say!(
+        out,
+        "\nround 5: a replica on a stale configuration ({} cents a day) asks for shard 0 of the month",
+        stale.daily_rate_cents
+    );
+    let stale_job = FineSettlement {
+        rules: FineSchedule::single(stale),
+        ..job.clone()
+    };
+    let key = settlement::key(month, ShardSpec::new(0, SHARDS)?);
+    let opts = app::run_options(settings, false, false);
+    let refused = jobs::run_once(pool, &stale_job, key, &opts, shutdown, &|_| {}).await;
+    let exit = match refused {
+        Err(e @ JobError::ParamsConflict { .. }) => {
+            say!(out, "  refused: {e}");
+            3
+        }
+        other => {
+            return Err(AppError::Failed(format!(
+                "a replica with another rule was not refused: {other:?}"
+            )))
+        }
+    };
+    let totals5 = settlement::month_totals(pool, month).await?;
+    print_totals(out, month, &totals5, None)?;
+    say!(
+        out,
+        "rule conflict exit={exit} unchanged={} (the month stays under the rule its first claim pinned)",
+        totals5 == totals4
+    );
+    if settled_late != late_ids.len() as u64 || left != 0 || totals5 != totals4 {
+        return Err(AppError::Failed(
+            "late returns were left, or a stale rule changed the month".into(),
+        ));
+    }
     Ok(())
+}
+
+/// Returns of `month` not settled.
+async fn unsettled(pool: &PgPool, month: BusinessDate) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM loans
+          WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NULL",
+    )
+    .bind(month.first_day())
+    .bind(month.date())
+    .fetch_one(pool)
+    .await?)
 }
 
 /// Two owners claim one key on the job layer; the winner then marks it SUCCESS.

@@ -77,6 +77,17 @@ fn demo_tells_the_story_exits_0_and_removes_its_cluster() {
     assert_eq!(value(&forced, "second"), 0, "{stdout}");
     assert_eq!(value(&forced, "totalFirst"), value(&forced, "totalSecond"));
     assert!(value(&forced, "totalFirst") > 0);
+    // Round 4: the two late returns are settled; round 5: the stale rule is refused, nothing moves.
+    assert!(
+        lines.contains(&"late returns keyed=2 settled=2 left=0"),
+        "{stdout}"
+    );
+    assert!(
+        lines.contains(
+            &"rule conflict exit=3 unchanged=true (the month stays under the rule its first claim pinned)"
+        ),
+        "{stdout}"
+    );
     // On a machine without a server, the process that fetches PostgreSQL says so in one line.
     let noise = stderr
         .lines()

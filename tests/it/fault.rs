@@ -429,3 +429,196 @@ async fn fault_sigkill_aimed_at_every_point_of_a_run_ends_as_one_clean_run_every
 fn spawn_shard_command(url: &str, shard: u32) -> std::process::Command {
     run_command(url, shard, ROUND_SHARDS)
 }
+
+/// `settlementd correct` of the month under 60 cents a day, key `key`, in batches of `batch`.
+fn correct_command(url: &str, key: &str, batch: u32) -> std::process::Command {
+    let mut cmd = settlementd(Some(url));
+    cmd.env("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60")
+        .env("SETTLEMENTD__BATCH__SIZE", batch.to_string())
+        .args([
+            "correct",
+            "--business-date",
+            MONTH,
+            "--reason",
+            "the 2026 rate",
+        ])
+        .args(["--key", key, "--json"]);
+    cmd
+}
+
+/// Ages every RUNNING claim past its lease, as if its killed holder had stopped an hour ago.
+async fn age_running(pool: &PgPool) {
+    sqlx::query(
+        "UPDATE job_runs SET heartbeat_at = heartbeat_at - interval '1 hour' WHERE status = 'RUNNING'",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Every adjustment a correction recorded: (loan, old cents, new cents), by loan.
+async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
+    sqlx::query_as(
+        "SELECT loan_id, old_cents, new_cents FROM fine_adjustments ORDER BY loan_id, id",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: slow; run with --ignored"]
+async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_applied_once() {
+    let month = bd(MONTH);
+    let clean = test_db().await;
+    let chaos = test_db().await;
+    for db in [&clean, &chaos] {
+        seed_month(&db.pool, month, 30_000, 1).await;
+        settle_shards(&db.pool, month, SHARDS, 500).await;
+    }
+    let out = correct_command(&clean.url, "RATE-60", 100)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let seed = std::env::var("SETTLEMENTD_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("correction kill rounds: SETTLEMENTD_FAULT_SEED={seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (mut kills, mut terms, mut rounds) = (0, 0, 0);
+    loop {
+        rounds += 1;
+        assert!(rounds < 200, "the correction never completed");
+        let mut child = correct_command(&chaos.url, "RATE-60", 100)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Kill the first rounds at random moments; let a later one finish.
+        if rounds <= 12 {
+            tokio::time::sleep(Duration::from_millis(rng.random_range(20..400))).await;
+            if rng.random_bool(0.5) {
+                let _ = child.kill();
+                kills += 1;
+            } else {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                terms += 1;
+            }
+        }
+        let status = child.wait().unwrap();
+        assert_ne!(status.code(), Some(2), "{status:?}");
+        age_running(&chaos.pool).await;
+        let completed: bool = sqlx::query_scalar(
+            "SELECT completed_at IS NOT NULL FROM fine_corrections WHERE correction_key = 'RATE-60'",
+        )
+        .fetch_optional(&chaos.pool)
+        .await
+        .unwrap()
+        .unwrap_or(false);
+        if completed && status.success() {
+            break;
+        }
+    }
+    eprintln!("correction finished after {kills} SIGKILLs and {terms} SIGTERMs ({rounds} runs)");
+    assert_eq!(
+        settled_rows(&chaos.pool).await,
+        settled_rows(&clean.pool).await
+    );
+    assert_eq!(
+        adjustments(&chaos.pool).await,
+        adjustments(&clean.pool).await,
+        "never applied twice"
+    );
+    let out = settlementd(Some(&chaos.url))
+        .env("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60")
+        .args(["verify", "--business-date", MONTH])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: slow; run with --ignored"]
+async fn fault_late_return_runs_killed_at_random_moments_settle_every_late_return_once() {
+    let month = bd(MONTH);
+    let clean = test_db().await;
+    let chaos = test_db().await;
+    for db in [&clean, &chaos] {
+        seed_month(&db.pool, month, 40_000, 1).await;
+        settle_shards(&db.pool, month, SHARDS, 500).await;
+        // The 4,000 loans still out come back within the month after it closed.
+        sqlx::query("UPDATE loans SET returned_on = '2026-10-28' WHERE returned_on IS NULL")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    }
+    for shard in 0..SHARDS {
+        let out = run_command(&clean.url, shard, SHARDS).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let (mut kills, mut rounds) = (0, 0);
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM loans
+              WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31' AND fine_settled_at IS NULL",
+        )
+        .fetch_one(&chaos.pool)
+        .await
+        .unwrap();
+        if left == 0 {
+            break;
+        }
+        rounds += 1;
+        assert!(rounds < 200, "late returns left: {left}");
+        let mut children: Vec<Child> = (0..SHARDS)
+            .map(|s| {
+                run_command(&chaos.url, s, SHARDS)
+                    .env("SETTLEMENTD__BATCH__SIZE", "2")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(rng.random_range(5..200))).await;
+        // The first rounds end every run abruptly, at a random point; later ones may finish.
+        for child in &mut children {
+            if rounds <= 6 || rng.random_bool(0.3) {
+                let _ = child.kill();
+                kills += 1;
+            }
+        }
+        for mut child in children {
+            assert_ne!(child.wait().unwrap().code(), Some(2));
+        }
+        age_running(&chaos.pool).await;
+    }
+    eprintln!("late returns settled after {kills} SIGKILLs in {rounds} rounds");
+    assert!(kills >= 3 && rounds > 3, "the faults happened");
+    assert_eq!(
+        settled_rows(&chaos.pool).await,
+        settled_rows(&clean.pool).await
+    );
+    assert_eq!(
+        settlement::month_totals(&chaos.pool, month).await.unwrap(),
+        settlement::month_totals(&clean.pool, month).await.unwrap()
+    );
+}
