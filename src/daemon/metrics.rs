@@ -181,6 +181,10 @@ pub fn describe() {
         metrics::counter!(REQUEST_RUNS_TOTAL, "outcome" => outcome).increment(0);
     }
     metrics::counter!(REQUESTS_ACCEPTED_TOTAL).increment(0);
+    // Set by the sweep at the first idle tick; present (0) from the start.
+    for gauge in [UNSETTLED_IN_CLOSED_MONTHS, HELD_ROWS] {
+        metrics::gauge!(gauge).set(0.0);
+    }
     for result in ["won", "lost", "done"] {
         metrics::counter!("settlementd_claims_total", "result" => result).increment(0);
     }
