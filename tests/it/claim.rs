@@ -295,3 +295,99 @@ async fn the_harness_runs_the_server_binaries_it_was_given() {
     );
     eprintln!("PostgreSQL server under test: {version}");
 }
+
+/// A claim of shard `shard` of `shards` of the test job's month, stating `params`.
+async fn claim_stating(
+    db: &TestDb,
+    shards: u32,
+    shard: u32,
+    params: &settlementd::jobs::Params,
+) -> ClaimOutcome {
+    let key = JobKey {
+        shards,
+        shard,
+        ..key()
+    };
+    let describe = |p: &settlementd::jobs::Params| p.0.to_string();
+    let opts = claim::ClaimOptions {
+        params: Some((params, &describe)),
+        ..claim::ClaimOptions::default()
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    claim::claim_for(&mut conn, &key, &owner("p"), TTL, opts)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_first_claim_of_a_period_pins_its_parameters_and_other_parameters_claim_nothing() {
+    let db = test_db().await;
+    let (a, b) = (
+        settlementd::jobs::Params(serde_json::json!({"rate": 37, "from": "2020-01"})),
+        settlementd::jobs::Params(serde_json::json!({"rate": 99, "from": "2020-01"})),
+    );
+    won(claim_stating(&db, 3, 0, &a).await);
+    // Any shard, any shard count: the period is pinned to `a`.
+    for (shards, shard) in [(3, 1), (4, 0), (1, 0)] {
+        match claim_stating(&db, shards, shard, &b).await {
+            ClaimOutcome::Conflict { pinned } => assert_eq!(pinned, a),
+            other => panic!("{shards}/{shard}: {other:?}"),
+        }
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "a refused claim writes no claim");
+    let refused: Vec<String> = sqlx::query_scalar(
+        "SELECT message FROM job_events WHERE event = 'rule_conflict' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(refused.len(), 3);
+    assert!(refused[0].contains("\"rate\":37") && refused[0].contains("\"rate\":99"));
+    // The same parameters, in another key order, are the same parameters.
+    let same = settlementd::jobs::Params(serde_json::json!({"from": "2020-01", "rate": 37}));
+    won(claim_stating(&db, 4, 0, &same).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_first_claims_with_two_parameter_sets_pin_one_and_refuse_the_other() {
+    let db = test_db().await;
+    let sets = [
+        settlementd::jobs::Params(serde_json::json!({"rate": 1})),
+        settlementd::jobs::Params(serde_json::json!({"rate": 2})),
+    ];
+    let mut tasks = Vec::new();
+    for shard in 0..8u32 {
+        let pool = db.pool.clone();
+        let params = sets[(shard % 2) as usize].clone();
+        let url = db.url.clone();
+        tasks.push(tokio::spawn(async move {
+            let db = TestDb {
+                name: String::new(),
+                url,
+                pool,
+            };
+            (params.clone(), claim_stating(&db, 8, shard, &params).await)
+        }));
+    }
+    let mut winners = Vec::new();
+    let mut refused = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            (params, ClaimOutcome::Won(_)) => winners.push(params),
+            (_, ClaimOutcome::Conflict { .. }) => refused += 1,
+            (_, other) => panic!("{other:?}"),
+        }
+    }
+    assert_eq!((winners.len(), refused), (4, 4));
+    assert!(winners.iter().all(|w| *w == winners[0]), "{winners:?}");
+    let pinned: serde_json::Value =
+        sqlx::query_scalar("SELECT params FROM job_params WHERE job_name = 'test-job'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(pinned, winners[0].0);
+}

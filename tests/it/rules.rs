@@ -172,6 +172,23 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
     }
     assert!(out.stdout.is_empty());
     assert_eq!(settled_rows(&db.pool).await, before);
+    // Forcing does not get around it, for a settled shard either.
+    let forced = cli(
+        &db.url,
+        &[(RATE, "99")],
+        &[
+            "run",
+            "--business-date",
+            &month.to_string(),
+            "--shard",
+            "0",
+            "--shards",
+            "2",
+            "--force",
+        ],
+    );
+    assert_eq!(forced.status.code(), Some(3), "{}", stderr_of(&forced));
+    assert_eq!(settled_rows(&db.pool).await, before);
 
     // A serve replica on the stale configuration: refused at every retry, logged once, counted,
     // shown in red, while it keeps serving its probes.
@@ -187,6 +204,59 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
         "the replica retries the month with its backoff"
     );
     stale.wait_for("/readyz", 200).await;
+    // A request over HTTP is refused the same way: its shard fails with the reason.
+    let token = "0123456789abcdef0123456789abcdef";
+    let api = ServeProcess::start(
+        &db.url,
+        &[
+            ("SETTLEMENTD__SHARD__INDEX", "0"),
+            ("SETTLEMENTD__SHARD__COUNT", "2"),
+            ("SETTLEMENTD__HTTP__ADMIN_TOKEN", token),
+            (RATE, "99"),
+        ],
+    );
+    api.wait_for("/healthz", 200).await;
+    let auth = format!("Bearer {token}");
+    let answer = http(
+        api.addr,
+        "POST",
+        "/v1/runs",
+        &[("Authorization", &auth), ("Idempotency-Key", "stale-force")],
+        &format!(
+            "{{\"business_date\": \"{month}\", \"shards\": 2, \"shard\": 0, \"force\": true}}"
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 202, "{}", answer.body);
+    let status_url = answer.json()["status_url"].as_str().unwrap().to_string();
+    let mut shown = serde_json::Value::Null;
+    for _ in 0..300 {
+        let answer = http(
+            api.addr,
+            "GET",
+            &status_url,
+            &[("Authorization", &auth)],
+            "",
+        )
+        .await
+        .unwrap();
+        shown = answer.json();
+        if shown["shards"][0]["state"] == "failed" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(shown["shards"][0]["state"], "failed", "{shown}");
+    assert!(
+        shown["shards"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("pinned to 37 cents a day"),
+        "{shown}"
+    );
+    drop(api);
+    assert_eq!(settled_rows(&db.pool).await, before);
     let page = stale.wait_for("/status", 200).await;
     let cell_start = page
         .find(&format!("id=\"cell-{month}-1\""))
