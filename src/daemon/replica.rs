@@ -348,14 +348,7 @@ impl Replica {
                     Some(r) if r.business_date == slot.business_date => r.failures + 1,
                     _ => 1,
                 };
-                let after = backoff(
-                    failures,
-                    self.retry.initial_secs,
-                    self.retry.max_secs,
-                    rand::random::<f64>(),
-                );
-                let not_before =
-                    self.clock.now() + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+                let (after, not_before) = self.retry_after(failures);
                 self.pending_retry = Some(Retry {
                     business_date: slot.business_date,
                     failures,
@@ -370,6 +363,20 @@ impl Replica {
                 }
             }
         }
+    }
+
+    /// The pause before retry number `failures` of anything ([`backoff`], jittered), and the clock
+    /// time it ends.
+    fn retry_after(&self, failures: u32) -> (Duration, DateTime<Utc>) {
+        let after = backoff(
+            failures,
+            self.retry.initial_secs,
+            self.retry.max_secs,
+            rand::random::<f64>(),
+        );
+        let not_before =
+            self.clock.now() + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+        (after, not_before)
     }
 
     /// A failed or refused run, in the log: a rule conflict once per month (it repeats at every
@@ -473,14 +480,7 @@ impl Replica {
                     };
                     metrics::counter!(m::RUNS_TOTAL, "outcome" => outcome).increment(1);
                     let failures = self.sweep_retries.get(&month).map_or(0, |r| r.0) + 1;
-                    let after = backoff(
-                        failures,
-                        self.retry.initial_secs,
-                        self.retry.max_secs,
-                        rand::random::<f64>(),
-                    );
-                    let not_before = self.clock.now()
-                        + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+                    let (after, not_before) = self.retry_after(failures);
                     self.sweep_retries.insert(month, (failures, not_before));
                     self.log_failure(month, &e, failures, after);
                     return Some(TickOutcome::SweepFailed {
@@ -606,14 +606,7 @@ impl Replica {
                 Err(e) => {
                     metrics::counter!(m::REQUEST_RUNS_TOTAL, "outcome" => "failed").increment(1);
                     let failures = self.request_retries.get(&id).map_or(0, |r| r.0) + 1;
-                    let after = backoff(
-                        failures,
-                        self.retry.initial_secs,
-                        self.retry.max_secs,
-                        rand::random::<f64>(),
-                    );
-                    let not_before = self.clock.now()
-                        + TimeDelta::from_std(after).unwrap_or(TimeDelta::seconds(1));
+                    let (after, not_before) = self.retry_after(failures);
                     self.request_retries
                         .insert(id.clone(), (failures, not_before));
                     tracing::warn!(request_id = %id, error = %e, failures, retry_in_secs = after.as_secs_f64(), "run request failed; retrying with backoff");

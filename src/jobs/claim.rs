@@ -146,15 +146,11 @@ pub async fn claim_for(
             resume: Cursor::default(),
             took_over: false,
         };
-        let (event, why) = match opts.reopen {
-            Some(reopen) => (reopen.event, Some(reopen.message.as_str())),
-            None => ("claimed", None),
-        };
         won(
             &mut tx,
             &claim,
-            event,
-            why,
+            None,
+            &opts,
             lineage.as_deref(),
             rule.as_deref(),
         )
@@ -221,16 +217,11 @@ pub async fn claim_for(
             },
             took_over: true,
         };
-        let (event, why) = match (prior.as_str(), opts.reopen) {
-            (_, Some(reopen)) => (reopen.event, Some(reopen.message.as_str())),
-            ("SUCCESS", None) => ("forced", None),
-            _ => ("took_over", None),
-        };
         won(
             &mut tx,
             &claim,
-            event,
-            why,
+            Some(&prior),
+            &opts,
             lineage.as_deref(),
             rule.as_deref(),
         )
@@ -272,16 +263,23 @@ struct Taken {
     lineage: Option<String>,
 }
 
-/// What every won claim writes besides the row: the audit event (why, where it resumes, under
-/// which parameters), and the state of the request the attempt serves.
+/// What every won claim writes besides the row: the audit event (which kind of claim, why, where it
+/// resumes, under which parameters), and the state of the request the attempt serves. `prior`: the
+/// status of the row it took over (`None`: it inserted the row).
 async fn won(
     tx: &mut PgConnection,
     claim: &Claim,
-    event: &str,
-    why: Option<&str>,
+    prior: Option<&str>,
+    opts: &ClaimOptions<'_>,
     request: Option<&str>,
     rule: Option<&str>,
 ) -> Result<()> {
+    let (event, why) = match (prior, opts.reopen) {
+        (_, Some(reopen)) => (reopen.event, Some(reopen.message.as_str())),
+        (None, None) => ("claimed", None),
+        (Some("SUCCESS"), None) => ("forced", None),
+        (Some(_), None) => ("took_over", None),
+    };
     let resumes = (event == "took_over" && !claim.resume.is_start())
         .then(|| format!("resumes {}", claim.resume));
     let rule = rule.map(|r| format!("rule: {r}"));

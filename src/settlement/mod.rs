@@ -499,30 +499,29 @@ impl Job for FineSettlement {
         let done = page.scanned < limit;
         let sql = BatchSql::of(bounds.walk);
         let rule = &plan.rule;
+        // Both statements take the same parameters: the range, the shard, the rule.
+        let numbers = [
+            from,
+            to,
+            bounds.shards,
+            bounds.shard,
+            rule.grace_days,
+            rule.daily_rate_cents,
+            rule.max_cents,
+        ];
         let settle = async {
-            let (odd, held, held_ids): (i64, i64, Vec<i64>) = sqlx::query_as(&sql.odd)
-                .bind(bounds.month)
-                .bind(from)
-                .bind(to)
-                .bind(bounds.shards)
-                .bind(bounds.shard)
-                .bind(rule.grace_days)
-                .bind(rule.daily_rate_cents)
-                .bind(rule.max_cents)
-                .fetch_one(&mut *tx)
-                .await?;
-            let rest = sqlx::query(&sql.settle)
-                .bind(bounds.month)
-                .bind(from)
-                .bind(to)
-                .bind(bounds.shards)
-                .bind(bounds.shard)
-                .bind(rule.grace_days)
-                .bind(rule.daily_rate_cents)
-                .bind(rule.max_cents)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
+            let odd = numbers
+                .iter()
+                .fold(sqlx::query_as(&sql.odd).bind(bounds.month), |q, n| {
+                    q.bind(*n)
+                });
+            let (odd, held, held_ids): (i64, i64, Vec<i64>) = odd.fetch_one(&mut *tx).await?;
+            let rest = numbers
+                .iter()
+                .fold(sqlx::query(&sql.settle).bind(bounds.month), |q, n| {
+                    q.bind(*n)
+                });
+            let rest = rest.execute(&mut *tx).await?.rows_affected();
             Ok::<_, sqlx::Error>((odd as u64, rest, held as u64, held_ids))
         };
         let next = if done { None } else { cursor.remaining() };

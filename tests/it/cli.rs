@@ -3,10 +3,6 @@
 use crate::helpers::*;
 use std::process::Output;
 
-fn stderr_of(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).to_string()
-}
-
 /// Exit 2 with exactly one line on stderr and no panic or backtrace.
 fn assert_invalid(out: &Output, needle: &str) {
     let err = stderr_of(out);

@@ -5,24 +5,6 @@
 
 use crate::helpers::*;
 use settlementd::fine::FineRule;
-use std::process::Output;
-
-fn cli(url: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
-    settlementd(Some(url))
-        .envs(env.iter().copied())
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn stderr_of(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn json_of(out: &Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
-}
 
 /// The held loans of the tests below: ids and the due date that makes the rule unable to price
 /// them (`NULL` needs a `loans` whose `due_on` is nullable, as tables that predate settlementd

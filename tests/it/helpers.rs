@@ -191,6 +191,26 @@ pub fn settlementd(url: Option<&str>) -> std::process::Command {
     cmd
 }
 
+/// `settlementd` with `args`, and `env` on top of a clean environment, against `url`, to completion.
+pub fn cli(url: &str, env: &[(&str, &str)], args: &[&str]) -> std::process::Output {
+    settlementd(Some(url))
+        .envs(env.iter().copied())
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// What a finished process wrote on stderr.
+pub fn stderr_of(out: &std::process::Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// The one JSON object a finished process printed on stdout.
+pub fn json_of(out: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
 /// Runs `cmd` to completion and asserts it succeeded, showing its stderr otherwise.
 pub fn run_ok(cmd: &mut std::process::Command) -> std::process::Output {
     let out = cmd.output().unwrap();

@@ -8,7 +8,6 @@ use settlementd::fine::FineRule;
 use settlementd::jobs::events;
 use settlementd::settlement;
 use sqlx::PgPool;
-use std::process::Output;
 use std::time::{Duration, Instant};
 
 const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
@@ -39,31 +38,13 @@ async fn assert_settled_under(pool: &PgPool, month: BusinessDate, rule: FineRule
     }
 }
 
-/// `settlementd` with `args` (and environment `env`) against `url`, to completion.
-fn cli(url: &str, env: &[(&str, &str)], args: &[&str]) -> Output {
-    settlementd(Some(url))
-        .envs(env.iter().copied())
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn stderr_of(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-fn json_of(out: &Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
-}
-
 fn run_shard(
     url: &str,
     env: &[(&str, &str)],
     month: BusinessDate,
     shard: u32,
     shards: u32,
-) -> Output {
+) -> std::process::Output {
     let (month, shard, shards) = (month.to_string(), shard.to_string(), shards.to_string());
     cli(
         url,
