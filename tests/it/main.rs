@@ -17,6 +17,8 @@ mod reliability;
 mod roles;
 mod runs;
 mod schema;
+mod secrets;
 mod server_fetch;
 mod settle;
 mod status;
+mod tls;

@@ -448,6 +448,7 @@ async fn a_connection_error_names_the_server_but_never_the_password_even_in_debu
         "postgres://u:Conn-Secret@127.0.0.1:1/db",
         &settings.database,
         settings.lease.guards(),
+        Duration::from_secs(10),
     )
     .await
     .unwrap_err();
