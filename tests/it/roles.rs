@@ -8,14 +8,14 @@ const APP: &str = "settlementd_app";
 const MIGRATOR: &str = "settlementd_migrator";
 
 /// `url` logging in as `role` (the test cluster trusts local connections, so no password).
-fn as_role(url: &str, role: &str) -> String {
+pub fn as_role(url: &str, role: &str) -> String {
     let mut parsed = url::Url::parse(url).unwrap();
     parsed.set_username(role).unwrap();
     parsed.to_string()
 }
 
 /// Runs roles.sql as the cluster's superuser, as an operator would with psql.
-async fn apply_roles_sql(url: &str) {
+pub async fn apply_roles_sql(url: &str) {
     let script =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/sql/roles.sql"))
             .unwrap();
