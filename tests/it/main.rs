@@ -10,6 +10,7 @@ mod daemon;
 mod demo;
 mod deploy;
 mod fault;
+mod fleet;
 mod layers;
 mod load;
 mod pgbouncer;
