@@ -196,7 +196,7 @@ pub async fn check(pool: &PgPool, url: &str) -> Result<()> {
 
 /// `source` as the error an operator can act on. When the pool only says it gave up waiting, one
 /// direct attempt asks the server why (too many connections, slots reserved, starting up).
-pub async fn connect_error(pool: &PgPool, url: &str, source: sqlx::Error) -> DbError {
+async fn connect_error(pool: &PgPool, url: &str, source: sqlx::Error) -> DbError {
     let source = match source {
         sqlx::Error::PoolTimedOut => crate::jobs::direct_attempt(pool)
             .await

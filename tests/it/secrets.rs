@@ -384,7 +384,7 @@ async fn no_error_path_prints_the_password_or_the_token() {
     // serve against a server it cannot reach, and against one it can: it stays up, and nothing
     // it serves or logs holds a canary.
     for format in FORMATS {
-        let replica = start_serve(&url(&userinfo, unreachable, ""), &[with_token], format, d);
+        let mut replica = start_serve(&url(&userinfo, unreachable, ""), &[with_token], format, d);
         replica.process.wait_for("/healthz", 200).await;
         // Until it has logged a failed attempt to connect.
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -399,7 +399,10 @@ async fn no_error_path_prints_the_password_or_the_token() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         let served = everything_served(&replica.process).await;
-        assert!(replica.process.child.id() > 0);
+        assert!(
+            replica.process.child.try_wait().unwrap().is_none(),
+            "serve exited because the database is unreachable"
+        );
         let log = stop(replica);
         assert_clean(&format!("unreachable serve's answers ({format})"), &served);
         assert_clean(&format!("unreachable serve's log ({format})"), &log);
@@ -432,4 +435,34 @@ async fn no_error_path_prints_the_password_or_the_token() {
         ),
         &["status", "--json", "--history", "20"],
     );
+}
+
+#[test]
+fn a_secret_file_every_user_may_read_is_one_warning_and_not_an_error() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let token = file(dir.path(), "token", &format!("{TOKEN}\n"));
+    let schedule = || {
+        settlementd(None)
+            .args(["schedule", "--next", "1"])
+            .env("SETTLEMENTD__HTTP__ADMIN_TOKEN_FILE", &token)
+            .env("SETTLEMENTD__LOG__FORMAT", "text")
+            .output()
+            .unwrap()
+    };
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = schedule();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let warnings: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains("can be read by every user"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{stderr}");
+    assert!(warnings[0].contains("http.admin_token_file"), "{stderr}");
+    assert_clean("the warning", &stderr);
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let out = schedule();
+    assert!(out.status.success());
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("can be read by every user"));
 }
