@@ -41,7 +41,18 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
     let database = if embedded || settings.database.embedded {
         Database::open(&settings, embedded).await?
     } else {
-        Database::unconnected(&settings)?
+        let database = Database::unconnected(&settings)?;
+        // A mistake no retry fixes (credentials, TLS, a transaction pooler) is one line and exit 2
+        // before anything else is said; a server that is down or full is waited for once the
+        // endpoints answer ([`wait_for_database`]).
+        if let Err(e) = db::check(&database.pool, settings.database_url()?).await {
+            if e.is_config() {
+                database.close().await;
+                return Err(e.into());
+            }
+            tracing::warn!(error = %e, "{NOT_CONNECTED}");
+        }
+        database
     };
     if database.embedded.is_some() && !settings.database.migrate_on_start {
         db::migrate(&database.pool).await?;
@@ -181,6 +192,8 @@ async fn run_replica(
     Ok(())
 }
 
+const NOT_CONNECTED: &str = "cannot connect to the database; not ready, retrying with backoff";
+
 /// Connects (two connections, the checks of [`db::check`]) until it works or `shutdown` (false).
 /// A server that is down or full is waited for, with the retry backoff, one warning per attempt
 /// carrying the server's reason; the replica is up and not ready meanwhile. A mistake no retry
@@ -217,7 +230,7 @@ async fn wait_for_database(
             error = %error,
             failures,
             retry_in_secs = after.as_secs_f64(),
-            "cannot connect to the database; not ready, retrying with backoff"
+            "{NOT_CONNECTED}"
         );
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(false),

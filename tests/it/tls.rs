@@ -317,6 +317,7 @@ async fn a_wrong_host_name_or_an_unknown_ca_is_refused_in_one_line_with_exit_2()
     .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("not signed by a trusted CA"), "{stderr}");
 
     // A server that takes this user only over TLS: a plaintext attempt is told to use TLS, not
