@@ -174,6 +174,7 @@ impl Database {
                 &pg.url("postgres"),
                 &settings.database,
                 settings.lease.guards(),
+                heartbeat(settings),
             )
             .await?;
             return Ok(Self {
@@ -185,8 +186,24 @@ impl Database {
             settings.database_url()?,
             &settings.database,
             settings.lease.guards(),
+            heartbeat(settings),
         )
         .await?;
+        Ok(Self {
+            pool,
+            embedded: None,
+        })
+    }
+
+    /// The configured database's pool, not connected yet: only the URL is checked. For `serve`,
+    /// which connects when the server can take it ([`db::pool`]).
+    pub fn unconnected(settings: &Settings) -> Result<Self> {
+        let pool = db::pool(
+            settings.database_url()?,
+            &settings.database,
+            settings.lease.guards(),
+            heartbeat(settings),
+        )?;
         Ok(Self {
             pool,
             embedded: None,
@@ -206,6 +223,12 @@ impl Database {
 /// one line, before anything is written: every command that migrates or settles calls it first.
 pub async fn check_schema(pool: &PgPool, settings: &Settings) -> Result<()> {
     Ok(db::check_loans(pool, settings.fine.max_cents()).await?)
+}
+
+/// The lease's heartbeat period: also the replica's tick, which sets how soon idle pooled
+/// connections are closed ([`db::idle_timeout`]).
+pub fn heartbeat(settings: &Settings) -> Duration {
+    Duration::from_secs(settings.lease.heartbeat_secs)
 }
 
 /// The business date given on the command line, or last month's end in the configured zone.

@@ -450,6 +450,7 @@ impl Settings {
                     path.display()
                 )));
             }
+            check_toml_syntax(path)?;
             builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
         }
         let ours: config::Map<String, String> = env
@@ -464,13 +465,27 @@ impl Settings {
                 .try_parsing(true)
                 .source(Some(ours)),
         );
+        // Errors from here on may quote a value: the secrets' values are masked in them.
+        let mut secrets: Vec<String> = [
+            "SETTLEMENTD__DATABASE__URL",
+            "SETTLEMENTD__HTTP__ADMIN_TOKEN",
+            "DATABASE_URL",
+        ]
+        .iter()
+        .filter_map(|k| env.get(*k).cloned())
+        .collect();
         let raw = builder
             .build()
-            .map_err(|e| ConfigError(one_line(&e.to_string())))?;
+            .map_err(|e| ConfigError(masked(&one_line(&e.to_string()), &secrets)))?;
+        secrets.extend(
+            ["database.url", "http.admin_token"]
+                .iter()
+                .filter_map(|k| raw.get_string(k).ok()),
+        );
         check_integers(&raw.cache, &env)?;
         let mut settings: Settings = raw
             .try_deserialize()
-            .map_err(|e| ConfigError(one_line(&e.to_string())))?;
+            .map_err(|e| ConfigError(masked(&one_line(&e.to_string()), &secrets)))?;
         settings.fine = settings.fine_settings.schedule()?;
         settings.database.read_secret_files()?;
         settings.http.read_token()?;
@@ -510,6 +525,44 @@ impl Settings {
             check_url(url.expose_secret(), "database.url")?;
         }
         Ok(())
+    }
+
+    /// One line for each secret file that every user of the host may read (`o+r`): a warning,
+    /// not an error, since the file may be meant so on a single-user host. The files of
+    /// `database.url_file`, `database.password_file`, `http.admin_token_file`, and the URL's
+    /// `sslkey`.
+    pub fn secret_file_warnings(&self) -> Vec<String> {
+        let sslkey = self
+            .database
+            .url
+            .as_ref()
+            .and_then(|u| url::Url::parse(u.expose_secret()).ok())
+            .and_then(|u| {
+                u.query_pairs()
+                    .find(|(k, _)| k == "sslkey" || k == "ssl-key")
+                    .map(|(_, v)| PathBuf::from(v.into_owned()))
+            });
+        let files = [
+            ("database.url_file", self.database.url_file.clone()),
+            (
+                "database.password_file",
+                self.database.password_file.clone(),
+            ),
+            ("http.admin_token_file", self.http.admin_token_file.clone()),
+            ("the database URL's sslkey", sslkey),
+        ];
+        files
+            .into_iter()
+            .filter_map(|(key, path)| {
+                let path = path?;
+                let mode = readable_by_others(&path)?;
+                Some(format!(
+                    "{key} {} can be read by every user of this host (mode {mode:04o}): \
+                     chmod o-r it",
+                    path.display()
+                ))
+            })
+            .collect()
     }
 
     /// The database URL, or a configuration error naming how to set one.
@@ -596,17 +649,95 @@ fn read_secret(key: &str, path: &Path) -> Result<String> {
     Ok(secret.to_string())
 }
 
-/// The URL with any password replaced by `***`; unparsable text is hidden entirely.
+/// The URL with any password replaced by `***`, wherever it is (`user:password@`, or the
+/// `password` query parameter that sqlx and libpq also accept); unparsable text, and text that
+/// parses only as an opaque URL (`user:password@host` without a scheme reads as scheme `user`),
+/// is hidden entirely.
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
+        Ok(parsed) if parsed.cannot_be_a_base() => "<unparsable url>".to_string(),
         Ok(mut parsed) => {
             if parsed.password().is_some() {
                 let _ = parsed.set_password(Some("***"));
+            }
+            if parsed.query_pairs().any(|(k, _)| k == "password") {
+                let pairs: Vec<(String, String)> = parsed
+                    .query_pairs()
+                    .map(|(k, v)| {
+                        let v = if k == "password" {
+                            "***".into()
+                        } else {
+                            v.into_owned()
+                        };
+                        (k.into_owned(), v)
+                    })
+                    .collect();
+                parsed.query_pairs_mut().clear().extend_pairs(pairs);
             }
             parsed.to_string()
         }
         Err(_) => "<unparsable url>".to_string(),
     }
+}
+
+/// The permission bits of `path` when every user of the host may read it (`o+r`).
+fn readable_by_others(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o004 != 0).then_some(mode)
+}
+
+/// `message` with every one of `secrets` (and, for a URL, its password in either place) masked.
+fn masked(message: &str, secrets: &[String]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for secret in secrets {
+        parts.push(secret.clone());
+        if let Ok(parsed) = url::Url::parse(secret) {
+            parts.extend(parsed.password().map(str::to_string));
+            parts.extend(
+                parsed
+                    .query_pairs()
+                    .filter(|(k, _)| k == "password")
+                    .map(|(_, v)| v.into_owned()),
+            );
+        }
+    }
+    // Longest first, so a URL is masked whole before its password alone.
+    parts.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    let mut out = message.to_string();
+    for part in parts.iter().filter(|p| p.len() >= 3) {
+        out = out.replace(part.as_str(), "***");
+    }
+    out
+}
+
+/// A configuration file that is not TOML, named by file, line and key: never the line itself,
+/// which the config crate's message would quote (with whatever secret it holds).
+fn check_toml_syntax(path: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("config file {}: cannot read: {e}", path.display())))?;
+    let Err(e) = text.parse::<toml::Table>() else {
+        return Ok(());
+    };
+    let at = e.span().map(|s| s.start).unwrap_or(0).min(text.len());
+    let line_no = text[..at].matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("");
+    // The key is what precedes `=`, when that is a key; nothing else of the line is shown.
+    let key = line
+        .split_once('=')
+        .map(|(k, _)| k.trim())
+        .filter(|k| {
+            !k.is_empty()
+                && k.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        })
+        .map(|k| format!(", key `{k}`"))
+        .unwrap_or_default();
+    Err(ConfigError(format!(
+        "config file {} is not valid TOML: line {line_no}{key}: {}",
+        path.display(),
+        one_line(e.message())
+    )))
 }
 
 /// Checks every value of an [`INTEGER_KEYS`] key in `raw` (the merged layers): an integer within its
@@ -959,9 +1090,10 @@ mod tests {
                     Err(e) => e.to_string(),
                 };
                 let named = key.replace("[]", "[0]");
-                // 2^63 is no TOML integer: the file fails to parse (MERGE: named by line and key).
+                // 2^63 is no TOML integer: the file fails to parse, named by its line and the key
+                // as written there.
                 let named = match toml_value.as_str() {
-                    "9223372036854775808" => String::new(),
+                    "9223372036854775808" => format!("key `{}`", key.rsplit('.').next().unwrap()),
                     _ => named,
                 };
                 assert!(

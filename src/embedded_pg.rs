@@ -89,11 +89,19 @@ pub struct EmbeddedPg {
     pid: i32,
     keeper: Option<std::thread::JoinHandle<()>>,
     version: String,
+    /// Server settings given at start (`-c name=value`, after settlementd's own, so they win).
+    settings: Vec<(String, String)>,
 }
 
 impl EmbeddedPg {
     /// Finds the binaries, initialises the data directory when it is new, and starts the server.
     pub fn start(opts: EmbeddedOptions) -> Result<Self> {
+        Self::start_with(opts, &[])
+    }
+
+    /// As [`EmbeddedPg::start`], with server `settings` that win over settlementd's own (tests use
+    /// it for a TCP listener with TLS, or a small `max_connections`).
+    pub fn start_with(opts: EmbeddedOptions, settings: &[(&str, &str)]) -> Result<Self> {
         let bindir = match opts.bindir {
             Some(dir) => dir,
             None => find_bindir()?,
@@ -159,6 +167,10 @@ impl EmbeddedPg {
             pid: 0,
             keeper: None,
             version,
+            settings: settings
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
         };
         pg.spawn_server()?;
         Ok(pg)
@@ -191,6 +203,9 @@ impl EmbeddedPg {
                 "-c",
                 "full_page_writes=off",
             ]);
+        }
+        for (name, value) in &self.settings {
+            command.arg("-c").arg(format!("{name}={value}"));
         }
         // Own process group: a terminal's Ctrl-C reaches settlementd, which then lets the batch in
         // flight commit before it stops the server.

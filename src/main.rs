@@ -31,6 +31,9 @@ fn main() -> ExitCode {
     };
     runtime.block_on(async {
         settlementd::app::init_logging(settings.log.format, level);
+        for warning in settings.secret_file_warnings() {
+            tracing::warn!("{warning}");
+        }
         match cli::execute(cli, settings).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

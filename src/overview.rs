@@ -341,7 +341,8 @@ impl KeptTotals {
 
 impl Reader {
     /// A reader on the database of `pool`, with its own pool of at most two connections (opened
-    /// when first needed, closed after a minute unused) named `settlementd-status`.
+    /// when first needed, closed as soon as `pool` closes its unused ones) named
+    /// `settlementd-status`.
     pub fn new(pool: &PgPool) -> Self {
         Self::with_budget(pool, VIEW_BUDGET)
     }
@@ -356,7 +357,9 @@ impl Reader {
             .max_connections(2)
             .min_connections(0)
             .acquire_timeout(budget)
-            .idle_timeout(Some(Duration::from_secs(60)))
+            // Released as soon as the replica's own pool releases its connections: an open page
+            // must not hold connections between its reloads (docs/OPERATIONS.md, "Connections").
+            .idle_timeout(pool.options().get_idle_timeout())
             .connect_lazy_with(options);
         Self {
             pool,

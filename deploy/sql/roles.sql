@@ -3,10 +3,15 @@
 --   1. once before the first `settlementd migrate`, to create the roles;
 --   2. again after every migration that adds a table, to grant on it (it is idempotent, and each
 --      run resets settlementd_app to exactly the grants below).
+-- It runs as one transaction: a re-run is atomic, so settlementd_app, working meanwhile, never
+-- sees its grants revoked and not yet granted again; an error leaves everything as it was.
 -- Set the passwords yourself (psql: \password settlementd_app); none is stored here.
 --
 -- settlementd_migrator runs `settlementd migrate` and owns what the migrations create (the job
--- tables, _sqlx_migrations, the partial index on loans).
+-- tables, _sqlx_migrations). It is a member of the role owning libraryd's loans, without
+-- inheriting that role's rights (NOINHERIT; on PostgreSQL 16+ also WITH INHERIT FALSE): it cannot
+-- read or drop libraryd's other tables, and `settlementd migrate` takes the owner's role
+-- (SET LOCAL ROLE) only for the migrations that alter loans, one transaction each.
 -- settlementd_app runs `run`, `serve` and `status` (with database.migrate_on_start = false):
 --   loans            SELECT, and UPDATE of fine_cents and fine_settled_at only
 --   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress)
@@ -21,6 +26,8 @@
 -- Job tables are granted by name, not through default privileges, so a table a later migration
 -- adds gets nothing until it is named here.
 
+BEGIN;
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'settlementd_migrator') THEN
@@ -31,7 +38,7 @@ BEGIN
     END IF;
 END
 $$;
-ALTER ROLE settlementd_migrator NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+ALTER ROLE settlementd_migrator NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS NOINHERIT;
 ALTER ROLE settlementd_app NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 
 DO $$
@@ -62,9 +69,10 @@ END
 $$;
 
 -- loans belongs to libraryd. settlementd's migrations add fine_settled_at and an index to it, which
--- PostgreSQL allows only its owner: the migrator becomes a member of that owner role, unless the
--- owner is a superuser (never hand that out), in which case run the first `settlementd migrate` as
--- the owner. In a new database the migrator creates loans and owns it.
+-- PostgreSQL allows only its owner: the migrator becomes a member of that owner role, without its
+-- rights unless it sets the role (which `settlementd migrate` does for those migrations alone),
+-- unless the owner is a superuser (never hand that out), in which case run the first
+-- `settlementd migrate` as the owner. In a new database the migrator creates loans and owns it.
 DO $$
 DECLARE
     owner name;
@@ -77,7 +85,11 @@ BEGIN
         RETURN;
     ELSIF is_super THEN
         RAISE NOTICE 'loans is owned by superuser %: run migrations that alter loans as its owner', owner;
+    ELSIF current_setting('server_version_num')::int >= 160000 THEN
+        -- Per membership since 16 (the role's NOINHERIT is only the default of new grants).
+        EXECUTE format('GRANT %I TO settlementd_migrator WITH INHERIT FALSE, SET TRUE', owner);
     ELSE
+        -- Up to 15, the role's NOINHERIT (above) applies to every membership.
         EXECUTE format('GRANT %I TO settlementd_migrator', owner);
     END IF;
 END
@@ -127,3 +139,5 @@ BEGIN
     END LOOP;
 END
 $$;
+
+COMMIT;

@@ -34,10 +34,27 @@ use tokio_cron_scheduler::{Job, JobScheduler};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-/// `settlementd serve`: opens the database, binds `http.listen`, serves until SIGTERM/SIGINT.
+/// `settlementd serve`: binds `http.listen` and serves until SIGTERM/SIGINT. The configured
+/// database is not connected here but by [`serve`], which waits for a server that is down or full
+/// instead of exiting.
 pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
     rules_cover_the_schedule(&settings, SystemClock.now())?;
-    let database = Database::open(&settings, embedded).await?;
+    let database = if embedded || settings.database.embedded {
+        Database::open(&settings, embedded).await?
+    } else {
+        let database = Database::unconnected(&settings)?;
+        // A mistake no retry fixes (credentials, TLS, a transaction pooler) is one line and exit 2
+        // before anything else is said; a server that is down or full is waited for once the
+        // endpoints answer ([`wait_for_database`]).
+        if let Err(e) = db::check(&database.pool, settings.database_url()?).await {
+            if e.is_config() {
+                database.close().await;
+                return Err(e.into());
+            }
+            tracing::warn!(error = %e, "{NOT_CONNECTED}");
+        }
+        database
+    };
     if database.embedded.is_some() && !settings.database.migrate_on_start {
         db::migrate(&database.pool).await?;
     }
@@ -137,6 +154,9 @@ async fn run_replica(
     owner: Owner,
     shutdown: CancellationToken,
 ) -> Result<()> {
+    if !wait_for_database(settings, &pool, &shutdown).await? {
+        return Ok(());
+    }
     // A loans table of another shape is refused before anything is written (exit 2).
     tokio::select! {
         checked = app::check_schema(&pool, settings) => checked?,
@@ -195,6 +215,53 @@ async fn run_replica(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+const NOT_CONNECTED: &str = "cannot connect to the database; not ready, retrying with backoff";
+
+/// Connects (two connections, the checks of [`db::check`]) until it works or `shutdown` (false).
+/// A server that is down or full is waited for, with the retry backoff, one warning per attempt
+/// carrying the server's reason; the replica is up and not ready meanwhile. A mistake no retry
+/// fixes (credentials, TLS, a pooler in transaction mode) ends `serve` with exit 2.
+async fn wait_for_database(
+    settings: &Settings,
+    pool: &PgPool,
+    shutdown: &CancellationToken,
+) -> Result<bool> {
+    let url = settings.database_url().unwrap_or("postgres://(embedded)");
+    let mut failures = 0;
+    loop {
+        let error = tokio::select! {
+            checked = db::check(pool, url) => match checked {
+                Ok(()) => {
+                    if failures > 0 {
+                        tracing::info!(failures, "connected to the database");
+                    }
+                    return Ok(true);
+                }
+                Err(e) if e.is_config() => return Err(AppError::from(e)),
+                Err(e) => e,
+            },
+            _ = shutdown.cancelled() => return Ok(false),
+        };
+        failures += 1;
+        let after = replica::backoff(
+            failures,
+            settings.retry.initial_secs,
+            settings.retry.max_secs,
+            rand::random(),
+        );
+        tracing::warn!(
+            error = %error,
+            failures,
+            retry_in_secs = after.as_secs_f64(),
+            "{NOT_CONNECTED}"
+        );
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(false),
+            _ = tokio::time::sleep(after) => {}
+        }
+    }
 }
 
 /// Tick at start-up (catch-up), then on every wake-up, until shutdown.

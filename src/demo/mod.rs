@@ -104,7 +104,13 @@ async fn story(
     let mut database = settings.database.clone();
     // Round 2 runs six replicas at once, each with a batch transaction and a heartbeat.
     database.max_connections = database.max_connections.max(16);
-    let pool = db::connect(&pg.url("postgres"), &database, settings.lease.guards()).await?;
+    let pool = db::connect(
+        &pg.url("postgres"),
+        &database,
+        settings.lease.guards(),
+        crate::app::heartbeat(settings),
+    )
+    .await?;
     let result = chapters(settings, &pool, pg.version(), month, out, shutdown).await;
     db::close(&pool).await;
     result

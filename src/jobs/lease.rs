@@ -51,7 +51,13 @@ async fn renew(
             _ = stop.cancelled() => return,
             _ = ticks.tick() => {}
         }
-        match renew_once(&pool, &claim, every).await {
+        // Stopping does not wait for a renewal in flight: on a connection that stopped answering
+        // it would take a whole period, which the run's end would wait out.
+        let renewed = tokio::select! {
+            _ = stop.cancelled() => return,
+            renewed = renew_once(&pool, &claim, every) => renewed,
+        };
+        match renewed {
             Ok(true) => tracing::debug!("heartbeat renewed"),
             Ok(false) => {
                 tracing::warn!("heartbeat found the claim taken over; stopping the run");
@@ -67,11 +73,15 @@ async fn renew(
     }
 }
 
-/// One renewal, given one period to answer: a renewal stuck on a half-open connection would
-/// otherwise hold the heartbeat, and [`Heartbeat::stop`] with it, forever. A connection that did
-/// not answer is closed, not returned to the pool (which would ping it first, without end).
+/// One renewal, given one period to answer, getting a pooled connection included: a renewal stuck
+/// on a half-open connection (or on the pool's ping of one) would otherwise hold the heartbeat,
+/// and [`Heartbeat::stop`] with it, for as long as `database.acquire_timeout_secs` or forever. A
+/// connection that did not answer is closed, not returned to the pool (which would ping it first,
+/// without end).
 async fn renew_once(pool: &PgPool, claim: &Claim, within: Duration) -> super::Result<bool> {
-    let mut conn = pool.acquire().await?;
-    let renewed = answered(within, claim::heartbeat(&mut *conn, claim)).await;
+    let deadline = tokio::time::Instant::now() + within;
+    let mut conn = answered(within, super::acquire(pool)).await?;
+    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+    let renewed = answered(left, claim::heartbeat(&mut *conn, claim)).await;
     renewed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))
 }

@@ -264,6 +264,51 @@ pub enum JobError {
          the server or the network gone without a word) and was closed"
     )]
     Unanswered { waited: Duration },
+    /// The pool had no connection to give within its acquire timeout; `reason` is what the server
+    /// answered a direct attempt (too many connections, slots reserved, starting up), when it did.
+    #[error("no database connection could be had (all in use, or the server unreachable or full){}", reason.as_ref().map(|r| format!(": the server said: {r}")).unwrap_or_default())]
+    NoConnection { reason: Option<String> },
+}
+
+/// A connection of `pool`, or [`JobError::NoConnection`] with the server's reason when the pool
+/// gave up waiting (its own error does not say why).
+pub async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>> {
+    match pool.acquire().await {
+        Ok(conn) => Ok(conn),
+        Err(sqlx::Error::PoolTimedOut) => Err(JobError::NoConnection {
+            reason: server_reason(pool).await,
+        }),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Why the server turns `pool`'s connections away: its error message ([`direct_attempt`]).
+async fn server_reason(pool: &PgPool) -> Option<String> {
+    match direct_attempt(pool).await? {
+        sqlx::Error::Database(db) => Some(db.message().to_string()),
+        e => Some(e.to_string()),
+    }
+}
+
+/// The error of one direct connection attempt with `pool`'s options, bounded by the pool's acquire
+/// timeout: what the pool met while it retried (too many connections, slots reserved, starting
+/// up, a refused handshake); `None` when it connects (the pool was merely busy) or hangs.
+pub async fn direct_attempt(pool: &PgPool) -> Option<sqlx::Error> {
+    use sqlx::Connection;
+    let options = pool.connect_options();
+    let attempt = tokio::time::timeout(
+        pool.options().get_acquire_timeout(),
+        PgConnection::connect_with(&options),
+    )
+    .await;
+    match attempt {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            None
+        }
+        Ok(Err(e)) => Some(e),
+        Err(_) => None,
+    }
 }
 
 /// `work` given `within` to answer: [`JobError::Unanswered`] when nothing came back in time (the
@@ -285,7 +330,7 @@ fn abandon_if_unanswered(conn: &mut PoolConnection<Postgres>, e: &JobError) {
 impl JobError {
     pub fn is_retryable(&self) -> bool {
         match self {
-            JobError::Db(_) | JobError::Unanswered { .. } => true,
+            JobError::Db(_) | JobError::Unanswered { .. } | JobError::NoConnection { .. } => true,
             // Someone else owns the key now; the scheduler watches it instead of fighting.
             JobError::LeaseLost { .. } | JobError::Interrupted => false,
             // The same configuration gets the same answer (a scheduler may still look again later:

@@ -142,7 +142,7 @@ async fn run_in_span<J: Job>(
     let stated: Stated = (&params, &describe);
     // One connection carries the run: the claim, every batch, SUCCESS. (The heartbeat takes its own
     // from the pool, and FAILED is written on a fresh one, in case this one is what broke.)
-    let mut conn = pool.acquire().await?;
+    let mut conn = super::acquire(pool).await?;
     let within = opts.answer_within();
     let mut reopen: Option<(u64, Reopen)> = opts.reopen.clone().map(|r| (0, r));
     let claim = loop {
@@ -298,7 +298,7 @@ async fn run_in_span<J: Job>(
         Err(e) => e,
     };
     // Best effort: if this write fails too, the lease expires and a peer takes over.
-    match claim::mark_failed(pool, &claim, &failure.to_string()).await {
+    match mark_failed(pool, &claim, &failure, opts.heartbeat_every).await {
         Ok(true) => tracing::warn!(error = %failure, "marked FAILED"),
         Ok(false) => {
             // A peer took the claim over while this run was stopped (paused, cut off, its session
@@ -313,6 +313,28 @@ async fn run_in_span<J: Job>(
         }
     }
     Err(failure)
+}
+
+/// Writes FAILED with `failure`. After a connection stopped answering, on a new connection given
+/// one heartbeat period: the pool's idle connections may be as dead, and the pool pings one before
+/// handing it out, for as long as its acquire timeout, which the run's end would wait out.
+async fn mark_failed(
+    pool: &PgPool,
+    claim: &claim::Claim,
+    failure: &JobError,
+    within: Duration,
+) -> Result<bool> {
+    let error = failure.to_string();
+    if !matches!(failure, JobError::Unanswered { .. }) {
+        return claim::mark_failed(pool, claim, &error).await;
+    }
+    let fresh = async {
+        let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;
+        let marked = claim::mark_failed(&mut conn, claim, &error).await;
+        let _ = conn.close().await;
+        marked
+    };
+    answered(within, fresh).await
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -141,8 +141,8 @@ fn container<'a>(pod: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no container {name}"))
 }
 
-/// Variables the binary reads besides `SETTLEMENTD__…`.
-const OTHER_VARIABLES: &[&str] = &["POD_NAME"];
+/// Variables the binary reads besides `SETTLEMENTD__…` (PGSSLROOTCERT: libpq's sslrootcert).
+const OTHER_VARIABLES: &[&str] = &["POD_NAME", "PGSSLROOTCERT"];
 
 /// What a deploy file gives one settlementd process, loaded by the binary's own loader.
 struct Process {
@@ -277,6 +277,22 @@ fn mount_of<'a>(pod: &'a Value, c: &Value, path: &Path) -> &'a Value {
         .unwrap_or_else(|| panic!("no volume {}", mount["name"]))
 }
 
+/// `file` is a compose secret that `service` mounts and the file defines.
+fn assert_compose_secret(compose: &Value, name: &str, service: &Value, file: &str) {
+    let secret = file
+        .strip_prefix("/run/secrets/")
+        .expect("a compose secret");
+    assert!(
+        service["secrets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s == secret),
+        "{name} does not mount {secret}"
+    );
+    assert!(compose["secrets"][secret]["file"].is_string(), "{secret}");
+}
+
 /// Compose's services that run the settlementd image, by name.
 fn compose_processes() -> BTreeMap<String, (Process, Value)> {
     let compose = yaml(&deploy_dir().join("compose.yaml"));
@@ -295,18 +311,7 @@ fn compose_processes() -> BTreeMap<String, (Process, Value)> {
             .unwrap_or_default();
         let process = load(&format!("compose service {name}"), None, env);
         if let Some(file) = &process.password_file {
-            let secret = file
-                .strip_prefix("/run/secrets/")
-                .expect("a compose secret");
-            assert!(
-                service["secrets"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .any(|s| s == secret),
-                "{name} does not mount {secret}"
-            );
-            assert!(compose["secrets"][secret]["file"].is_string());
+            assert_compose_secret(&compose, name, service, file);
         }
         out.insert(name.clone(), (process, service.clone()));
     }
@@ -866,4 +871,133 @@ fn the_systemd_units_pass_systemd_analyze_verify_where_it_is_installed() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success() && stderr.trim().is_empty(), "{stderr}");
+}
+
+/// `sslmode` and the root certificate file a process's database URL asks for (the URL's
+/// `sslrootcert`, else `PGSSLROOTCERT`).
+fn tls_of(p: &Process) -> (String, String) {
+    let url = url::Url::parse(p.settings.database_url().unwrap()).unwrap();
+    let param = |name: &str| {
+        url.query_pairs()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.into_owned())
+    };
+    let root = param("sslrootcert").or_else(|| p.env.get("PGSSLROOTCERT").cloned());
+    (
+        param("sslmode").unwrap_or_default(),
+        root.unwrap_or_else(|| panic!("{}: no sslrootcert", p.what)),
+    )
+}
+
+/// Every form asks for verified TLS and mounts the CA its URL names the way it mounts the
+/// password: a ConfigMap file on Kubernetes, a compose secret, a systemd credential.
+#[test]
+fn every_form_verifies_the_database_server_against_a_mounted_ca() {
+    let base = base();
+    let overlay = cronjob_overlay();
+    for (objects, kind, name, container_name) in [
+        (&base, "StatefulSet", "settlementd", "settlementd"),
+        (&base, "Job", "settlementd-migrate", "migrate"),
+        (&overlay, "CronJob", "settlementd", "settlementd"),
+    ] {
+        let workload = object(objects, kind, name);
+        let p = kube_process(objects, workload, container_name);
+        let (mode, root) = tls_of(&p);
+        assert_eq!(mode, "verify-full", "{}", p.what);
+        let pod = pod_spec(workload);
+        let mount = container(pod, container_name)["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["mountPath"] == root.as_str())
+            .unwrap_or_else(|| panic!("{}: {root} is not mounted", p.what));
+        let volume = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == mount["name"])
+            .unwrap();
+        assert_eq!(
+            volume["configMap"]["name"], "settlementd-db-ca",
+            "{}",
+            p.what
+        );
+        let file = Path::new(&root).file_name().unwrap().to_str().unwrap();
+        assert_eq!(mount["subPath"], file, "{}", p.what);
+    }
+    let compose = yaml(&deploy_dir().join("compose.yaml"));
+    for (name, (p, service)) in compose_processes() {
+        let (mode, root) = tls_of(&p);
+        assert_eq!(mode, "verify-full", "{name}");
+        assert_compose_secret(&compose, &name, &service, &root);
+    }
+    for (unit, files) in [
+        ("settlementd@.service", &["settlementd.env"][..]),
+        (
+            "settlementd-migrate.service",
+            &["settlementd.env", "settlementd-migrate.env"][..],
+        ),
+    ] {
+        let (p, lines) = systemd_process(unit, files);
+        let (mode, root) = tls_of(&p);
+        assert_eq!(mode, "verify-full", "{unit}");
+        let credential = root
+            .strip_prefix("/run/credentials/x/")
+            .expect("a credential");
+        assert!(
+            lines
+                .iter()
+                .any(|(k, v)| k == "LoadCredential" && v.starts_with(&format!("{credential}:"))),
+            "{unit} does not load {credential}"
+        );
+    }
+}
+
+/// The NetworkPolicy selects the replicas' pods (not the migration Job's) and admits their HTTP
+/// port alone, from named sources only.
+#[test]
+fn the_network_policy_admits_only_the_replicas_http_port_from_named_sources() {
+    let base = base();
+    let policy = object(&base, "NetworkPolicy", "settlementd");
+    let selects = |workload: &Value| {
+        let labels = &pod_spec_labels(workload);
+        policy["spec"]["podSelector"]["matchLabels"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .all(|(k, v)| &labels[k] == v)
+    };
+    assert!(selects(object(&base, "StatefulSet", "settlementd")));
+    assert!(!selects(object(&base, "Job", "settlementd-migrate")));
+    assert_eq!(
+        policy["spec"]["policyTypes"],
+        serde_json::json!(["Ingress"])
+    );
+    let sts = object(&base, "StatefulSet", "settlementd");
+    let port = &container(pod_spec(sts), "settlementd")["ports"][0];
+    let rules = policy["spec"]["ingress"].as_array().unwrap();
+    assert!(!rules.is_empty());
+    for rule in rules {
+        assert_eq!(
+            rule["ports"],
+            serde_json::json!([{"port": port["name"], "protocol": "TCP"}])
+        );
+        let from = rule["from"].as_array().expect("sources are named");
+        assert!(!from.is_empty());
+        for source in from {
+            assert!(
+                source["podSelector"]["matchLabels"].is_object(),
+                "every source names its pods: {source}"
+            );
+        }
+    }
+}
+
+fn pod_spec_labels(workload: &Value) -> Value {
+    match str_of(&workload["kind"], "kind") {
+        "CronJob" => {
+            workload["spec"]["jobTemplate"]["spec"]["template"]["metadata"]["labels"].clone()
+        }
+        _ => workload["spec"]["template"]["metadata"]["labels"].clone(),
+    }
 }

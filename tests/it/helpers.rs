@@ -502,6 +502,11 @@ pub struct PrivateCluster {
 
 impl PrivateCluster {
     pub async fn start() -> Self {
+        Self::start_with(&[]).await
+    }
+
+    /// As [`PrivateCluster::start`], with server `settings` (`-c name=value`).
+    pub async fn start_with(settings: &[(&str, &str)]) -> Self {
         let data = tempfile::Builder::new()
             .prefix("settlementd-private-")
             .tempdir()
@@ -510,24 +515,33 @@ impl PrivateCluster {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(data.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let dir = data.path().join("pgdata");
+        let settings: Vec<(String, String)> = settings
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         let pg = tokio::task::spawn_blocking(move || {
-            EmbeddedPg::start(EmbeddedOptions {
+            let settings: Vec<(&str, &str)> = settings
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let options = EmbeddedOptions {
                 data_dir: Some(dir),
                 bindir: None,
-            })
+            };
+            EmbeddedPg::start_with(options, &settings)
         })
         .await
         .unwrap()
         .expect("start a private PostgreSQL");
-        let mut admin = PgConnection::connect(&pg.url("postgres")).await.unwrap();
-        sqlx::query("CREATE DATABASE settle")
-            .execute(&mut admin)
-            .await
-            .unwrap();
-        let url = pg.url("settle");
+        let url = create_database(&pg, "settle").await;
         let mut conn = PgConnection::connect(&url).await.unwrap();
         settlementd::db::MIGRATOR.run(&mut conn).await.unwrap();
         Self { pg, url, data }
+    }
+
+    /// A new, empty database `name` on this cluster; its superuser's URL.
+    pub async fn database(&self, name: &str) -> String {
+        create_database(&self.pg, name).await
     }
 
     /// A small pool on `settle` that gives up quickly while the server is down.
@@ -539,6 +553,28 @@ impl PrivateCluster {
             .await
             .unwrap()
     }
+}
+
+async fn create_database(pg: &EmbeddedPg, name: &str) -> String {
+    let mut admin = PgConnection::connect(&pg.url("postgres")).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    pg.url(name)
+}
+
+/// The OS user and group the server runs as when the tests run as root (`postgres`), whose files
+/// (a TLS key) it must own; `None` otherwise (the server runs as the tests do).
+pub fn server_owner() -> Option<(u32, u32)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return None;
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    let line = passwd.lines().find(|l| l.starts_with("postgres:"))?;
+    let fields: Vec<&str> = line.split(':').collect();
+    Some((fields.get(2)?.parse().ok()?, fields.get(3)?.parse().ok()?))
 }
 
 /// Polls `check` every 50 ms until it is true, for at most `secs` seconds; false if it never was.

@@ -116,12 +116,24 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     let month = bd("2026-10-31");
     seed_month(&db.pool, month, 400, 1).await;
     let proxy = FreezingProxy::start(&db.url).await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(5)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&proxy.url())
+    // The pool serve and run use (5 connections, 5 s acquire timeout, idle ones pinged before
+    // they are handed out), with this lease's guards.
+    let settings = settings(&SHORT_LEASE.map(|(k, v)| (k.trim_start_matches("SETTLEMENTD__"), v)));
+    let pool = settlementd::db::pool(
+        &proxy.url(),
+        &settings.database,
+        settings.lease.guards(),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    // Idle connections in the pool when the freeze comes (opened earlier, so frozen too): the
+    // pool pings one before handing it out, and that ping never ends. Kept for the whole test
+    // (the idle timeout above is 30 s), as a replica's pool may hold them between two runs.
+    let warm: Vec<_> = futures_util::future::try_join_all((0..4).map(|_| pool.acquire()))
         .await
         .unwrap();
+    drop(warm);
+    assert!(eventually(5, || async { pool.num_idle() == 4 }).await);
     let job = short_lease_job(100);
     let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
     let opts = jobs::RunOptions {
@@ -134,9 +146,11 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     // the heartbeat's, the read-ahead's) swallows whatever is sent, as a half-open TCP connection
     // does; connections opened later work. The heartbeat renews the lease on a new connection,
     // so no peer could take the month over: only the run's own deadline can end its wait.
+    let frozen_at = std::sync::Mutex::new(None);
     let freeze = |progress: jobs::Progress| {
         if progress.batches == 1 {
             proxy.freeze_existing();
+            *frozen_at.lock().unwrap() = Some(Instant::now());
         }
     };
     let ran = tokio::time::timeout(
@@ -152,7 +166,15 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     )
     .await
     .expect("after 60 s the run still waits on a connection that stopped answering");
+    let ended_after = frozen_at.lock().unwrap().expect("frozen").elapsed();
     let error = ran.expect_err("the run cannot finish on frozen connections");
+    // The documented bound: three leases (9 s), plus the FAILED write's own budget of one
+    // heartbeat; neither the heartbeat nor the pool's ping of a dead connection may add to it.
+    println!("a run on connections that stopped answering ended {ended_after:?} after the freeze");
+    assert!(
+        ended_after <= Duration::from_secs(3 * 3 + 1),
+        "ended {ended_after:?} after its connections stopped answering"
+    );
     assert!(
         matches!(error, JobError::Unanswered { waited } if waited == Duration::from_secs(9)),
         "{error}"
@@ -448,6 +470,7 @@ async fn a_connection_error_names_the_server_but_never_the_password_even_in_debu
         "postgres://u:Conn-Secret@127.0.0.1:1/db",
         &settings.database,
         settings.lease.guards(),
+        Duration::from_secs(10),
     )
     .await
     .unwrap_err();

@@ -8,14 +8,14 @@ const APP: &str = "settlementd_app";
 const MIGRATOR: &str = "settlementd_migrator";
 
 /// `url` logging in as `role` (the test cluster trusts local connections, so no password).
-fn as_role(url: &str, role: &str) -> String {
+pub fn as_role(url: &str, role: &str) -> String {
     let mut parsed = url::Url::parse(url).unwrap();
     parsed.set_username(role).unwrap();
     parsed.to_string()
 }
 
 /// Runs roles.sql as the cluster's superuser, as an operator would with psql.
-async fn apply_roles_sql(url: &str) {
+pub async fn apply_roles_sql(url: &str) {
     let script =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/sql/roles.sql"))
             .unwrap();
@@ -197,4 +197,206 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         );
     }
     app.close().await.unwrap();
+}
+
+/// psql from the server's bin directory (or PATH), as an operator runs roles.sql.
+fn psql() -> std::path::PathBuf {
+    let bindir = settlementd::embedded_pg::find_bindir().expect("server binaries");
+    let beside = bindir.join("psql");
+    if beside.exists() {
+        beside
+    } else {
+        "psql".into()
+    }
+}
+
+/// Runs roles.sql with psql, statement by statement as psql sends a file.
+fn psql_roles_sql(url: &str) {
+    let out = std::process::Command::new(psql())
+        .args(["-v", "ON_ERROR_STOP=1", "-q", "-X", "-f"])
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/sql/roles.sql"))
+        .arg(url)
+        .output()
+        .expect("run psql");
+    assert!(
+        out.status.success(),
+        "psql roles.sql: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn re_running_roles_sql_never_shows_the_runtime_role_a_permission_denied() {
+    // A cluster of its own: roles are cluster-wide, and roles.sql run by two tests at once on one
+    // server would fight over the same role rows.
+    let cluster = PrivateCluster::start().await;
+    let admin = cluster.database("libraryd").await;
+    apply_roles_sql(&admin).await;
+    run_ok(settlementd(Some(&as_role(&admin, MIGRATOR))).arg("migrate"));
+    apply_roles_sql(&admin).await;
+
+    // A reader working as the runtime role on every table it is granted, while roles.sql is run
+    // again and again with psql.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let app_url = as_role(&admin, APP);
+    let reader = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut conn = PgConnection::connect(&app_url).await.unwrap();
+            let (mut reads, mut denied) = (0u64, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                for table in [
+                    "loans",
+                    "job_runs",
+                    "job_events",
+                    "run_requests",
+                    "run_request_shards",
+                    "_sqlx_migrations",
+                ] {
+                    match sqlx::query(&format!("SELECT count(*) FROM {table}"))
+                        .execute(&mut conn)
+                        .await
+                    {
+                        Ok(_) => reads += 1,
+                        Err(e) => denied.push(format!("{table}: {e}")),
+                    }
+                }
+            }
+            (reads, denied)
+        }
+    });
+    for _ in 0..10 {
+        psql_roles_sql(&admin);
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let (reads, denied) = reader.await.unwrap();
+    assert!(denied.is_empty(), "{} refused: {denied:?}", denied.len());
+    assert!(reads > 60, "the reader hardly read: {reads}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_migrator_migrates_libraryds_loans_as_their_owner_and_cannot_read_or_drop_its_other_tables(
+) {
+    let cluster = PrivateCluster::start().await;
+    let admin = cluster.database("libraryd").await;
+    // libraryd's database before settlementd: its own role owns loans (without the settlement
+    // columns) and members.
+    let mut owner = PgConnection::connect(&admin).await.unwrap();
+    sqlx::raw_sql(
+        "CREATE ROLE libraryd NOLOGIN;
+         GRANT USAGE, CREATE ON SCHEMA public TO libraryd;
+         SET ROLE libraryd;
+         CREATE TABLE loans (id bigint PRIMARY KEY, member_id bigint NOT NULL,
+                             book_id bigint NOT NULL, borrowed_on date NOT NULL,
+                             due_on date NOT NULL, returned_on date);
+         CREATE TABLE members (id bigint PRIMARY KEY, name text NOT NULL);
+         INSERT INTO members VALUES (1, 'Ada');
+         RESET ROLE;",
+    )
+    .execute(&mut owner)
+    .await
+    .unwrap();
+    apply_roles_sql(&admin).await;
+
+    let migrator_url = as_role(&admin, MIGRATOR);
+    run_ok(settlementd(Some(&migrator_url)).arg("migrate"));
+    run_ok(settlementd(Some(&migrator_url)).arg("migrate")); // a no-op the second time
+
+    // loans gained the settlement column and index, and still belongs to libraryd.
+    let (loans_owner, column, index): (String, bool, bool) = sqlx::query_as(
+        "SELECT (SELECT r.rolname::text FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+                  WHERE c.oid = 'loans'::regclass),
+                EXISTS (SELECT FROM pg_attribute WHERE attrelid = 'loans'::regclass
+                         AND attname = 'fine_settled_at'),
+                to_regclass('loans_unsettled_by_month') IS NOT NULL",
+    )
+    .fetch_one(&mut owner)
+    .await
+    .unwrap();
+    assert_eq!(
+        (loans_owner.as_str(), column, index),
+        ("libraryd", true, true)
+    );
+    // Recorded exactly as sqlx records its migrations: the test template, migrated by sqlx's own
+    // Migrator, has the same rows.
+    let recorded =
+        "SELECT version, description, success, checksum FROM _sqlx_migrations ORDER BY version";
+    let ours: Vec<(i64, String, bool, Vec<u8>)> = sqlx::query_as(recorded)
+        .fetch_all(&mut owner)
+        .await
+        .unwrap();
+    let db = test_db().await;
+    let sqlx_own: Vec<(i64, String, bool, Vec<u8>)> =
+        sqlx::query_as(recorded).fetch_all(&db.pool).await.unwrap();
+    assert_eq!(ours, sqlx_own);
+
+    // The migrator holds no right of libraryd's: it cannot read its tables or drop them.
+    let mut migrator = PgConnection::connect(&migrator_url).await.unwrap();
+    for sql in [
+        "SELECT name FROM members",
+        "DROP TABLE members",
+        "SELECT id FROM loans",
+        "DELETE FROM members",
+        "ALTER TABLE loans ADD COLUMN note text",
+    ] {
+        assert_eq!(
+            sqlstate(&mut migrator, sql).await.as_deref(),
+            Some(DENIED),
+            "{sql}"
+        );
+    }
+    let members: i64 = sqlx::query_scalar("SELECT count(*) FROM members")
+        .fetch_one(&mut owner)
+        .await
+        .unwrap();
+    assert_eq!(members, 1);
+}
+
+/// Every migration that alters `loans` must run as its owner (db::LOANS_MIGRATIONS), and only
+/// those: a new one left out would fail on a libraryd database with "must be owner of table loans".
+#[test]
+fn the_migrations_taking_the_loans_owners_role_are_exactly_those_that_alter_loans() {
+    for migration in settlementd::db::MIGRATOR.iter() {
+        let code: String = migration
+            .sql
+            .lines()
+            .map(|l| l.split("--").next().unwrap_or(""))
+            .collect::<Vec<_>>()
+            .join(" ")
+            .to_lowercase();
+        let words: Vec<&str> = code.split_whitespace().collect();
+        let alters_loans = words.windows(2).any(|w| {
+            matches!(w[0], "table" | "on" | "exists") && w[1].trim_matches(['(', ';']) == "loans"
+        }) || code.contains("loans_unsettled");
+        assert_eq!(
+            settlementd::db::LOANS_MIGRATIONS.contains(&migration.version),
+            alters_loans,
+            "migration {} ({})",
+            migration.version,
+            migration.description
+        );
+    }
+}
+
+/// The migrations run statement by statement as the loans owner are plain DDL that
+/// db::statements splits exactly: every statement is either one that alters loans (run as its
+/// owner) or a CREATE TABLE (run as the migrator).
+#[test]
+fn the_loans_migrations_split_into_statements_that_each_alter_loans_or_create_a_table() {
+    for migration in settlementd::db::MIGRATOR.iter() {
+        if !settlementd::db::LOANS_MIGRATIONS.contains(&migration.version) {
+            continue;
+        }
+        assert!(!migration.sql.contains('$'), "{}", migration.version);
+        let statements = settlementd::db::statements(&migration.sql);
+        assert!(!statements.is_empty());
+        for statement in statements {
+            assert!(
+                settlementd::db::alters_loans(&statement)
+                    || statement.starts_with("CREATE TABLE IF NOT EXISTS loans "),
+                "{}: {statement}",
+                migration.version
+            );
+        }
+    }
 }
