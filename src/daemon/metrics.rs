@@ -33,7 +33,7 @@ pub const LATEST_FIRE_TIMESTAMP: &str = "settlementd_latest_fire_timestamp_secon
 /// `job_runs`: every replica reports the whole month, including shards whose replica is down.
 pub const LATEST_MONTH_UNSETTLED_SHARDS: &str = "settlementd_latest_month_unsettled_shards";
 /// The configured `shard.count`, so alerts can compare it with the replicas that report.
-pub const SHARD_COUNT: &str = "settlementd_shard_count";
+pub const SHARDS: &str = "settlementd_shards";
 /// 1 when `/readyz` would answer 200, else 0; evaluated on every `/readyz` and `/metrics` request.
 pub const READY: &str = "settlementd_ready";
 
@@ -107,7 +107,7 @@ pub fn describe() {
         LATEST_MONTH_UNSETTLED_SHARDS,
         "Shards of the shard count whose claim for the latest fire's month is not SUCCESS"
     );
-    describe_gauge!(SHARD_COUNT, "The configured shard.count");
+    describe_gauge!(SHARDS, "The configured shard.count");
     describe_gauge!(
         READY,
         "1 when the database answers and the schema is current (what /readyz checks)"
