@@ -32,6 +32,11 @@ pub const MAX_HEARTBEAT_SECS: u64 = 3600;
 pub const MAX_TTL_SECS: u64 = 86_400;
 pub const MAX_RETRY_SECS: u64 = 86_400;
 pub const MAX_GRACE_SECS: u64 = 3600;
+/// HTTP: a request header takes one round trip to send; five minutes is a stuck client.
+pub const MAX_HEADER_READ_TIMEOUT_SECS: u64 = 300;
+pub const MAX_REQUEST_TIMEOUT_SECS: u64 = 3600;
+/// Each connection is a file descriptor: far below the usual 1,024, and a typo above it is caught.
+pub const MAX_HTTP_CONNECTIONS: u64 = 65_536;
 
 /// `min <= value <= max`, or an error naming the key and the range.
 fn in_range(key: &str, value: u64, min: u64, max: u64) -> Result<()> {
@@ -212,6 +217,14 @@ pub struct HttpSettings {
     /// Serve `GET /status` (read-only, no token); `false` answers 404, for sites that publish
     /// nothing about their runs without authentication.
     pub status_page: bool,
+    /// A connection that has not sent a whole request header this long after it opened (or after
+    /// its last answer, when kept alive) is closed: a client trickling a header holds nothing.
+    pub header_read_timeout_secs: u64,
+    /// A request not answered this long after its header arrived is answered 503 and dropped.
+    pub request_timeout_secs: u64,
+    /// The most connections held open at once. At the cap, a new connection replaces the one that
+    /// has waited longest for a request header, so probes are answered during a flood.
+    pub max_connections: u64,
 }
 
 /// The shortest admin token accepted: anything shorter is guessable.
@@ -422,6 +435,25 @@ impl Settings {
             self.shutdown.grace_secs,
             0,
             MAX_GRACE_SECS,
+        )?;
+        let http = &self.http;
+        in_range(
+            "http.header_read_timeout_secs",
+            http.header_read_timeout_secs,
+            1,
+            MAX_HEADER_READ_TIMEOUT_SECS,
+        )?;
+        in_range(
+            "http.request_timeout_secs",
+            http.request_timeout_secs,
+            1,
+            MAX_REQUEST_TIMEOUT_SECS,
+        )?;
+        in_range(
+            "http.max_connections",
+            http.max_connections,
+            1,
+            MAX_HTTP_CONNECTIONS,
         )?;
         if let Some(url) = &self.database.url {
             check_url(url.expose_secret(), "database.url")?;
@@ -704,6 +736,29 @@ mod tests {
             ("SHUTDOWN__GRACE_SECS", "-3", "grace_secs"),
             ("HTTP__LISTEN", "9464", "listen"),
             ("HTTP__LISTEN", "0.0.0.0:99999", "listen"),
+            (
+                "HTTP__HEADER_READ_TIMEOUT_SECS",
+                "0",
+                "http.header_read_timeout_secs",
+            ),
+            (
+                "HTTP__HEADER_READ_TIMEOUT_SECS",
+                "301",
+                "http.header_read_timeout_secs",
+            ),
+            (
+                "HTTP__REQUEST_TIMEOUT_SECS",
+                "0",
+                "http.request_timeout_secs",
+            ),
+            (
+                "HTTP__REQUEST_TIMEOUT_SECS",
+                "3601",
+                "http.request_timeout_secs",
+            ),
+            ("HTTP__REQUEST_TIMEOUT_SECS", "soon", "request_timeout_secs"),
+            ("HTTP__MAX_CONNECTIONS", "0", "http.max_connections"),
+            ("HTTP__MAX_CONNECTIONS", "65537", "http.max_connections"),
             ("LOG__FORMAT", "yaml", "format"),
             ("LOG__LEVEL", "debug", "level"),
             ("TRACING__FORMAT", "json", "tracing"),

@@ -36,6 +36,8 @@ pub const LATEST_MONTH_UNSETTLED_SHARDS: &str = "settlementd_latest_month_unsett
 pub const SHARDS: &str = "settlementd_shards";
 /// 1 when `/readyz` would answer 200, else 0; evaluated on every `/readyz` and `/metrics` request.
 pub const READY: &str = "settlementd_ready";
+/// Requests to the runs API refused for a missing or wrong bearer token (`401`).
+pub const AUTH_REFUSED_TOTAL: &str = "settlementd_auth_refused_total";
 
 const DURATION_BUCKETS: &[f64] = &[
     0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0,
@@ -144,6 +146,11 @@ pub fn describe() {
         "settlementd_odd_rows_total",
         "Loans settled whose dates contradict each other (returned or due before borrowed)"
     );
+    describe_counter!(
+        AUTH_REFUSED_TOTAL,
+        "Runs API requests refused for a missing or wrong bearer token (401)"
+    );
+    metrics::counter!(AUTH_REFUSED_TOTAL).increment(0);
     for outcome in ["settled", "skipped", "failed", "lease_lost"] {
         metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
     }

@@ -10,6 +10,7 @@ mod daemon;
 mod demo;
 mod deploy;
 mod fault;
+mod http_limits;
 mod layers;
 mod load;
 mod pgbouncer;
