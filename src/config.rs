@@ -70,6 +70,11 @@ pub const INTEGER_KEYS: &[(&str, i128, i128)] = &[
     ("retry.initial_secs", 1, 86_400),
     ("retry.max_secs", 1, 86_400),
     ("shutdown.grace_secs", 0, 3600),
+    // HTTP: a request header takes one round trip to send; five minutes is a stuck client.
+    ("http.header_read_timeout_secs", 1, 300),
+    ("http.request_timeout_secs", 1, 3600),
+    // Each connection is a file descriptor: far below the usual 1,024, a typo above it is caught.
+    ("http.max_connections", 1, 65_536),
 ];
 
 /// Invalid configuration: always exit code 2.
@@ -326,6 +331,14 @@ pub struct HttpSettings {
     /// Serve `GET /status` (read-only, no token); `false` answers 404, for sites that publish
     /// nothing about their runs without authentication.
     pub status_page: bool,
+    /// A connection that has not sent a whole request header this long after it opened (or after
+    /// its last answer, when kept alive) is closed: a client trickling a header holds nothing.
+    pub header_read_timeout_secs: u64,
+    /// A request not answered this long after its header arrived is answered 503 and dropped.
+    pub request_timeout_secs: u64,
+    /// The most connections held open at once. At the cap, a new connection replaces the one that
+    /// has waited longest for a request header, so probes are answered during a flood.
+    pub max_connections: u64,
 }
 
 /// The shortest admin token accepted: anything shorter is guessable.
@@ -990,6 +1003,29 @@ mod tests {
             ("SHUTDOWN__GRACE_SECS", "-3", "grace_secs"),
             ("HTTP__LISTEN", "9464", "listen"),
             ("HTTP__LISTEN", "0.0.0.0:99999", "listen"),
+            (
+                "HTTP__HEADER_READ_TIMEOUT_SECS",
+                "0",
+                "http.header_read_timeout_secs",
+            ),
+            (
+                "HTTP__HEADER_READ_TIMEOUT_SECS",
+                "301",
+                "http.header_read_timeout_secs",
+            ),
+            (
+                "HTTP__REQUEST_TIMEOUT_SECS",
+                "0",
+                "http.request_timeout_secs",
+            ),
+            (
+                "HTTP__REQUEST_TIMEOUT_SECS",
+                "3601",
+                "http.request_timeout_secs",
+            ),
+            ("HTTP__REQUEST_TIMEOUT_SECS", "soon", "request_timeout_secs"),
+            ("HTTP__MAX_CONNECTIONS", "0", "http.max_connections"),
+            ("HTTP__MAX_CONNECTIONS", "65537", "http.max_connections"),
             ("LOG__FORMAT", "yaml", "format"),
             ("LOG__LEVEL", "debug", "level"),
             ("TRACING__FORMAT", "json", "tracing"),
@@ -1067,6 +1103,9 @@ mod tests {
             ("retry.initial_secs", "[retry]\nmax_secs = 86400\n"),
             ("retry.max_secs", "[retry]\ninitial_secs = 1\n"),
             ("shutdown.grace_secs", ""),
+            ("http.header_read_timeout_secs", ""),
+            ("http.request_timeout_secs", ""),
+            ("http.max_connections", ""),
         ];
         let listed: Vec<&str> = INTEGER_KEYS.iter().map(|k| k.0).collect();
         let tested: Vec<&str> = keys.iter().map(|k| k.0).collect();

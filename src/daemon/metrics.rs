@@ -41,9 +41,11 @@ pub const LATEST_FIRE_TIMESTAMP: &str = "settlementd_latest_fire_timestamp_secon
 /// `job_runs`: every replica reports the whole month, including shards whose replica is down.
 pub const LATEST_MONTH_UNSETTLED_SHARDS: &str = "settlementd_latest_month_unsettled_shards";
 /// The configured `shard.count`, so alerts can compare it with the replicas that report.
-pub const SHARD_COUNT: &str = "settlementd_shard_count";
+pub const SHARDS: &str = "settlementd_shards";
 /// 1 when `/readyz` would answer 200, else 0; evaluated on every `/readyz` and `/metrics` request.
 pub const READY: &str = "settlementd_ready";
+/// Requests to the runs API refused for a missing or wrong bearer token (`401`).
+pub const AUTH_REFUSED_TOTAL: &str = "settlementd_auth_refused_total";
 
 const DURATION_BUCKETS: &[f64] = &[
     0.1, 0.5, 1.0, 5.0, 15.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0,
@@ -115,7 +117,7 @@ pub fn describe() {
         LATEST_MONTH_UNSETTLED_SHARDS,
         "Shards of the shard count whose claim for the latest fire's month is not SUCCESS"
     );
-    describe_gauge!(SHARD_COUNT, "The configured shard.count");
+    describe_gauge!(SHARDS, "The configured shard.count");
     describe_counter!(
         RULE_CONFLICTS_TOTAL,
         "Claims refused because the month's pinned fine rule differs from this replica's"
@@ -168,6 +170,11 @@ pub fn describe() {
         "settlementd_odd_rows_total",
         "Loans settled whose dates contradict each other (returned or due before borrowed)"
     );
+    describe_counter!(
+        AUTH_REFUSED_TOTAL,
+        "Runs API requests refused for a missing or wrong bearer token (401)"
+    );
+    metrics::counter!(AUTH_REFUSED_TOTAL).increment(0);
     for outcome in [
         "settled",
         "skipped",

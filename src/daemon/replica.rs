@@ -625,7 +625,7 @@ impl Replica {
     /// its month. Read from `job_runs`, not from this replica's memory, so a shard whose replica
     /// is down still counts; a failed read leaves the gauges as they were.
     async fn publish_latest_month(&self) {
-        metrics::gauge!(m::SHARD_COUNT).set(f64::from(self.shard.count));
+        metrics::gauge!(m::SHARDS).set(f64::from(self.shard.count));
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
             return;
         };

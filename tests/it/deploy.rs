@@ -815,7 +815,7 @@ async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports()
         sample(&body, "settlementd_latest_month_unsettled_shards"),
         1.0
     );
-    assert_eq!(sample(&body, "settlementd_shard_count"), 2.0);
+    assert_eq!(sample(&body, "settlementd_shards"), 2.0);
     assert_eq!(sample(&body, "settlementd_ready"), 1.0);
     let fire = sample(&body, "settlementd_latest_fire_timestamp_seconds");
     assert!(fire > 0.0 && fire <= chrono::Utc::now().timestamp() as f64);

@@ -12,6 +12,7 @@ mod deploy;
 mod edges;
 mod fault;
 mod fleet;
+mod http_limits;
 mod layers;
 mod load;
 mod pgbouncer;

@@ -7,10 +7,12 @@
 //!   `http.status_page = false` turns it off).
 //!
 //! Handlers are thin: parse and check the request, call the job layer, render. What they share is
-//! [`HttpState`].
+//! [`HttpState`]. What bounds a client's hold on the port (timeouts, the connection cap) is
+//! [`server`].
 
 pub mod probes;
 pub mod runs;
+pub mod server;
 pub mod status;
 
 use crate::clock::Clock;
@@ -54,7 +56,6 @@ pub async fn run(
     state: HttpState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+    let limits = server::Limits::of(&state.settings.http);
+    server::serve(listener, router(state), limits, shutdown).await
 }

@@ -132,6 +132,7 @@ fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
     if bool::from(given.as_bytes().ct_eq(token.expose_secret().as_bytes())) {
         return Ok(());
     }
+    metrics::counter!(m::AUTH_REFUSED_TOTAL).increment(1);
     let mut refused = error(
         StatusCode::UNAUTHORIZED,
         "missing or wrong bearer token (Authorization: Bearer <http.admin_token>)".into(),

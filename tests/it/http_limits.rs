@@ -1,0 +1,257 @@
+//! What an open HTTP port meets, against real `settlementd serve` processes: a flood of half-open
+//! connections that trickle their headers, a request body that never finishes, an idle kept-alive
+//! connection, and wrong tokens. The replica must keep answering its probes within the
+//! Kubernetes probe timeouts, close what is held within its timeouts, and count refused tokens.
+
+use crate::helpers::*;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Kubernetes' liveness probe timeout (`timeoutSeconds` unset in deploy/kubernetes: 1 s) and the
+/// readiness probe's (3 s there).
+const LIVENESS_TIMEOUT: Duration = Duration::from_secs(1);
+const READINESS_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// `serve` on `url` under the usual container limit of 1,024 open files.
+fn serve_with_1024_files(url: &str, env: &[(&str, &str)]) -> ServeProcess {
+    use std::os::unix::process::CommandExt;
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .unwrap();
+    let mut command = settlementd(Some(url));
+    command
+        .arg("serve")
+        .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+        .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    // SAFETY: setrlimit(2) between fork and exec touches no memory of the parent.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 1024,
+                rlim_max: 1024,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    ServeProcess {
+        child: command.spawn().unwrap(),
+        addr,
+    }
+}
+
+/// Raises this process's soft limit of open files to at least `wanted` (up to its hard limit).
+fn raise_own_file_limit(wanted: u64) {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit(2) on a struct we own.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit), 0);
+        if limit.rlim_cur < wanted {
+            limit.rlim_cur = wanted.min(limit.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &limit), 0);
+        }
+    }
+    assert!(
+        limit.rlim_cur >= wanted,
+        "this test opens {wanted} files; the hard limit is {}",
+        limit.rlim_max
+    );
+}
+
+/// GET `path` within `limit`: the status, or why not.
+async fn probe(addr: SocketAddr, path: &str, limit: Duration) -> Result<u16, String> {
+    match tokio::time::timeout(limit, get(addr, path)).await {
+        Ok(Ok((status, _))) => Ok(status),
+        Ok(Err(e)) => Err(format!("{path}: {e}")),
+        Err(_) => Err(format!("{path}: no answer within {limit:?}")),
+    }
+}
+
+/// A connection that sends half a request header, then one more header line every second, until
+/// the server closes it; returns how long after `since` it was closed (or `None` when it was
+/// still open at `deadline`).
+async fn half_open(mut stream: TcpStream, since: Instant, deadline: Instant) -> Option<Duration> {
+    let mut buf = [0u8; 256];
+    if stream
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: flood\r\n")
+        .await
+        .is_err()
+    {
+        return Some(since.elapsed());
+    }
+    loop {
+        tokio::select! {
+            read = stream.read(&mut buf) => match read {
+                Ok(0) | Err(_) => return Some(since.elapsed()),
+                Ok(_) => {}
+            },
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {
+                if stream.write_all(b"X-Trickle: 1\r\n").await.is_err() {
+                    return Some(since.elapsed());
+                }
+            }
+            _ = tokio::time::sleep_until(deadline.into()) => return None,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_half_open_connections_neither_delays_the_probes_nor_outlives_the_header_timeout(
+) {
+    let db = test_db().await;
+    // The defaults: a 5 s header-read timeout, at most 256 connections.
+    let header_timeout = Duration::from_secs(5);
+    let server = serve_with_1024_files(&db.url, &[]);
+    server.wait_for("/readyz", 200).await;
+
+    // More connections than the replica may open files, as in the issue: 1,100. This process
+    // needs that many too.
+    raise_own_file_limit(1200);
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(60);
+    let mut flood = Vec::new();
+    for _ in 0..1100 {
+        let stream = TcpStream::connect(server.addr).await.unwrap();
+        flood.push(tokio::spawn(half_open(stream, started, deadline)));
+    }
+    let opened = started.elapsed();
+
+    // While the flood holds what it can, the probes answer within Kubernetes' timeouts.
+    let mut slowest = Duration::ZERO;
+    for _ in 0..6 {
+        for (path, limit) in [
+            ("/healthz", LIVENESS_TIMEOUT),
+            ("/readyz", READINESS_TIMEOUT),
+        ] {
+            let asked = Instant::now();
+            assert_eq!(probe(server.addr, path, limit).await, Ok(200));
+            slowest = slowest.max(asked.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // Every flooding connection is closed by the server: replaced by a newer one at the cap, or
+    // cut at the header timeout (counted from its opening, at the latest `opened`).
+    let bound = opened + header_timeout + Duration::from_secs(5);
+    let mut closed_at = Vec::new();
+    for task in flood {
+        closed_at.push(task.await.unwrap());
+    }
+    let still_open = closed_at.iter().filter(|c| c.is_none()).count();
+    assert_eq!(still_open, 0, "connections still open after 60 s");
+    let last = closed_at.iter().flatten().max().unwrap();
+    assert!(
+        *last <= bound,
+        "the last flooding connection was closed {last:?} after the flood began (opened in \
+         {opened:?}; header timeout {header_timeout:?})"
+    );
+    eprintln!(
+        "flood: 1,100 connections opened in {opened:?}; slowest probe {slowest:?}; the last one \
+         closed {last:?} after the flood began"
+    );
+    assert_eq!(
+        probe(server.addr, "/healthz", LIVENESS_TIMEOUT).await,
+        Ok(200)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_never_ends_gets_503_at_the_request_timeout_and_an_idle_connection_is_closed() {
+    let db = test_db().await;
+    let server = ServeProcess::start(
+        &db.url,
+        &[
+            ("SETTLEMENTD__HTTP__REQUEST_TIMEOUT_SECS", "2"),
+            ("SETTLEMENTD__HTTP__HEADER_READ_TIMEOUT_SECS", "2"),
+        ],
+    );
+    server.wait_for("/healthz", 200).await;
+
+    // A request whose header arrived but whose body stops after 10 of 100 bytes.
+    let mut slow = TcpStream::connect(server.addr).await.unwrap();
+    slow.write_all(b"POST /v1/runs HTTP/1.1\r\nHost: t\r\nContent-Length: 100\r\n\r\n{\"business")
+        .await
+        .unwrap();
+    let sent = Instant::now();
+    let mut answer = String::new();
+    tokio::time::timeout(Duration::from_secs(30), slow.read_to_string(&mut answer))
+        .await
+        .expect("the server ends the request")
+        .ok();
+    let took = sent.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 503"), "{answer:?}");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(10),
+        "answered after {took:?}, with a request timeout of 2 s"
+    );
+
+    // A kept-alive connection that goes quiet after its answer is closed at the header timeout.
+    let mut idle = TcpStream::connect(server.addr).await.unwrap();
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let n = idle.read(&mut buf).await.unwrap();
+    assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+    let answered = Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match idle.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the idle connection is still open after 30 s"
+    );
+    let held = answered.elapsed();
+    assert!(
+        held >= Duration::from_millis(1900) && held < Duration::from_secs(10),
+        "closed {held:?} after its answer, with a header timeout of 2 s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_tokens_are_counted_on_metrics_and_an_accepted_one_is_not() {
+    let db = test_db().await;
+    let token = "a-token-of-thirty-two-characters";
+    let server = ServeProcess::start(&db.url, &[("SETTLEMENTD__HTTP__ADMIN_TOKEN", token)]);
+    server.wait_for("/readyz", 200).await;
+    assert_eq!(server.metric("settlementd_auth_refused_total").await, 0.0);
+    for given in ["", "Bearer wrong-token-wrong-token", "Basic abc"] {
+        let headers: Vec<(&str, &str)> = if given.is_empty() {
+            vec![]
+        } else {
+            vec![("Authorization", given)]
+        };
+        let answer = http(server.addr, "GET", "/v1/runs/none", &headers, "")
+            .await
+            .unwrap();
+        assert_eq!(answer.status, 401, "{given:?}: {}", answer.body);
+    }
+    let bearer = format!("Bearer {token}");
+    let answer = http(
+        server.addr,
+        "GET",
+        "/v1/runs/none",
+        &[("Authorization", &bearer)],
+        "",
+    )
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 404, "{}", answer.body);
+    assert_eq!(server.metric("settlementd_auth_refused_total").await, 3.0);
+}
