@@ -380,6 +380,9 @@ async fn idle_replicas_settle_late_returns_of_their_closed_months_within_a_heart
         "the sweep settles them"
     );
     let took = keyed.elapsed();
+    eprintln!(
+        "late returns in two closed months, two shards: settled {took:?} after they were keyed in"
+    );
     // Documented bound: one heartbeat (1 s here) plus a second; generous for a busy machine.
     assert!(took < Duration::from_secs(10), "took {took:?}");
     let settled: f64 = {
