@@ -208,8 +208,8 @@ async fn kill_at(
             claim_of(&db.pool, shard).await.is_none()
         }
         Point::MidBatch => {
-            // Both updates of each batch (odd rows, then the rest) sleep 10 ms: the kill lands
-            // while one executes.
+            // Both updates of each batch (the odd rows' statement, whose update is in a CTE after
+            // `flagged`, then the rest) sleep 10 ms: the kill lands while one executes.
             run_sql(
                 &db.pool,
                 &[
@@ -227,7 +227,7 @@ async fn kill_at(
                     sqlx::query_scalar::<_, i64>(
                         "SELECT count(*) FROM pg_stat_activity
                           WHERE datname = $1 AND state = 'active' AND wait_event = 'PgSleep'
-                            AND query LIKE 'UPDATE loans%'",
+                            AND (query LIKE 'UPDATE loans%' OR query LIKE 'WITH flagged%')",
                     )
                     .bind(&db.name)
                     .fetch_one(&db.pool)
