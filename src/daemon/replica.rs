@@ -339,11 +339,7 @@ impl Replica {
                 }
             }
             Err(e) => {
-                let outcome = match e {
-                    JobError::ParamsConflict { .. } => "rule_conflict",
-                    _ => "failed",
-                };
-                metrics::counter!(m::RUNS_TOTAL, "outcome" => outcome).increment(1);
+                metrics::counter!(m::RUNS_TOTAL, "outcome" => failed_outcome(&e)).increment(1);
                 let failures = match self.pending_retry {
                     Some(r) if r.business_date == slot.business_date => r.failures + 1,
                     _ => 1,
@@ -474,11 +470,7 @@ impl Replica {
                     continue;
                 }
                 Err(e) => {
-                    let outcome = match e {
-                        JobError::ParamsConflict { .. } => "rule_conflict",
-                        _ => "failed",
-                    };
-                    metrics::counter!(m::RUNS_TOTAL, "outcome" => outcome).increment(1);
+                    metrics::counter!(m::RUNS_TOTAL, "outcome" => failed_outcome(&e)).increment(1);
                     let failures = self.sweep_retries.get(&month).map_or(0, |r| r.0) + 1;
                     let (after, not_before) = self.retry_after(failures);
                     self.sweep_retries.insert(month, (failures, not_before));
@@ -685,6 +677,15 @@ impl Replica {
         let start = self.tz.from_local_datetime(&next_month).earliest()?;
         let slot = Slot::new(self.cron.find_next_occurrence(&start, true).ok()?);
         (slot.business_date == month).then_some(slot)
+    }
+}
+
+/// The `settlementd_runs_total` outcome of a run that ended with `e`: refused for another rule, or
+/// failed.
+fn failed_outcome(e: &JobError) -> &'static str {
+    match e {
+        JobError::ParamsConflict { .. } => "rule_conflict",
+        _ => "failed",
     }
 }
 

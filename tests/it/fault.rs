@@ -446,6 +446,17 @@ fn correct_command(url: &str, key: &str, batch: u32) -> std::process::Command {
     cmd
 }
 
+/// Two databases with the same `loans` loans of `month`, each settled once cleanly: one to act on
+/// cleanly, one to act on under faults.
+async fn settled_twice(month: settlementd::calendar::BusinessDate, loans: i64) -> (TestDb, TestDb) {
+    let (clean, chaos) = (test_db().await, test_db().await);
+    for db in [&clean, &chaos] {
+        seed_month(&db.pool, month, loans, 1).await;
+        settle_shards(&db.pool, month, SHARDS, 500).await;
+    }
+    (clean, chaos)
+}
+
 /// Ages every RUNNING claim past its lease, as if its killed holder had stopped an hour ago.
 async fn age_running(pool: &PgPool) {
     sqlx::query(
@@ -470,12 +481,7 @@ async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
 #[ignore = "fault suite: slow; run with --ignored"]
 async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_applied_once() {
     let month = bd(MONTH);
-    let clean = test_db().await;
-    let chaos = test_db().await;
-    for db in [&clean, &chaos] {
-        seed_month(&db.pool, month, 30_000, 1).await;
-        settle_shards(&db.pool, month, SHARDS, 500).await;
-    }
+    let (clean, chaos) = settled_twice(month, 30_000).await;
     let out = correct_command(&clean.url, "RATE-60", 100)
         .output()
         .unwrap();
@@ -554,11 +560,8 @@ async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_
 #[ignore = "fault suite: slow; run with --ignored"]
 async fn fault_late_return_runs_killed_at_random_moments_settle_every_late_return_once() {
     let month = bd(MONTH);
-    let clean = test_db().await;
-    let chaos = test_db().await;
+    let (clean, chaos) = settled_twice(month, 40_000).await;
     for db in [&clean, &chaos] {
-        seed_month(&db.pool, month, 40_000, 1).await;
-        settle_shards(&db.pool, month, SHARDS, 500).await;
         // The 4,000 loans still out come back within the month after it closed.
         sqlx::query("UPDATE loans SET returned_on = '2026-10-28' WHERE returned_on IS NULL")
             .execute(&db.pool)
