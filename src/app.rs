@@ -65,7 +65,9 @@ impl From<DbError> for AppError {
 impl From<JobError> for AppError {
     fn from(e: JobError) -> Self {
         match e {
-            JobError::ParamsConflict { .. } => AppError::Refused(e.to_string()),
+            JobError::ParamsConflict { .. } | JobError::BeingCorrected { .. } => {
+                AppError::Refused(e.to_string())
+            }
             JobError::NoParams { .. } => AppError::Invalid(e.to_string()),
             _ => AppError::Failed(with_hint(e.to_string(), undefined_table(&e))),
         }
@@ -273,6 +275,7 @@ pub fn run_options(settings: &Settings, force: bool, estimate: bool) -> RunOptio
         estimate,
         request: None,
         reopen: None,
+        correction: None,
     }
 }
 

@@ -69,6 +69,11 @@ impl BusinessDate {
         Self(first.pred_opt().expect("dates after year -262143"))
     }
 
+    /// The business date of the month containing `day` (`None` outside years 1 to 9999).
+    pub fn of_month_of(day: NaiveDate) -> Option<Self> {
+        Self::new(month_end(day.year(), day.month())?).ok()
+    }
+
     /// The business date `months` months before this one (`None` before the first year).
     pub fn months_before(&self, months: u32) -> Option<Self> {
         let first = self

@@ -193,8 +193,20 @@ pub fn parse() -> std::result::Result<Cli, ExitCode> {
 pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
     match cli.command {
         Command::Migrate(args) => {
-            commands::migrate::migrate(&settings, args.embedded_db).await?;
+            let migrated = commands::migrate::migrate(&settings, args.embedded_db).await?;
             println!("migrations applied");
+            if migrated.opened > 0 {
+                println!(
+                    "{} settled loans given an opening journal entry",
+                    migrated.opened
+                );
+            }
+            if migrated.opening_left_to_replicas {
+                println!(
+                    "this role may not read loans: the opening journal entries of loans settled \
+                     before the journal are left to the replicas, which write them as they run"
+                );
+            }
         }
         Command::Run(args) => {
             let show_bar = !args.json && std::io::stderr().is_terminal();

@@ -30,7 +30,7 @@ pub static MIGRATOR: Migrator = sqlx::migrate!();
 /// The migrations that alter `loans`, libraryd's table, which only its owner may alter: the
 /// migration role takes the owner's role for these alone ([`migrate`]). A test checks that every
 /// migration naming `loans` is listed.
-pub const LOANS_MIGRATIONS: &[i64] = &[20261130000002, 20261201000001];
+pub const LOANS_MIGRATIONS: &[i64] = &[20261130000002, 20261201000001, 20261203000002];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -572,12 +572,13 @@ pub fn statements(sql: &str) -> Vec<String> {
         .collect()
 }
 
-/// A statement only the owner of `loans` may run: `ALTER TABLE loans`, an index on `loans`, and
-/// dropping one of its indexes.
+/// A statement only the owner of `loans` may run: `ALTER TABLE loans`, an index or a trigger on
+/// `loans`, and dropping one of its indexes or triggers.
 pub fn alters_loans(statement: &str) -> bool {
     let s = statement.to_lowercase();
     s.starts_with("alter table loans ")
         || s.starts_with("drop index ")
+        || (s.starts_with("drop trigger ") && s.ends_with(" on loans"))
         || (s.starts_with("create ") && (s.contains(" on loans ") || s.contains(" on loans(")))
 }
 

@@ -116,18 +116,21 @@ impl DatedRule {
     }
 }
 
+impl std::fmt::Display for FineRule {
+    /// "50 cents a day after 0 grace days, at most 10000 cents".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} cents a day after {} grace days, at most {} cents",
+            self.daily_rate_cents, self.grace_days, self.max_cents
+        )
+    }
+}
+
 impl std::fmt::Display for DatedRule {
     /// "50 cents a day after 0 grace days, at most 10000 cents (rule from 2020-01)".
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let r = &self.rule;
-        write!(
-            f,
-            "{} cents a day after {} grace days, at most {} cents (rule from {})",
-            r.daily_rate_cents,
-            r.grace_days,
-            r.max_cents,
-            self.from_month()
-        )
+        write!(f, "{} (rule from {})", self.rule, self.from_month())
     }
 }
 

@@ -13,7 +13,7 @@
 -- read or drop libraryd's other tables, and `settlementd migrate` takes the owner's role
 -- (SET LOCAL ROLE) only for the migrations that alter loans, one transaction each.
 -- settlementd_app runs `run`, `serve` and `status` (with database.migrate_on_start = false):
---   loans            SELECT, and UPDATE of fine_cents and fine_settled_at only
+--   loans            SELECT, and UPDATE of fine_cents, fine_settled_at and fine_seq only
 --   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress)
 --   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP)
 --   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state)
@@ -21,8 +21,13 @@
 --   job_params       SELECT, INSERT, UPDATE (each month's pinned fine rule; UPDATE for `correct`)
 --   fine_corrections SELECT, INSERT, UPDATE (corrections by key; UPDATE marks one complete)
 --   fine_adjustments SELECT, INSERT (every fine a correction changed: append-only)
+--   fine_journal     SELECT, INSERT (the money journal: every change to a fine, append-only)
+--   loan_changes     SELECT, DELETE (libraryd's edits of settled loans, queued by settlementd's
+--                    triggers on loans; a re-pricing deletes what it did)
 --   _sqlx_migrations SELECT (/readyz compares it with the binary's migrations)
--- and nothing else: no DELETE or TRUNCATE anywhere, no DDL, no other column of loans.
+-- and nothing else: no DELETE but of the edit queue, no TRUNCATE, no DDL, no other column of
+-- loans. libraryd's own roles need nothing: the triggers' function runs as its owner, the
+-- migrator (SECURITY DEFINER).
 -- Job tables are granted by name, not through default privileges, so a table a later migration
 -- adds gets nothing until it is named here.
 
@@ -60,7 +65,7 @@ DECLARE
 BEGIN
     FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
                                 'job_params', 'fine_corrections', 'fine_adjustments',
-                                '_sqlx_migrations'] LOOP
+                                'fine_journal', 'loan_changes', '_sqlx_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
         END IF;
@@ -107,8 +112,13 @@ BEGIN
         GRANT SELECT ON public.loans TO settlementd_app;
         IF (SELECT count(*) FROM pg_attribute
              WHERE attrelid = 'public.loans'::regclass AND NOT attisdropped
+               AND attname IN ('fine_cents', 'fine_settled_at', 'fine_seq')) = 3 THEN
+            GRANT UPDATE (fine_cents, fine_settled_at, fine_seq) ON public.loans TO settlementd_app;
+        ELSIF (SELECT count(*) FROM pg_attribute
+             WHERE attrelid = 'public.loans'::regclass AND NOT attisdropped
                AND attname IN ('fine_cents', 'fine_settled_at')) = 2 THEN
             GRANT UPDATE (fine_cents, fine_settled_at) ON public.loans TO settlementd_app;
+            RAISE NOTICE 'loans has no fine_seq yet: run this again after settlementd migrate';
         ELSE
             RAISE NOTICE 'loans has no fine_settled_at yet: run this again after settlementd migrate';
         END IF;
@@ -121,6 +131,8 @@ BEGIN
                               ('job_params', 'SELECT, INSERT, UPDATE'),
                               ('fine_corrections', 'SELECT, INSERT, UPDATE'),
                               ('fine_adjustments', 'SELECT, INSERT'),
+                              ('fine_journal', 'SELECT, INSERT'),
+                              ('loan_changes', 'SELECT, DELETE'),
                               ('_sqlx_migrations', 'SELECT')) AS g(tbl, privileges)
     LOOP
         CONTINUE WHEN to_regclass(format('public.%I', grant_.tbl)) IS NULL;

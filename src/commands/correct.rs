@@ -1,5 +1,10 @@
 //! `settlementd correct`: a settled month recomputed under the rule the configuration gives it, on
-//! the record (`fine_adjustments`, a `corrected` event per shard), once per key.
+//! the record (the money journal, `fine_adjustments`, a `corrected` event per shard), once per key.
+//!
+//! A key binds its request like the runs API's `Idempotency-Key`: month, rule, reason and shard
+//! count. The same key with the same request finishes an unfinished correction or replays a
+//! finished one; with anything else it is refused (exit 3), naming what differs. One process at a
+//! time works a key (a session advisory lock on it): a second one waits, then finds it done.
 
 use crate::app::{
     business_date_or_default, check_schema, ensure_month_is_over, run_options, settlement_job,
@@ -10,8 +15,9 @@ use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec, MAX_SHARDS};
 use crate::jobs::{self, Params, RunOptions, SkipReason};
 use crate::settlement::correction::{self, Begun, Correction, FineCorrection, ShardRun};
-use crate::settlement::{self, describe_params, rule_params};
-use sqlx::PgPool;
+use crate::settlement::{self, describe_params, journal, rule_params};
+use sqlx::pool::PoolConnection;
+use sqlx::{PgPool, Postgres};
 
 /// The longest correction key accepted.
 pub const MAX_KEY_LEN: usize = 200;
@@ -23,9 +29,10 @@ pub struct CorrectRequest {
     /// The month as its last day.
     pub business_date: String,
     pub reason: String,
-    /// The operator's key: the same key again changes nothing and reports the first result.
+    /// The operator's key: the same key with the same request again changes nothing and reports
+    /// the first result; with another request it is refused.
     pub key: String,
-    /// The shard count to correct under (default: the one the month was settled with).
+    /// The shard count to correct under (default: the one the month was last settled with).
     pub shards: Option<u32>,
     pub embedded_db: bool,
 }
@@ -64,22 +71,38 @@ pub async fn correct(settings: &Settings, request: &CorrectRequest) -> Result<Co
     let job = settlement_job(settings);
     let rule = rule_params(
         &job.rule_of(business_date.date())
-            .map_err(|why| AppError::Invalid(format!("{business_date}: {why}")))?,
+            .map_err(|why| AppError::Invalid(format!("{business_date}: {why}")))?
+            .rule,
     );
+    let asked = Asked {
+        business_date,
+        rule: &rule,
+        reason,
+        shards: request.shards,
+    };
     let database = Database::open(settings, request.embedded_db).await?;
     let result = async {
         check_schema(&database.pool, settings).await?;
         let pool = &database.pool;
-        let existing = correction::find(pool, key).await?;
-        let correction = match existing {
-            Some(c) => resumable(c, business_date, &rule)?,
+        // One process at a time per key; released with the connection, also when killed.
+        let _lock = lock_key(pool, key).await?;
+        let correction = match correction::find(pool, key).await? {
+            Some(c) => asked.same_as(c)?,
             None => {
+                let mut conn = pool.acquire().await?;
+                let unjournaled = journal::unjournaled(&mut conn).await?;
+                if unjournaled > 0 {
+                    return Err(AppError::Refused(format!(
+                        "{unjournaled} settled loans have no journal entry yet, and a correction \
+                         finds a month's loans through the journal: run `settlementd migrate` \
+                         (it gives each an opening entry), then correct"
+                    )));
+                }
                 let shards = match request.shards {
                     Some(shards) => shards,
                     None => settled_shard_count(pool, business_date).await?,
                 };
                 let opts = run_options(settings, false, false);
-                let mut conn = pool.acquire().await?;
                 let begun = correction::begin(
                     &mut conn,
                     key,
@@ -93,13 +116,14 @@ pub async fn correct(settings: &Settings, request: &CorrectRequest) -> Result<Co
                 .await?;
                 match begun {
                     Begun::Started(c) => c,
-                    Begun::Existing(c) => resumable(c, business_date, &rule)?,
+                    Begun::Existing(c) => asked.same_as(c)?,
                     Begun::Running(runs) => {
                         return Err(AppError::Refused(format!(
                             "{business_date} has live runs ({}): correct it once they are done",
                             runs.join(", ")
                         )))
                     }
+                    Begun::Unfinished(other) => return Err(unfinished(&other)),
                 }
             }
         };
@@ -126,47 +150,135 @@ pub async fn correct(settings: &Settings, request: &CorrectRequest) -> Result<Co
     result
 }
 
-/// A correction recorded before under the same key: it must be of the same month, and (when not
-/// complete) under the rule the configuration gives now, or it could not be finished as begun.
-fn resumable(c: Correction, business_date: BusinessDate, rule: &Params) -> Result<Correction> {
-    if c.business_date != business_date.date() {
-        return Err(AppError::Invalid(format!(
-            "correction key {:?} was used for {} already: use a new key",
-            c.correction_key, c.business_date
-        )));
-    }
-    if !c.completed && c.new_rule != rule.0 {
-        return Err(AppError::Invalid(format!(
-            "correction {:?} was begun under {}, and this configuration gives {}: finish it with \
-             the configuration it was begun with, or use a new key",
-            c.correction_key,
-            describe_params(&Params(c.new_rule.clone())),
-            describe_params(rule)
-        )));
-    }
-    Ok(c)
-}
-
-/// The shard count the month was settled with: the one count with claims for it.
+/// The shard count the month was last settled with: that of its most recent claim. A month
+/// resharded keeps claims under both counts; the newest is the one its replicas run now.
 async fn settled_shard_count(pool: &PgPool, business_date: BusinessDate) -> Result<u32> {
-    let counts: Vec<i32> = sqlx::query_scalar(
-        "SELECT DISTINCT shards FROM job_runs
-          WHERE job_name = $1 AND business_date = $2 ORDER BY shards",
+    let count: Option<i32> = sqlx::query_scalar(
+        "SELECT shards FROM job_runs WHERE job_name = $1 AND business_date = $2
+          ORDER BY started_at DESC, shards DESC LIMIT 1",
     )
     .bind(settlement::JOB_NAME)
     .bind(business_date.date())
-    .fetch_all(pool)
+    .fetch_optional(pool)
     .await?;
-    match counts.as_slice() {
-        [one] => Ok(*one as u32),
-        [] => Err(AppError::Invalid(format!(
+    count.map(|c| c as u32).ok_or_else(|| {
+        AppError::Invalid(format!(
             "{business_date} has no claims under any shard count: settle it with `run` first, or \
              give --shards"
-        ))),
-        many => Err(AppError::Invalid(format!(
-            "{business_date} has claims under several shard counts ({many:?}): say which to \
-             correct under with --shards"
-        ))),
+        ))
+    })
+}
+
+/// What this invocation asks for, to compare with what a key recorded.
+struct Asked<'a> {
+    business_date: BusinessDate,
+    rule: &'a Params,
+    reason: &'a str,
+    shards: Option<u32>,
+}
+
+impl Asked<'_> {
+    /// The correction recorded under the key, when it was asked for with this request; else the
+    /// refusal naming every difference.
+    fn same_as(&self, c: Correction) -> Result<Correction> {
+        let mut differs = Vec::new();
+        if c.business_date != self.business_date.date() {
+            differs.push(format!(
+                "month {} (this request: {})",
+                c.business_date, self.business_date
+            ));
+        }
+        if c.new_rule != self.rule.0 {
+            differs.push(format!(
+                "rule {} (this configuration: {})",
+                describe_params(&Params(c.new_rule.clone())),
+                describe_params(self.rule)
+            ));
+        }
+        if c.reason != self.reason {
+            differs.push(format!(
+                "reason {:?} (this request: {:?})",
+                c.reason, self.reason
+            ));
+        }
+        if let Some(shards) = self.shards.filter(|s| *s as i32 != c.shards) {
+            differs.push(format!("{} shards (this request: {shards})", c.shards));
+        }
+        if differs.is_empty() {
+            return Ok(c);
+        }
+        Err(AppError::Refused(format!(
+            "correction key {:?} was used for another request: {}; use a new key for a new \
+             request, or repeat the first one exactly",
+            c.correction_key,
+            differs.join(", ")
+        )))
+    }
+}
+
+/// The refusal of a new correction while `other` is unfinished: which, since when, and the one
+/// command that finishes it.
+fn unfinished(other: &Correction) -> AppError {
+    AppError::Refused(format!(
+        "{} is being corrected under key {:?} since {}: finish that correction first with \
+         `settlementd correct --business-date {} --key {} --reason {} --shards {}` (its \
+         configuration's rule must be {})",
+        other.business_date,
+        other.correction_key,
+        other.created_at.format("%Y-%m-%d %H:%M:%S UTC"),
+        other.business_date,
+        shell_word(&other.correction_key),
+        shell_word(&other.reason),
+        other.shards,
+        describe_params(&Params(other.new_rule.clone())),
+    ))
+}
+
+/// `text` as one shell word (single-quoted unless it is plain).
+fn shell_word(text: &str) -> String {
+    if !text.is_empty()
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_./:=+,".contains(&b))
+    {
+        return text.to_string();
+    }
+    format!("'{}'", text.replace('\'', "'\\''"))
+}
+
+/// Holds the key's session advisory lock on a connection of its own until dropped (the
+/// connection goes back to the pool closed, so the lock ends with it). Waits, saying so once, while
+/// another process holds it.
+async fn lock_key(pool: &PgPool, key: &str) -> Result<KeyLock> {
+    let mut conn = pool.acquire().await?;
+    let lock = "hashtextextended('settlementd correction ' || $1, 0)";
+    let got: bool = sqlx::query_scalar(&format!("SELECT pg_try_advisory_lock({lock})"))
+        .bind(key)
+        .fetch_one(&mut *conn)
+        .await?;
+    if !got {
+        tracing::warn!(
+            key,
+            "another process is running this correction; waiting for it to end"
+        );
+        eprintln!("settlementd: another process is running correction {key:?}; waiting for it");
+        sqlx::query(&format!("SELECT pg_advisory_lock({lock})"))
+            .bind(key)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(KeyLock { conn })
+}
+
+/// A correction key's advisory lock: its connection is closed when this is dropped, which ends the
+/// lock (an unlock on a connection going back to the pool could be skipped by a cancellation).
+struct KeyLock {
+    conn: PoolConnection<Postgres>,
+}
+
+impl Drop for KeyLock {
+    fn drop(&mut self) {
+        self.conn.close_on_drop();
     }
 }
 
@@ -185,6 +297,7 @@ async fn run_shards(
     let shutdown = shutdown_on_signals();
     let opts = RunOptions {
         reopen: Some(correction::reopen(correction)),
+        correction: Some(correction.correction_key.clone()),
         ..run_options(settings, false, false)
     };
     let mut runs = Vec::new();

@@ -1,16 +1,57 @@
-//! `settlementd migrate`: apply the embedded migrations (safe from N replicas at once).
+//! `settlementd migrate`: apply the embedded migrations (safe from N replicas at once), then give
+//! every settled loan without a journal entry its opening entry, in batches.
 
 use crate::app::{check_schema, Database, Result};
 use crate::config::Settings;
 use crate::db;
+use crate::settlement::journal;
 
-/// Checks an existing `loans` table's columns, then applies every embedded migration to the
-/// configured (or embedded) database.
-pub async fn migrate(settings: &Settings, embedded_db: bool) -> Result<()> {
+/// What `migrate` did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Migrated {
+    /// Settled loans given an opening journal entry now.
+    pub opened: u64,
+    /// The migrating role may not read `loans` (a least-privilege migration role,
+    /// deploy/sql/roles.sql): the opening entries are left to the replicas, which write them as
+    /// the runtime role, a batch at a time.
+    pub opening_left_to_replicas: bool,
+}
+
+/// Checks an existing `loans` table's columns, applies every embedded migration to the configured
+/// (or embedded) database, then writes the opening journal entries of loans settled before the
+/// journal existed, `batch.size` loans per transaction: killed, it resumes where it stopped when
+/// run again (each batch takes the next loans still without an entry).
+pub async fn migrate(settings: &Settings, embedded_db: bool) -> Result<Migrated> {
     let database = Database::open(settings, embedded_db).await?;
     let result = async {
         check_schema(&database.pool, settings).await?;
-        Ok(db::migrate(&database.pool).await?)
+        db::migrate(&database.pool).await?;
+        let mut conn = database.pool.acquire().await?;
+        let batch = i64::from(settings.batch.size.max(1));
+        let mut opened = 0;
+        loop {
+            let n = match journal::open_unjournaled(&mut conn, batch).await {
+                Ok(n) => n,
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
+                    return Ok(Migrated {
+                        opened,
+                        opening_left_to_replicas: true,
+                    });
+                }
+                Err(e) => return Err(e.into()),
+            };
+            opened += n;
+            if n > 0 {
+                tracing::info!(opened, "opening journal entries written");
+            }
+            if (n as i64) < batch {
+                break;
+            }
+        }
+        Ok(Migrated {
+            opened,
+            opening_left_to_replicas: false,
+        })
     }
     .await;
     database.close().await;

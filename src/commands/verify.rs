@@ -5,7 +5,7 @@ use crate::app::{
 };
 use crate::clock::SystemClock;
 use crate::config::Settings;
-use crate::settlement::verify::{self, RuleSource, Verification};
+use crate::settlement::verify::{self, Found, RuleSource, Verification};
 use crate::settlement::{self, rule_params};
 use std::fmt::Write;
 
@@ -52,6 +52,7 @@ pub fn to_json(v: &Verification) -> serde_json::Value {
         "right": v.is_right(),
         "rule": rule_params(&v.rule),
         "rule_source": v.rule_source,
+        "configured_rule": v.configured.as_ref().map(rule_params),
         "returned": v.returned,
         "totals": v.totals,
         "mismatched": {
@@ -59,8 +60,15 @@ pub fn to_json(v: &Verification) -> serde_json::Value {
             "net_cents": v.mismatch_cents,
             "first": v.mismatches,
         },
-        "unsettled": { "count": v.unsettled, "ids": v.unsettled_ids },
-        "held": { "count": v.held, "ids": v.held_ids },
+        "unsettled": v.unsettled,
+        "held": v.held,
+        "journal": {
+            "off_journal": v.off_journal,
+            "stale": v.stale,
+            "broken": v.broken,
+            "edits_waiting": v.edits_waiting,
+            "unjournaled": v.unjournaled,
+        },
     })
 }
 
@@ -82,6 +90,13 @@ pub fn to_text(v: &Verification) -> String {
         }
     };
     let _ = writeln!(out, "rule: {} ({source})", v.rule);
+    if let Some(configured) = &v.configured {
+        let _ = writeln!(
+            out,
+            "the configuration gives this month another rule: {configured} (a replica with it is \
+             refused; `settlementd correct` would apply it)"
+        );
+    }
     let _ = writeln!(
         out,
         "returned in the month: {}; settled: rows={} fine_cents_sum={} digest={}",
@@ -93,23 +108,41 @@ pub fn to_text(v: &Verification) -> String {
         v.mismatched, v.mismatch_cents
     );
     for m in &v.mismatches {
+        let stored = m.stored_cents.map_or("NULL".into(), |c| c.to_string());
         let _ = writeln!(
             out,
-            "  loan {}: stored {} cents, the rule gives {}",
-            m.id, m.stored_cents, m.expected_cents
+            "  loan {}: stored {stored} cents, the rule gives {}",
+            m.id, m.expected_cents
         );
     }
-    let _ = writeln!(out, "returns not settled: {}", v.unsettled);
-    if !v.unsettled_ids.is_empty() {
-        let _ = writeln!(out, "  ids {:?}", v.unsettled_ids);
-    }
-    let _ = writeln!(
-        out,
-        "rows held (bad dates: due_on missing or infinite): {}",
-        v.held
+    let found = |out: &mut String, what: &str, f: &Found| {
+        let _ = writeln!(out, "{what}: {}", f.count);
+        if !f.ids.is_empty() {
+            let _ = writeln!(out, "  ids {:?}", f.ids);
+        }
+    };
+    found(&mut out, "returns not settled", &v.unsettled);
+    found(
+        &mut out,
+        "rows held (bad dates: due_on missing or infinite)",
+        &v.held,
     );
-    if !v.held_ids.is_empty() {
-        let _ = writeln!(out, "  ids {:?}", v.held_ids);
-    }
+    found(
+        &mut out,
+        "fines that differ from their journal entry (edited outside settlementd)",
+        &v.off_journal,
+    );
+    found(
+        &mut out,
+        "loans whose dates changed after pricing with no edit queued",
+        &v.stale,
+    );
+    found(&mut out, "loans whose journal chain is broken", &v.broken);
+    found(&mut out, "edits waiting to be re-priced", &v.edits_waiting);
+    found(
+        &mut out,
+        "settled loans without a journal entry",
+        &v.unjournaled,
+    );
     out
 }

@@ -23,6 +23,15 @@ pub const LATE_RETURNS_SETTLED_TOTAL: &str = "settlementd_late_returns_settled_t
 pub const UNSETTLED_IN_CLOSED_MONTHS: &str = "settlementd_unsettled_in_closed_months";
 /// Rows of this shard's closed months inside the lookback that the rule cannot price (held).
 pub const HELD_ROWS: &str = "settlementd_held_rows";
+/// Returns the rule can price, unsettled, in months before `settle.lookback_months` (every shard):
+/// what no replica will settle by itself.
+pub const UNSETTLED_BEYOND_LOOKBACK: &str = "settlementd_unsettled_beyond_lookback";
+/// Months inside the lookback that are not closed under the current shard count (every shard):
+/// started or with items waiting, and not SUCCESS on every shard, or with items waiting, or
+/// being corrected.
+pub const MONTHS_NOT_CLOSED: &str = "settlementd_months_not_closed";
+/// Corrections begun and not completed (every month): their months are held, "being corrected".
+pub const CORRECTIONS_UNFINISHED: &str = "settlementd_corrections_unfinished";
 /// Runs of stored run requests by outcome: `settled`, `failed`.
 pub const REQUEST_RUNS_TOTAL: &str = "settlementd_request_runs_total";
 /// Run requests accepted over HTTP (new ones, not replays).
@@ -135,6 +144,18 @@ pub fn describe() {
         "Rows of this shard's closed months that the fine rule cannot price (bad dates), left unsettled"
     );
     describe_gauge!(
+        UNSETTLED_BEYOND_LOOKBACK,
+        "Unsettled returns the rule can price in months before settle.lookback_months, every shard: no replica settles them by itself"
+    );
+    describe_gauge!(
+        MONTHS_NOT_CLOSED,
+        "Months inside settle.lookback_months not closed under the current shard count (a shard not SUCCESS, items waiting, or a correction unfinished), every shard"
+    );
+    describe_gauge!(
+        CORRECTIONS_UNFINISHED,
+        "Corrections begun and not completed: their months are held, being corrected"
+    );
+    describe_gauge!(
         READY,
         "1 when the database answers and the schema is current (what /readyz checks)"
     );
@@ -189,7 +210,11 @@ pub fn describe() {
     }
     metrics::counter!(REQUESTS_ACCEPTED_TOTAL).increment(0);
     // Set by the sweep at the first idle tick; present (0) from the start.
-    for gauge in [UNSETTLED_IN_CLOSED_MONTHS, HELD_ROWS] {
+    for gauge in [
+        UNSETTLED_IN_CLOSED_MONTHS,
+        HELD_ROWS,
+        CORRECTIONS_UNFINISHED,
+    ] {
         metrics::gauge!(gauge).set(0.0);
     }
     for result in ["won", "lost", "done"] {

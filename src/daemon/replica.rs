@@ -1,27 +1,35 @@
 //! One replica of one shard, one decision at a time.
 //!
 //! [`Replica::tick`] is the whole scheduling policy: read "now" from the injected [`Clock`], find
-//! the latest slot at or before it, and — unless that slot's month is known SUCCESS or a retry is
-//! not yet due — call [`jobs::run_once`] for it. The serve loop calls `tick` at start-up, on every
-//! cron wake-up and on a timer; tests call it directly with a [`crate::clock::ManualClock`].
+//! the latest slot at or before it, and decide what is due **from the data** ([`jobs::due`]): in
+//! the months of `settle.lookback_months` ending at the slot's month, every month some claim
+//! started (under any shard count) whose key of this shard is not SUCCESS under the current count,
+//! every month whose loans have items waiting for this shard (returns not settled yet, edits of
+//! settled loans), and the slot's own month — then run the oldest that is not backing off through
+//! [`jobs::run_once`]. The serve loop calls `tick` at start-up, on every cron wake-up and on a
+//! timer of at most one heartbeat; tests call it directly with a [`crate::clock::ManualClock`].
 //!
 //! Invariants:
-//! - the month worked on comes only from the clock and the schedule, never from which wake-up
-//!   fired, so a late, early, missed or doubled scheduler fire cannot pick a wrong month or skip
-//!   one; a doubled fire is harmless because `run_once` is idempotent;
-//! - whether a month is done is decided in SQL by the claim; the in-process `settled` memo only
-//!   saves a round-trip until the next slot;
+//! - the months worked on come only from the clock, the schedule and the database, never from
+//!   which wake-up fired, so a late, early, missed or doubled scheduler fire cannot pick a wrong
+//!   month or skip one; a doubled fire is harmless because `run_once` is idempotent;
+//! - whether a month is done is decided in SQL by the claim; nothing in process memory says a
+//!   month is settled;
+//! - a month its peers claimed and this shard never did, one settled under another shard count,
+//!   one left FAILED, one whose loans changed after it closed: each is due, within a heartbeat;
 //! - once shutdown is requested, nothing new is claimed;
-//! - when the scheduled month needs nothing, the tick sweeps the shard's closed months inside
-//!   `settle.lookback_months` for late returns ([`Replica::sweep`]): one index probe per closed
-//!   month, and a new fenced attempt of a month that has some;
+//! - a month held by an unfinished correction is never run here (its correction runs it);
 //! - a claim refused because the month is pinned to another rule is logged once per month and
-//!   retried with the backoff, like a failure, so a fixed configuration finishes the month.
+//!   retried with the backoff, like a failure, so a fixed configuration finishes the month;
+//! - every tick publishes what is not closed: `settlementd_months_not_closed`,
+//!   `settlementd_unsettled_beyond_lookback`, `settlementd_corrections_unfinished`, and this
+//!   shard's waiting and held rows.
 
 use super::metrics as m;
 use crate::calendar::BusinessDate;
 use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
+use crate::jobs::due::{self, Due, Why};
 use crate::jobs::Job;
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
 use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
@@ -89,16 +97,6 @@ pub enum TickOutcome {
     },
 }
 
-/// A pending retry of one month.
-#[derive(Debug, Clone, Copy)]
-struct Retry {
-    business_date: BusinessDate,
-    /// Consecutive failures of this month, for the backoff exponent.
-    failures: u32,
-    /// Clock time before which the month is not tried again.
-    not_before: DateTime<Utc>,
-}
-
 pub struct Replica {
     pool: PgPool,
     job: FineSettlement,
@@ -114,14 +112,13 @@ pub struct Replica {
     shutdown: CancellationToken,
     /// Clock time at start: without catch-up, slots that fired before it are not run.
     started_at: DateTime<Utc>,
-    /// The month last seen SUCCESS: a shortcut until the next slot, never the source of truth.
-    settled: Option<BusinessDate>,
-    pending_retry: Option<Retry>,
+    /// Months whose last run failed: consecutive failures and the clock time before which the
+    /// month is not tried again.
+    retries: HashMap<BusinessDate, (u32, DateTime<Utc>)>,
     /// Run requests whose last run failed: consecutive failures and when to try again.
     request_retries: HashMap<String, (u32, DateTime<Utc>)>,
-    /// Closed months whose late returns' run failed: consecutive failures and when to try again.
-    sweep_retries: HashMap<BusinessDate, (u32, DateTime<Utc>)>,
-    /// `settle.lookback_months`: how far back the sweep looks (0: it does not settle).
+    /// `settle.lookback_months`: how many months, ending at the latest slot's, are looked at (0:
+    /// only that month is run, the others are only counted).
     lookback_months: u32,
     /// Months whose rule conflict has been logged: once per month is enough.
     conflicts_logged: HashSet<BusinessDate>,
@@ -155,10 +152,8 @@ impl Replica {
             opts,
             clock,
             shutdown,
-            settled: None,
-            pending_retry: None,
+            retries: HashMap::new(),
             request_retries: HashMap::new(),
-            sweep_retries: HashMap::new(),
             lookback_months: settings.settle.lookback_months,
             conflicts_logged: HashSet::new(),
             span,
@@ -207,35 +202,15 @@ impl Replica {
         if let Some(next) = next_slot_after(&self.cron, self.tz, now) {
             wait = wait.min(until(next.with_timezone(&Utc)));
         }
-        if let Some(retry) = &self.pending_retry {
-            if now < retry.not_before {
-                wait = wait.min(until(retry.not_before));
+        for (_, not_before) in self.retries.values() {
+            if now < *not_before {
+                wait = wait.min(until(*not_before));
             }
         }
         wait.max(MIN_WAIT)
     }
 
     async fn tick_inner(&mut self) -> TickOutcome {
-        let outcome = self.scheduled().await;
-        // At most one run per tick: the sweep runs when the schedule had nothing to run.
-        let idle = matches!(
-            outcome,
-            TickOutcome::Idle
-                | TickOutcome::AlreadyDone { .. }
-                | TickOutcome::Watching { .. }
-                | TickOutcome::BackingOff { .. }
-        );
-        if !idle || self.shutdown.is_cancelled() {
-            return outcome;
-        }
-        match self.sweep().await {
-            Some(swept) => swept,
-            None => outcome,
-        }
-    }
-
-    /// Run requests first, then the scheduled month (or the oldest unfinished one).
-    async fn scheduled(&mut self) -> TickOutcome {
         let now = self.clock.now();
         if let Some(next) = next_slot_after(&self.cron, self.tz, now) {
             metrics::gauge!(m::NEXT_FIRE_TIMESTAMP).set(next.timestamp() as f64);
@@ -243,48 +218,204 @@ impl Replica {
         if self.shutdown.is_cancelled() {
             return TickOutcome::ShuttingDown;
         }
+        // Run requests first: an operator asked for them.
         if let Some(outcome) = self.serve_a_request(now).await {
             return outcome;
         }
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, now) else {
             return TickOutcome::Idle;
         };
-        let mut slot = Slot::new(fire_at);
-        if !self.catch_up && fire_at.with_timezone(&Utc) < self.started_at {
-            return TickOutcome::Idle;
-        }
-        if self.catch_up {
-            // A month this shard's deployment started but never finished comes before the latest
-            // slot, oldest first: a month still failing when the next fire arrives, or months
-            // missed by an outage spanning several fires, are never abandoned.
-            match self.oldest_unfinished_before(slot.business_date).await {
-                Ok(Some(older)) => {
-                    slot = self.slot_of(older).unwrap_or(Slot {
-                        fire_at,
-                        business_date: older,
-                    })
+        let slot = Slot::new(fire_at);
+        self.open_unjournaled().await;
+        let scheduled = (self.catch_up || fire_at.with_timezone(&Utc) >= self.started_at)
+            .then_some(slot.business_date);
+        let due = self.due(slot.business_date, scheduled).await;
+        self.retries
+            .retain(|month, _| due.iter().any(|d| d.business_date == month.date()));
+        // At most one run that claims per tick, oldest month first; a month held by a live peer
+        // or backing off gives way to the next.
+        let mut idle = match scheduled {
+            Some(_) => TickOutcome::AlreadyDone { slot },
+            None => TickOutcome::Idle,
+        };
+        for d in due {
+            let Ok(month) = BusinessDate::new(d.business_date) else {
+                continue;
+            };
+            let month_slot = if month == slot.business_date {
+                slot
+            } else {
+                self.slot_of(month).unwrap_or(Slot {
+                    fire_at,
+                    business_date: month,
+                })
+            };
+            if let Some(&(_, until)) = self.retries.get(&month) {
+                if now < until {
+                    if month == slot.business_date {
+                        idle = TickOutcome::BackingOff {
+                            slot: month_slot,
+                            until,
+                        };
+                    }
+                    continue;
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!(error = %e, "cannot look for unfinished months"),
             }
-        }
-        if self.settled == Some(slot.business_date) {
-            return TickOutcome::AlreadyDone { slot };
-        }
-        if let Some(retry) = self.pending_retry {
-            if retry.business_date != slot.business_date {
-                // A new slot: the old month's retries are over (its row stays FAILED and is
-                // caught up only if it is the latest slot again, which it is not).
-                self.pending_retry = None;
-            } else if now < retry.not_before {
-                return TickOutcome::BackingOff {
+            if let Some(outcome) = self.run_month(month_slot, &d, fire_at).await {
+                return outcome;
+            }
+            if month == slot.business_date {
+                idle = TickOutcome::Watching {
                     slot,
-                    until: retry.not_before,
+                    reason: "held by a live peer",
                 };
             }
+            if self.shutdown.is_cancelled() {
+                return TickOutcome::ShuttingDown;
+            }
         }
+        idle
+    }
 
-        let key = settlement::key(slot.business_date, self.shard);
+    /// What is due for this shard now ([`due::due`]), publishing what is not closed on the way.
+    /// When the database cannot say, the schedule's month alone (its run then reports why).
+    async fn due(&self, latest: BusinessDate, scheduled: Option<BusinessDate>) -> Vec<Due> {
+        let fallback = || {
+            scheduled
+                .map(|date| Due {
+                    business_date: date.date(),
+                    why: Why::Scheduled,
+                })
+                .into_iter()
+                .collect()
+        };
+        let back = self.lookback_months.max(1);
+        let earliest = latest
+            .months_before(back - 1)
+            .unwrap_or_else(|| BusinessDate::from_month("0001-01").unwrap_or(latest));
+        let mut window = Vec::new();
+        let mut month = Some(earliest);
+        while let Some(m) = month.filter(|m| *m <= latest) {
+            window.push(m.date());
+            month = m.date().succ_opt().and_then(BusinessDate::of_month_of);
+        }
+        let looked = async {
+            let periods = due::periods(
+                &self.pool,
+                settlement::JOB_NAME,
+                self.shard.count,
+                self.shard.index,
+                earliest.date(),
+                latest.date(),
+            )
+            .await?;
+            let pending = self
+                .job
+                .pending(&self.pool, self.shard.count, &window)
+                .await?;
+            let corrections = due::corrections_unfinished(&self.pool).await?;
+            Ok::<_, JobError>((periods, pending, corrections))
+        }
+        .await;
+        let (periods, mut pending, corrections) = match looked {
+            Ok(looked) => looked,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look for what is due; running the schedule's month only");
+                return fallback();
+            }
+        };
+        // Edits queued for months after the latest slot's wait for it.
+        pending
+            .by_period
+            .retain(|p| p.business_date <= latest.date());
+        self.publish(&periods, &pending, &window, corrections);
+        if self.lookback_months == 0 {
+            // Only the schedule's month is run; the others are counted above.
+            pending
+                .by_period
+                .retain(|p| p.business_date == latest.date());
+        }
+        let periods: Vec<due::Period> = periods
+            .into_iter()
+            .filter(|p| self.lookback_months > 0 || p.business_date == latest.date())
+            .collect();
+        due::due(
+            &periods,
+            &pending,
+            due::Ask {
+                shard: self.shard.index,
+                scheduled: scheduled.map(|d| d.date()),
+                start_waiting: self.catch_up,
+            },
+        )
+    }
+
+    /// Gives settled loans without a journal entry their opening entry, a batch per tick: loans an
+    /// older binary settled during a rolling upgrade, or that `settlementd migrate` has not
+    /// reached yet. It changes no fine, so it needs no claim (a loan journaled meanwhile is
+    /// skipped).
+    async fn open_unjournaled(&self) {
+        // Batches for up to half a heartbeat per tick: a backlog left by an upgrade goes at the
+        // speed of the database, and the tick still comes back to the schedule soon.
+        let until = Instant::now() + self.opts.heartbeat_every / 2;
+        let opened = async {
+            let mut conn = self.pool.acquire().await?;
+            if !settlement::journal::any_unjournaled(&mut conn).await? {
+                return Ok(0);
+            }
+            let batch = i64::from(self.job.batch_size.max(1));
+            let mut opened = 0;
+            loop {
+                let n = settlement::journal::open_unjournaled(&mut conn, batch).await?;
+                opened += n;
+                if (n as i64) < batch || Instant::now() >= until || self.shutdown.is_cancelled() {
+                    return Ok::<_, sqlx::Error>(opened);
+                }
+            }
+        }
+        .await;
+        match opened {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                opened = n,
+                "settled loans without a journal entry given their opening entry"
+            ),
+            Err(e) => tracing::warn!(error = %e, "cannot write opening journal entries"),
+        }
+    }
+
+    /// The gauges of what is not closed and what waits.
+    fn publish(
+        &self,
+        periods: &[due::Period],
+        pending: &jobs::PendingReport,
+        window: &[chrono::NaiveDate],
+        corrections: i64,
+    ) {
+        let job = settlement::JOB_NAME;
+        let open = due::not_closed(periods, pending, self.shard.count, window);
+        metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open.len() as f64);
+        metrics::gauge!(m::UNSETTLED_BEYOND_LOOKBACK, "job_name" => job).set(pending.before as f64);
+        metrics::gauge!(m::CORRECTIONS_UNFINISHED).set(corrections as f64);
+        let mine = pending
+            .by_period
+            .iter()
+            .filter(|p| p.shard == self.shard.index && window.contains(&p.business_date));
+        let (waiting, held) = mine.fold((0, 0), |(w, h), p| (w + p.late, h + p.held));
+        metrics::gauge!(m::UNSETTLED_IN_CLOSED_MONTHS).set(waiting as f64);
+        metrics::gauge!(m::HELD_ROWS).set(held as f64);
+    }
+
+    /// Runs one due month of this shard. `None` when it claimed nothing (a live peer holds it, or
+    /// it was done meanwhile): the tick goes on to the next due month.
+    async fn run_month(
+        &mut self,
+        slot: Slot,
+        due: &Due,
+        latest_fire: DateTime<chrono_tz::Tz>,
+    ) -> Option<TickOutcome> {
+        let month = slot.business_date;
+        let key = settlement::key(month, self.shard);
         let started = Instant::now();
         let result = jobs::run_once(
             &self.pool,
@@ -295,11 +426,14 @@ impl Replica {
             &|_| {},
         )
         .await;
+        let waiting = matches!(due.why, Why::Waiting(_));
         let claimed = !matches!(&result, Ok(r) if r.skipped.is_some());
         if claimed {
             metrics::histogram!(m::RUN_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
-            let late = (now - fire_at.with_timezone(&Utc)).as_seconds_f64();
-            metrics::gauge!(m::LAST_RUN_LATENESS_SECONDS).set(late.max(0.0));
+            if month == Slot::new(latest_fire).business_date {
+                let late = (self.clock.now() - latest_fire.with_timezone(&Utc)).as_seconds_f64();
+                metrics::gauge!(m::LAST_RUN_LATENESS_SECONDS).set(late.max(0.0));
+            }
         }
         match result {
             Ok(report) => match report.skipped {
@@ -307,56 +441,56 @@ impl Replica {
                     metrics::counter!(m::RUNS_TOTAL, "outcome" => "settled").increment(1);
                     metrics::gauge!(m::LAST_SUCCESS_TIMESTAMP)
                         .set(self.clock.now().timestamp() as f64);
-                    self.settled = Some(slot.business_date);
-                    self.pending_retry = None;
-                    TickOutcome::Settled { slot, report }
+                    self.retries.remove(&month);
+                    self.conflicts_logged.remove(&month);
+                    if report.late > 0 {
+                        metrics::counter!(m::LATE_RETURNS_SETTLED_TOTAL).increment(report.updated);
+                        tracing::info!(business_date = %month, late = report.late, updated = report.updated, "late returns and edits settled");
+                        return Some(TickOutcome::LateReturns {
+                            business_date: month,
+                            report,
+                        });
+                    }
+                    Some(TickOutcome::Settled { slot, report })
                 }
                 Some(SkipReason::AlreadyDone) => {
                     metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
-                    self.settled = Some(slot.business_date);
-                    self.pending_retry = None;
-                    TickOutcome::AlreadyDone { slot }
+                    None
                 }
                 Some(SkipReason::Held | SkipReason::RequestServed) => {
                     metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
-                    tracing::info!(business_date = %slot.business_date, "a live peer holds the claim; watching it");
-                    TickOutcome::Watching {
-                        slot,
-                        reason: "held by a live peer",
-                    }
+                    tracing::info!(business_date = %month, "a live peer holds the claim; watching it");
+                    None
                 }
             },
             Err(JobError::Interrupted) => {
                 metrics::counter!(m::RUNS_TOTAL, "outcome" => "failed").increment(1);
-                TickOutcome::Interrupted { slot }
+                Some(TickOutcome::Interrupted { slot })
             }
             Err(e @ JobError::LeaseLost { .. }) => {
                 metrics::counter!(m::RUNS_TOTAL, "outcome" => "lease_lost").increment(1);
-                tracing::warn!(error = %e, "lost the claim to a peer; watching it");
-                TickOutcome::Watching {
-                    slot,
-                    reason: "taken over by a peer",
-                }
+                tracing::warn!(business_date = %month, error = %e, "lost the claim to a peer; watching it");
+                None
             }
             Err(e) => {
                 metrics::counter!(m::RUNS_TOTAL, "outcome" => failed_outcome(&e)).increment(1);
-                let failures = match self.pending_retry {
-                    Some(r) if r.business_date == slot.business_date => r.failures + 1,
-                    _ => 1,
-                };
+                let failures = self.retries.get(&month).map_or(0, |r| r.0) + 1;
                 let (after, not_before) = self.retry_after(failures);
-                self.pending_retry = Some(Retry {
-                    business_date: slot.business_date,
-                    failures,
-                    not_before,
-                });
-                self.log_failure(slot.business_date, &e, failures, after);
-                TickOutcome::RetryScheduled {
+                self.retries.insert(month, (failures, not_before));
+                self.log_failure(month, &e, failures, after);
+                if waiting {
+                    return Some(TickOutcome::SweepFailed {
+                        business_date: month,
+                        after,
+                        error: e.to_string(),
+                    });
+                }
+                Some(TickOutcome::RetryScheduled {
                     slot,
                     failures,
                     after,
                     error: e.to_string(),
-                }
+                })
             }
         }
     }
@@ -399,139 +533,6 @@ impl Replica {
             business_date = %month,
             "run failed; retrying with backoff"
         );
-    }
-
-    /// Looks for late returns of this shard in its closed months inside the lookback — the months
-    /// whose claim is SUCCESS, from `settle.lookback_months` months before the current one up to
-    /// last month — with one index probe per month, publishes what waits and what is held, and
-    /// runs the oldest month that has late returns (not backing off) as a new fenced attempt
-    /// under the month's pinned rule. `None` when nothing was run.
-    async fn sweep(&mut self) -> Option<TickOutcome> {
-        let now = self.clock.now();
-        let today = now.with_timezone(&self.tz).date_naive();
-        let latest = BusinessDate::month_before(today);
-        // The gauges cover last month at least, also with the sweep turned off.
-        let months_back = self.lookback_months.max(1);
-        let earliest = latest
-            .months_before(months_back - 1)
-            .unwrap_or_else(|| BusinessDate::from_month("0001-01").unwrap_or(latest));
-        let found = match self.closed_with_unsettled(earliest, latest).await {
-            Ok(found) => found,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot look for late returns");
-                return None;
-            }
-        };
-        let waiting: u64 = found.iter().map(|(_, u)| u.late).sum();
-        let held: u64 = found.iter().map(|(_, u)| u.held).sum();
-        metrics::gauge!(m::UNSETTLED_IN_CLOSED_MONTHS).set(waiting as f64);
-        metrics::gauge!(m::HELD_ROWS).set(held as f64);
-        self.sweep_retries
-            .retain(|month, _| found.iter().any(|(m, _)| m == month));
-        if self.lookback_months == 0 {
-            return None;
-        }
-        for (month, unsettled) in found {
-            if unsettled.late == 0
-                || self
-                    .sweep_retries
-                    .get(&month)
-                    .is_some_and(|(_, not_before)| now < *not_before)
-            {
-                continue;
-            }
-            let key = settlement::key(month, self.shard);
-            let result = jobs::run_once(
-                &self.pool,
-                &self.job,
-                key,
-                &self.opts,
-                &self.shutdown,
-                &|_| {},
-            )
-            .await;
-            match result {
-                Ok(report) if report.skipped.is_none() => {
-                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "settled").increment(1);
-                    metrics::counter!(m::LATE_RETURNS_SETTLED_TOTAL).increment(report.updated);
-                    self.sweep_retries.remove(&month);
-                    self.conflicts_logged.remove(&month);
-                    tracing::info!(business_date = %month, late = report.late, updated = report.updated, "late returns settled");
-                    return Some(TickOutcome::LateReturns {
-                        business_date: month,
-                        report,
-                    });
-                }
-                // A peer of this shard is on it, or they were settled meanwhile.
-                Ok(_) => continue,
-                Err(JobError::Interrupted) => return Some(TickOutcome::ShuttingDown),
-                Err(e @ JobError::LeaseLost { .. }) => {
-                    tracing::warn!(business_date = %month, error = %e, "lost a late-return run to a peer");
-                    continue;
-                }
-                Err(e) => {
-                    metrics::counter!(m::RUNS_TOTAL, "outcome" => failed_outcome(&e)).increment(1);
-                    let failures = self.sweep_retries.get(&month).map_or(0, |r| r.0) + 1;
-                    let (after, not_before) = self.retry_after(failures);
-                    self.sweep_retries.insert(month, (failures, not_before));
-                    self.log_failure(month, &e, failures, after);
-                    return Some(TickOutcome::SweepFailed {
-                        business_date: month,
-                        after,
-                        error: e.to_string(),
-                    });
-                }
-            }
-        }
-        None
-    }
-
-    /// The closed months of this shard between `earliest` and `latest` (business dates) and
-    /// their unsettled returns, oldest first; a closed month with none is left out.
-    async fn closed_with_unsettled(
-        &self,
-        earliest: BusinessDate,
-        latest: BusinessDate,
-    ) -> sqlx::Result<Vec<(BusinessDate, settlement::Unsettled)>> {
-        let mut tx = self.pool.begin_with(self.job.begin_batch()).await?;
-        let closed = jobs::claim::done_between(
-            &mut *tx,
-            settlement::JOB_NAME,
-            self.shard.count,
-            self.shard.index,
-            earliest.date(),
-            latest.date(),
-        )
-        .await
-        .map_err(|e| match e {
-            JobError::Db(e) => e,
-            other => sqlx::Error::Protocol(other.to_string()),
-        })?;
-        let months: Vec<BusinessDate> = closed
-            .into_iter()
-            .filter_map(|d| BusinessDate::new(d).ok())
-            .collect();
-        let keys: Vec<chrono::NaiveDateTime> = months
-            .iter()
-            .map(|m| m.first_day().and_time(chrono::NaiveTime::MIN))
-            .collect();
-        let counts = settlement::unsettled_by_month(
-            &mut tx,
-            &keys,
-            self.shard.count.into(),
-            self.shard.index.into(),
-        )
-        .await?;
-        tx.rollback().await?;
-        Ok(counts
-            .into_iter()
-            .filter_map(|u| {
-                let month = months
-                    .iter()
-                    .find(|m| m.first_day().and_time(chrono::NaiveTime::MIN) == u.month)?;
-                Some((*month, u))
-            })
-            .collect())
     }
 }
 
@@ -638,36 +639,6 @@ impl Replica {
             }
             Err(e) => tracing::debug!(error = %e, "cannot read the latest month's claims"),
         }
-    }
-
-    /// The oldest month before `latest` with no SUCCESS row for this shard, counting only months
-    /// since this shard count's first claim (months before the deployment are not its business).
-    async fn oldest_unfinished_before(
-        &self,
-        latest: BusinessDate,
-    ) -> sqlx::Result<Option<BusinessDate>> {
-        let month: Option<chrono::NaiveDate> = sqlx::query_scalar(
-            "SELECT (m + interval '1 month' - interval '1 day')::date
-               FROM generate_series(
-                      (SELECT date_trunc('month', min(business_date)::timestamp) FROM job_runs
-                        WHERE job_name = $1 AND shards = $2 AND shard = $3),
-                      date_trunc('month', $4::date::timestamp) - interval '1 month',
-                      interval '1 month') AS m
-              WHERE NOT EXISTS (
-                      SELECT 1 FROM job_runs j
-                       WHERE j.job_name = $1 AND j.shards = $2 AND j.shard = $3
-                         AND j.business_date = (m + interval '1 month' - interval '1 day')::date
-                         AND j.status = 'SUCCESS')
-              ORDER BY 1
-              LIMIT 1",
-        )
-        .bind(settlement::JOB_NAME)
-        .bind(self.shard.count as i32)
-        .bind(self.shard.index as i32)
-        .bind(latest.date())
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(month.and_then(|d| BusinessDate::new(d).ok()))
     }
 
     /// The slot that settles `month`: the first fire at or after the start of the next month.

@@ -20,6 +20,9 @@ pub struct Claim {
     pub resume: Cursor,
     /// True when this claim replaced an earlier attempt (FAILED, stale or forced).
     pub took_over: bool,
+    /// True when this claim re-opened the key for items that arrived after it was done, or for a
+    /// correction ([`ClaimOptions::reopen`]): what the job writes may say so.
+    pub reopened: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +44,12 @@ pub enum ClaimOutcome {
     Conflict {
         pinned: Params,
     },
+    /// The key's period is held by an unfinished correction (its key, since when): nothing was
+    /// claimed; only that correction's claims may run it until it completes.
+    Correcting {
+        correction: String,
+        since: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 /// How a claimer states its parameters: the parameters, and how to say them in words.
@@ -59,6 +68,9 @@ pub struct ClaimOptions<'a> {
     /// The claimer's identifying parameters: pinned for the period by its first claim, compared by
     /// every later one ([`params`]). `None`: a claim that states none (tests, the demo's story).
     pub params: Option<Stated<'a>>,
+    /// The correction this claim runs for: the only claims of a period held by a correction
+    /// ([`params::hold`]) that are not refused.
+    pub correction: Option<&'a str>,
 }
 
 /// Claims `key` in one short transaction on `conn`, stating no parameters.
@@ -106,7 +118,12 @@ pub async fn claim_for(
         }
     }
     if let Some((mine, describe)) = opts.params {
-        if let Pin::Differs(pinned) = params::pin_or_compare(&mut tx, key, mine, owner).await? {
+        let pin = params::pin_or_compare(&mut tx, key, mine, owner, opts.correction).await?;
+        if let Pin::Correcting { correction, since } = pin {
+            tx.commit().await?;
+            return Ok(ClaimOutcome::Correcting { correction, since });
+        }
+        if let Pin::Differs(pinned) = pin {
             let message = format!(
                 "claimed nothing: the month is pinned to {}; this claimer's is {}",
                 describe(&pinned),
@@ -145,6 +162,7 @@ pub async fn claim_for(
             owner: owner.clone(),
             resume: Cursor::default(),
             took_over: false,
+            reopened: opts.reopen.is_some(),
         };
         won(
             &mut tx,
@@ -216,6 +234,7 @@ pub async fn claim_for(
                 last_id_desc,
             },
             took_over: true,
+            reopened: opts.reopen.is_some(),
         };
         won(
             &mut tx,

@@ -11,11 +11,16 @@
 //!   after it was done ([`Job::late_items`]): then the key is re-opened for them, a new fenced
 //!   attempt like any other;
 //! - a period (job, business date) is computed under one set of identifying parameters, pinned by
-//!   its first claim and compared by every later one ([`params`]).
+//!   its first claim and compared by every later one ([`params`]); a period being corrected is
+//!   held by its correction, whose claims alone it admits;
+//! - what is due is decided by the data, not by `job_runs` alone: a job reports the items of each
+//!   period that wait for a run whatever its claims say ([`Job::pending`]), and [`due`] combines
+//!   them with the periods started (pinned) but not SUCCESS under the current shard count.
 //!
 //! A [`Job`] supplies the work one batch at a time; [`runner::run_once`] drives it.
 
 pub mod claim;
+pub mod due;
 pub mod events;
 pub mod lease;
 pub mod params;
@@ -155,6 +160,30 @@ impl Batch {
     }
 }
 
+/// Items of one period and shard that wait for a run whatever `job_runs` says: for the fine
+/// settlement, returns not settled yet and edits of settled loans ([`Job::pending`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pending {
+    pub business_date: NaiveDate,
+    /// The shard of the shard count asked for.
+    pub shard: u32,
+    /// Items a run of the period's shard would do.
+    pub late: u64,
+    /// Items left as they are for an operator ([`Batch::held`]).
+    pub held: u64,
+}
+
+/// What [`Job::pending`] found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PendingReport {
+    /// The periods asked for that have pending items, and periods outside them that the job tracks
+    /// by itself (edits queued for a month of any age), by shard.
+    pub by_period: Vec<Pending>,
+    /// Items a run would do in periods before the first one asked for, every shard: what the
+    /// lookback leaves behind.
+    pub before: u64,
+}
+
 /// Why a done key is opened again: the audit event the re-opening claim writes, and its message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reopen {
@@ -202,13 +231,26 @@ pub trait Job: Sync {
         "items the job could not do"
     }
 
-    /// Prepares a run of `key` that resumes at `resume` (the committed progress of earlier
-    /// attempts). With `estimate`, also returns how many items remain, for progress display only.
+    /// The items waiting in each of `periods` (business dates, oldest first) under `shards`, by
+    /// shard, whatever `job_runs` says of them, and what waits before the first of them
+    /// ([`PendingReport`]). The scheduler runs a period of its shard that has some, the status
+    /// page and the gauges count them. Default: nothing ever waits outside a run.
+    fn pending(
+        &self,
+        _pool: &PgPool,
+        _shards: u32,
+        _periods: &[NaiveDate],
+    ) -> impl Future<Output = sqlx::Result<PendingReport>> + Send {
+        async { Ok(PendingReport::default()) }
+    }
+
+    /// Prepares the run of `claim` (its key, its attempt, and `claim.resume`, the committed
+    /// progress of earlier attempts). With `estimate`, also returns how many items remain, for
+    /// progress display only.
     fn plan(
         &self,
         pool: &PgPool,
-        key: &JobKey,
-        resume: Cursor,
+        claim: &Claim,
         estimate: bool,
     ) -> impl Future<Output = sqlx::Result<(Self::Plan, Option<u64>)>> + Send;
 
@@ -254,6 +296,17 @@ pub enum JobError {
     /// The job has no parameters for the key: its configuration does not cover it.
     #[error("{key}: {why}")]
     NoParams { key: JobKey, why: String },
+    /// The key's period is held by an unfinished correction: nothing was claimed. It ends when
+    /// that correction completes (running it again with its key finishes it).
+    #[error(
+        "{key} is being corrected under key {correction:?} since {since}: nothing was run; the \
+         correction holds the month until it completes (run it again with the same key to finish it)"
+    )]
+    BeingCorrected {
+        key: JobKey,
+        correction: String,
+        since: chrono::DateTime<chrono::Utc>,
+    },
     /// A connection stopped answering: nothing came back within `waited`. For a run's claim,
     /// batches and SUCCESS write that is [`runner::ANSWER_WITHIN_LEASES`] leases, longer than the
     /// server's own guards let a batch run; for a heartbeat renewal, one period. What a half-open
@@ -335,7 +388,9 @@ impl JobError {
             JobError::LeaseLost { .. } | JobError::Interrupted => false,
             // The same configuration gets the same answer (a scheduler may still look again later:
             // a correction can re-pin the period).
-            JobError::ParamsConflict { .. } | JobError::NoParams { .. } => false,
+            JobError::ParamsConflict { .. }
+            | JobError::NoParams { .. }
+            | JobError::BeingCorrected { .. } => false,
         }
     }
 }

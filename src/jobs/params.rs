@@ -11,6 +11,12 @@
 //! The pinned parameters change only through [`repin`] (a correction), which waits for in-flight
 //! claims of the period (they hold the pin's row `FOR SHARE` until they commit) and records the
 //! old value. Parameters are JSON objects compared as `jsonb` (key order does not matter).
+//!
+//! A period being corrected is *held* by its correction ([`hold`], in the transaction that
+//! re-pins it): until [`release`], in the transaction that completes the correction, every claim
+//! of the period but the correction's own finds [`Pin::Correcting`] and claims nothing. So a run,
+//! a sweep or a takeover cannot mark a half-corrected month SUCCESS under the new rule with the
+//! old fines.
 
 use super::{JobKey, Owner, Result};
 use chrono::NaiveDate;
@@ -30,17 +36,25 @@ pub enum Pin {
     Same,
     /// The period is pinned to other parameters (these).
     Differs(Params),
+    /// The period is held by an unfinished correction (its key, and since when): only that
+    /// correction's claims may run it.
+    Correcting {
+        correction: String,
+        since: chrono::DateTime<chrono::Utc>,
+    },
 }
 
 /// Pins `params` for `key`'s period unless it has some, else compares them, inside the claim's
 /// transaction `tx`. A concurrent first claim of the period with other parameters waits on the
 /// pin's primary key, then compares against what that one pinned. The pin's row stays locked
 /// (`FOR SHARE`) until `tx` ends, so a [`repin`] cannot slip between the comparison and the claim.
+/// A period held by a correction other than `correction` is [`Pin::Correcting`].
 pub async fn pin_or_compare(
     tx: &mut PgConnection,
     key: &JobKey,
     params: &Params,
     owner: &Owner,
+    correction: Option<&str>,
 ) -> Result<Pin> {
     let inserted = sqlx::query(
         "INSERT INTO job_params (job_name, business_date, params, pinned_by)
@@ -57,8 +71,14 @@ pub async fn pin_or_compare(
     if inserted == 1 {
         return Ok(Pin::Pinned);
     }
-    let (pinned, same): (serde_json::Value, bool) = sqlx::query_as(
-        "SELECT params, params = $3 FROM job_params
+    type Row = (
+        serde_json::Value,
+        bool,
+        Option<String>,
+        Option<chrono::DateTime<chrono::Utc>>,
+    );
+    let (pinned, same, held_by, since): Row = sqlx::query_as(
+        "SELECT params, params = $3, correction_key, correcting_since FROM job_params
           WHERE job_name = $1 AND business_date = $2
             FOR SHARE",
     )
@@ -67,11 +87,73 @@ pub async fn pin_or_compare(
     .bind(&params.0)
     .fetch_one(&mut *tx)
     .await?;
+    if let Some(held_by) = held_by.filter(|k| Some(k.as_str()) != correction) {
+        return Ok(Pin::Correcting {
+            correction: held_by,
+            since: since.unwrap_or_default(),
+        });
+    }
     Ok(if same {
         Pin::Same
     } else {
         Pin::Differs(Params(pinned))
     })
+}
+
+/// Holds the period for the correction `correction` (inside the transaction that re-pinned it):
+/// until [`release`], claims of the period other than the correction's find it held.
+pub async fn hold(
+    tx: &mut PgConnection,
+    job_name: &str,
+    business_date: NaiveDate,
+    correction: &str,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE job_params SET correction_key = $3, correcting_since = clock_timestamp()
+          WHERE job_name = $1 AND business_date = $2",
+    )
+    .bind(job_name)
+    .bind(business_date)
+    .bind(correction)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Ends the hold of `correction` on the period (inside the transaction that completes it).
+pub async fn release(
+    tx: &mut PgConnection,
+    job_name: &str,
+    business_date: NaiveDate,
+    correction: &str,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE job_params SET correction_key = NULL, correcting_since = NULL
+          WHERE job_name = $1 AND business_date = $2 AND correction_key = $3",
+    )
+    .bind(job_name)
+    .bind(business_date)
+    .bind(correction)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// The correction holding a period, and since when, if one does.
+pub async fn held_by(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    business_date: NaiveDate,
+) -> Result<Option<(String, chrono::DateTime<chrono::Utc>)>> {
+    let row: Option<(Option<String>, Option<chrono::DateTime<chrono::Utc>>)> = sqlx::query_as(
+        "SELECT correction_key, correcting_since FROM job_params
+          WHERE job_name = $1 AND business_date = $2",
+    )
+    .bind(job_name)
+    .bind(business_date)
+    .fetch_optional(db)
+    .await?;
+    Ok(row.and_then(|(key, since)| Some((key?, since.unwrap_or_default()))))
 }
 
 /// The parameters pinned for a period, if any.

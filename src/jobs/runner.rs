@@ -45,6 +45,9 @@ pub struct RunOptions {
     /// Re-open the key whatever its state (but a live run), from its first item, under this event:
     /// a correction. `None` for every other run.
     pub reopen: Option<Reopen>,
+    /// The correction this run belongs to (its key): the only runs a period held by a correction
+    /// admits ([`super::params::hold`]). `None` for every other run.
+    pub correction: Option<String>,
 }
 
 impl RunOptions {
@@ -158,6 +161,7 @@ async fn run_in_span<J: Job>(
                     reopen: reopen.as_ref().map(|(_, r)| r),
                     request: opts.request.as_deref(),
                     params: Some(stated),
+                    correction: opts.correction.as_deref(),
                 },
             ),
         )
@@ -212,6 +216,14 @@ async fn run_in_span<J: Job>(
                     key,
                     pinned: describe(&pinned),
                     mine: describe(&params),
+                });
+            }
+            ClaimOutcome::Correcting { correction, since } => {
+                tracing::info!(correction = %correction, "skipped: the month is held by an unfinished correction");
+                return Err(JobError::BeingCorrected {
+                    key,
+                    correction,
+                    since,
                 });
             }
         };
@@ -348,9 +360,7 @@ async fn work<J: Job>(
     shutdown: &CancellationToken,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<(Progress, Vec<i64>)> {
-    let (plan, total) = job
-        .plan(pool, &claim.key, claim.resume, opts.estimate)
-        .await?;
+    let (plan, total) = job.plan(pool, claim, opts.estimate).await?;
     let mut progress = Progress {
         total,
         ..Progress::default()

@@ -1,24 +1,32 @@
 //! Corrections on the record: a settled month recomputed under the rule the configuration gives
 //! it, every changed fine written down.
 //!
-//! A correction has the operator's key (`fine_corrections`): the same key again changes nothing
-//! and reports the first result. It
-//! 1. re-pins the month to the configured rule ([`begin`]; the only way a pin ever changes),
-//!    refusing while a live run holds any shard of the month;
+//! A correction has the operator's key (`fine_corrections`), which binds its request — month,
+//! rule, reason, shard count: the same key again with the same request changes nothing and
+//! reports the first result, with another it is refused (`commands::correct`). It
+//! 1. re-pins the month to the configured rule and holds it ([`begin`], one transaction; the only
+//!    way a pin ever changes), refusing while a live run holds any shard of the month or another
+//!    correction of it is unfinished: from then until it completes, no run, sweep or takeover of
+//!    the month's claims but its own can run (`jobs::params::hold`), and `status` says "being
+//!    corrected";
 //! 2. runs [`FineCorrection`] on every shard of the month, through the job layer like every run
-//!    (claim, lease, fencing): each batch recomputes its rows, updates the settled ones whose fine
-//!    differs, and appends one `fine_adjustments` row per changed loan (old and new cents) in the
-//!    same transaction; a return not settled yet is settled; a held row is left alone;
+//!    (claim, lease, fencing): each batch re-prices the edits queued for the month, then the
+//!    month's loans — those whose last journal entry is in it, and its unsettled returns — by
+//!    primary key ([`journal::reprice`]): a settled fine that differs from the rule is changed, a
+//!    return not settled yet is settled, a loan no longer returned in the month is unsettled
+//!    again, a held row is left alone; each change gets its journal entry (`corrected`, with the
+//!    key) and a `fine_adjustments` row (old and new cents) in the same transaction;
 //! 3. appends a `corrected` event per shard (key, reason, old and new rule, rows changed, net
-//!    cents) and marks the correction complete, in one transaction ([`complete`]).
+//!    cents), marks the correction complete and releases the month, in one transaction
+//!    ([`complete`]), once: a second process with the same key finds it complete.
 //!
 //! Killed at any point, it is finished by running it again with the same key: a batch that
 //! committed left its rows equal to the rule, so they are not changed (nor recorded) again.
 
-use super::{describe_params, rule_params, FineSettlement, HELD_ROW};
+use super::journal::{self, Repricer};
+use super::{describe_params, rule_params, FineSettlement, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
-use crate::fine::FineRule;
-use crate::jobs::{params, Batch, Cursor, Job, JobKey, Owner, Params, Reopen, HELD_IDS};
+use crate::jobs::{params, Batch, Claim, Cursor, Job, JobKey, Owner, Params, Reopen};
 use chrono::NaiveDate;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
 use std::borrow::Cow;
@@ -37,13 +45,14 @@ pub struct Correction {
     pub completed: bool,
     /// Per shard, once complete: rows changed, net cents, rows updated, rows held.
     pub result: Option<serde_json::Value>,
+    pub created_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// The correction with `key`, if any.
 pub async fn find(db: impl PgExecutor<'_>, key: &str) -> sqlx::Result<Option<Correction>> {
     sqlx::query_as(
         "SELECT correction_key, business_date, shards, reason, old_rule, new_rule,
-                completed_at IS NOT NULL AS completed, result
+                completed_at IS NOT NULL AS completed, result, created_at
            FROM fine_corrections WHERE correction_key = $1",
     )
     .bind(key)
@@ -54,17 +63,20 @@ pub async fn find(db: impl PgExecutor<'_>, key: &str) -> sqlx::Result<Option<Cor
 /// What [`begin`] did.
 #[derive(Debug)]
 pub enum Begun {
-    /// Recorded now, and the month re-pinned.
+    /// Recorded now, and the month re-pinned and held.
     Started(Correction),
     /// A correction with this key was recorded before (possibly by a concurrent call).
     Existing(Correction),
     /// A live run holds these claims of the month: nothing was recorded.
     Running(Vec<String>),
+    /// Another correction of the month is unfinished: nothing was recorded.
+    Unfinished(Correction),
 }
 
-/// Records the correction `key` of `business_date` under `shards`, re-pinning the month to `rule`,
-/// in one transaction that first locks the month's pin (waiting for claims comparing against it)
-/// and refuses while any run of the month, under any shard count, holds a live lease.
+/// Records the correction `key` of `business_date` under `shards`, re-pinning the month to `rule`
+/// and holding it ([`params::hold`]), in one transaction that first locks the month's pin
+/// (waiting for claims comparing against it) and refuses while any run of the month, under any
+/// shard count, holds a live lease, or another correction of the month is unfinished.
 #[allow(clippy::too_many_arguments)]
 pub async fn begin(
     conn: &mut PgConnection,
@@ -76,10 +88,30 @@ pub async fn begin(
     owner: &Owner,
     ttl: Duration,
 ) -> sqlx::Result<Begun> {
+    if let Some(existing) = find(&mut *conn, key).await? {
+        return Ok(Begun::Existing(existing));
+    }
     let mut tx = conn.begin().await?;
     let old = params::repin(&mut tx, super::JOB_NAME, business_date.date(), rule, owner)
         .await
         .map_err(job_to_sqlx)?;
+    // Under the pin's lock: a concurrent correction of the month waits here, then sees this one.
+    let other: Option<String> = sqlx::query_scalar(
+        "SELECT correction_key FROM fine_corrections
+          WHERE business_date = $1 AND completed_at IS NULL AND correction_key <> $2
+          ORDER BY created_at LIMIT 1",
+    )
+    .bind(business_date.date())
+    .bind(key)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(other) = other {
+        tx.rollback().await?;
+        let other = find(&mut *conn, &other).await?;
+        return other
+            .map(Begun::Unfinished)
+            .ok_or_else(|| sqlx::Error::Protocol("an unfinished correction vanished".into()));
+    }
     let running: Vec<String> = sqlx::query_scalar(
         "SELECT format('shard %s/%s (attempt %s, %s)', shard, shards, attempt, owner)
            FROM job_runs
@@ -113,18 +145,32 @@ pub async fn begin(
     .await?
     .rows_affected();
     if inserted == 0 {
-        // Recorded before: leave the pin as it was.
+        // Recorded meanwhile by a concurrent call: leave the pin as it was.
         tx.rollback().await?;
         let existing = find(&mut *conn, key).await?;
         return existing
             .map(Begun::Existing)
             .ok_or_else(|| sqlx::Error::Protocol(format!("correction {key:?} vanished")));
     }
+    params::hold(&mut tx, super::JOB_NAME, business_date.date(), key)
+        .await
+        .map_err(job_to_sqlx)?;
     tx.commit().await?;
     let started = find(&mut *conn, key).await?;
     started
         .map(Begun::Started)
         .ok_or_else(|| sqlx::Error::Protocol(format!("correction {key:?} vanished")))
+}
+
+/// The unfinished corrections, oldest first.
+pub async fn unfinished(db: impl PgExecutor<'_>) -> sqlx::Result<Vec<Correction>> {
+    sqlx::query_as(
+        "SELECT correction_key, business_date, shards, reason, old_rule, new_rule,
+                completed_at IS NOT NULL AS completed, result, created_at
+           FROM fine_corrections WHERE completed_at IS NULL ORDER BY created_at",
+    )
+    .fetch_all(db)
+    .await
 }
 
 fn job_to_sqlx(e: crate::jobs::JobError) -> sqlx::Error {
@@ -155,6 +201,19 @@ pub async fn complete(
     owner: &Owner,
 ) -> sqlx::Result<serde_json::Value> {
     let mut tx = conn.begin().await?;
+    // Once: a second process that finished the same key meanwhile has written the events.
+    let done: Option<serde_json::Value> = sqlx::query_scalar(
+        "SELECT COALESCE(result, 'null'::jsonb) FROM fine_corrections
+          WHERE correction_key = $1 AND completed_at IS NOT NULL
+            FOR UPDATE",
+    )
+    .bind(&correction.correction_key)
+    .fetch_optional(&mut *tx)
+    .await?;
+    if let Some(result) = done {
+        tx.rollback().await?;
+        return Ok(result);
+    }
     let shards = i64::from(correction.shards);
     let per_shard: Vec<(i32, i64, String)> = sqlx::query_as(
         "SELECT s::int, count(a.id), COALESCE(sum(a.new_cents::numeric - a.old_cents), 0)::text
@@ -204,14 +263,29 @@ pub async fn complete(
         }));
     }
     let result = serde_json::Value::Array(result);
-    sqlx::query(
+    let marked = sqlx::query(
         "UPDATE fine_corrections SET completed_at = clock_timestamp(), result = $2
           WHERE correction_key = $1 AND completed_at IS NULL",
     )
     .bind(&correction.correction_key)
     .bind(&result)
     .execute(&mut *tx)
-    .await?;
+    .await?
+    .rows_affected();
+    if marked == 0 {
+        // Completed by another process between the check and here: its events stand.
+        tx.rollback().await?;
+        let stored = find(&mut *conn, &correction.correction_key).await?;
+        return Ok(stored.and_then(|c| c.result).unwrap_or_default());
+    }
+    params::release(
+        &mut tx,
+        super::JOB_NAME,
+        correction.business_date,
+        &correction.correction_key,
+    )
+    .await
+    .map_err(job_to_sqlx)?;
     tx.commit().await?;
     Ok(result)
 }
@@ -226,9 +300,9 @@ fn signed(net: &str) -> String {
 }
 
 /// The correction of one shard of a month: a job like the settlement (same key, same rule, same
-/// fencing), whose batches walk every loan of the shard's month in id order — settled or not, which
-/// the month index does not hold, so along the primary key: a pass over the table per shard, once
-/// per correction.
+/// fencing), whose batches re-price the month's queued edits, then its loans by primary key: those
+/// whose last journal entry is in the month, and its unsettled returns ([`journal::reprice`]).
+/// What it reads follows the month, not the table.
 #[derive(Debug, Clone)]
 pub struct FineCorrection {
     /// The settlement whose rule and guards the correction uses.
@@ -248,22 +322,22 @@ pub fn reopen(correction: &Correction) -> Reopen {
     }
 }
 
-/// A correction run's bounds and rule.
+/// A correction run's loans and how it writes.
 #[derive(Debug)]
 pub struct CorrectionPlan {
-    first_day: NaiveDate,
-    last_day: NaiveDate,
-    business_date: NaiveDate,
-    shards: i64,
-    shard: i64,
-    rule: FineRule,
+    /// The shard's loans of the month, by id: each with the seq of its last journal entry (checked
+    /// again when it is locked), or `None` for an unsettled return.
+    loans: Vec<(i64, Option<i32>)>,
+    by: Repricer,
 }
 
 impl Job for FineCorrection {
     type Plan = CorrectionPlan;
 
     fn params(&self, key: &JobKey) -> Result<Params, String> {
-        Ok(rule_params(&self.settlement.rule_of(key.business_date)?))
+        Ok(rule_params(
+            &self.settlement.rule_of(key.business_date)?.rule,
+        ))
     }
 
     fn describe(&self, params: &Params) -> String {
@@ -280,108 +354,106 @@ impl Job for FineCorrection {
 
     async fn plan(
         &self,
-        _pool: &PgPool,
-        key: &JobKey,
-        _resume: Cursor,
+        pool: &PgPool,
+        claim: &Claim,
         _estimate: bool,
     ) -> sqlx::Result<(CorrectionPlan, Option<u64>)> {
+        let key = &claim.key;
         let month = BusinessDate::new(key.business_date)
             .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
         let rule = self
             .settlement
             .rule_of(key.business_date)
-            .map_err(sqlx::Error::Protocol)?;
-        Ok((
-            CorrectionPlan {
-                first_day: month.first_day(),
-                last_day: month.date(),
-                business_date: month.date(),
-                shards: key.shards.into(),
-                shard: key.shard.into(),
-                rule: rule.rule,
-            },
-            None,
+            .map_err(sqlx::Error::Protocol)?
+            .rule;
+        let (shards, shard) = (i64::from(key.shards), i64::from(key.shard));
+        let after = claim.resume.last_id.unwrap_or(i64::MIN);
+        let mut tx = pool.begin_with(self.settlement.begin_batch()).await?;
+        let loans: Vec<(i64, Option<i32>)> = sqlx::query_as(&format!(
+            "SELECT DISTINCT ON (id) id, seq FROM (
+                 SELECT x.loan_id AS id, x.seq
+                   FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
+                   JOIN loans l ON l.id = x.loan_id AND l.fine_seq = x.seq
+                  WHERE j.month = $1::date AND x.loan_id > $4
+                    AND ($2 = 1 OR (x.loan_id % $2 + $2) % $2 = $3)
+                 UNION ALL
+                 SELECT l.id::bigint, NULL FROM loans l
+                  WHERE {MONTH_KEY_L} = $1::date::timestamp
+                    AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
+                    AND l.id + 0 > $4 AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
+             ) t
+             ORDER BY id, seq NULLS FIRST"
         ))
+        .bind(month.first_day())
+        .bind(shards)
+        .bind(shard)
+        .bind(after)
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.rollback().await?;
+        let total = loans.len() as u64;
+        let by = Repricer {
+            month: month.first_day(),
+            business_date: month.date(),
+            shards,
+            shard,
+            rule,
+            attempt: claim.attempt,
+            correction_key: Some(self.correction_key.clone()),
+        };
+        Ok((CorrectionPlan { loans, by }, Some(total)))
     }
 
+    /// The month's queued edits first (a batch of them while there are some), then the next
+    /// `batch.size` of the plan's loans after the cursor.
     async fn run_batch(
         &self,
         tx: &mut PgConnection,
         plan: &CorrectionPlan,
         cursor: Cursor,
     ) -> sqlx::Result<Batch> {
-        let Some((low, high)) = cursor.remaining() else {
-            return Ok(Batch::nothing_left(cursor));
-        };
         let limit = i64::from(self.settlement.batch_size.max(1));
-        let (read, last, updated, held, held_ids): (i64, Option<i64>, i64, i64, Vec<i64>) =
-            sqlx::query_as(correction_sql())
-                .bind(plan.first_day)
-                .bind(plan.last_day)
-                .bind(low)
-                .bind(high)
-                .bind(plan.shards)
-                .bind(plan.shard)
-                .bind(limit)
-                .bind(plan.rule.grace_days)
-                .bind(plan.rule.daily_rate_cents)
-                .bind(plan.rule.max_cents)
-                .bind(&self.correction_key)
-                .bind(plan.business_date)
-                .fetch_one(&mut *tx)
-                .await?;
-        let Some(last) = last else {
-            return Ok(Batch::nothing_left(cursor));
+        let edits = journal::reprice(tx, &plan.by, journal::Source::Queue { limit }).await?;
+        if edits.loans as i64 >= limit {
+            return Ok(Batch {
+                cursor,
+                scanned: edits.loans,
+                updated: edits.written(),
+                ..Batch::default()
+            });
+        }
+        let after = cursor.last_id.unwrap_or(i64::MIN);
+        let start = plan.loans.partition_point(|(id, _)| *id <= after);
+        let page = &plan.loans[start..plan.loans.len().min(start + limit as usize)];
+        let Some(&(last, _)) = page.last() else {
+            return Ok(Batch {
+                scanned: edits.loans,
+                updated: edits.written(),
+                ..Batch::nothing_left(cursor)
+            });
         };
+        let ids: Vec<i64> = page.iter().map(|(id, _)| *id).collect();
+        let seqs: Vec<Option<i32>> = page.iter().map(|(_, seq)| *seq).collect();
+        let done = journal::reprice(
+            tx,
+            &plan.by,
+            journal::Source::Loans {
+                ids: &ids,
+                seqs: &seqs,
+            },
+        )
+        .await?;
         Ok(Batch {
             cursor: Cursor {
                 last_id: Some(last),
                 ..cursor
             },
-            scanned: read as u64,
-            updated: updated as u64,
+            scanned: edits.loans + page.len() as u64,
+            updated: edits.written() + done.written(),
             odd: 0,
-            held: held as u64,
-            held_ids,
-            done: read < limit,
+            held: done.held,
+            held_ids: done.held_ids,
+            done: start + page.len() >= plan.loans.len(),
         })
     }
-}
-
-/// One correction batch: the next page of the shard's month along the primary key, locked; the
-/// rows whose fine differs from the rule (or that are not settled yet) updated; one adjustment per
-/// settled row changed. Returns (rows read, last id read, rows updated, rows held, first held ids).
-fn correction_sql() -> &'static str {
-    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SQL.get_or_init(|| {
-        let fine = FineRule::sql_params(8);
-        format!(
-            "WITH page AS MATERIALIZED (
-                 SELECT l.id, l.fine_cents AS old, l.fine_settled_at IS NOT NULL AS settled,
-                        {HELD_ROW} AS held,
-                        CASE WHEN {HELD_ROW} THEN NULL ELSE {fine} END AS new
-                   FROM loans l
-                  WHERE l.id BETWEEN $3 AND $4
-                    AND l.returned_on BETWEEN $1 AND $2
-                    AND ($5 = 1 OR (l.id % $5 + $5) % $5 = $6)
-                  ORDER BY l.id
-                  LIMIT $7
-                    FOR UPDATE OF l
-             ), changed AS (
-                 UPDATE loans l
-                    SET fine_cents = p.new, fine_settled_at = COALESCE(l.fine_settled_at, now())
-                   FROM page p
-                  WHERE l.id = p.id AND NOT p.held AND (NOT p.settled OR p.old <> p.new)
-                 RETURNING l.id, p.old, p.new, p.settled
-             ), adjusted AS (
-                 INSERT INTO fine_adjustments
-                        (correction_key, loan_id, business_date, old_cents, new_cents)
-                 SELECT $11, id, $12, old, new FROM changed WHERE settled
-             )
-             SELECT (SELECT count(*) FROM page), (SELECT max(id)::bigint FROM page),
-                    (SELECT count(*) FROM changed),
-                    (SELECT count(*) FROM page WHERE held),
-                    ARRAY(SELECT id::bigint FROM page WHERE held ORDER BY id LIMIT {HELD_IDS})"
-        )
-    })
 }

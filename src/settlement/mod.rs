@@ -36,12 +36,15 @@
 //! reads it itself.
 
 pub mod correction;
+pub mod journal;
 pub mod verify;
 
 use crate::calendar::BusinessDate;
 use crate::config::{SessionGuards, ShardSpec};
 use crate::fine::{DatedRule, FineRule, FineSchedule};
-use crate::jobs::{Batch, Cursor, Job, JobKey, Params, Reopen, HELD_IDS};
+use crate::jobs::{
+    Batch, Claim, Cursor, Job, JobKey, Params, Pending, PendingReport, Reopen, HELD_IDS,
+};
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool, Postgres};
@@ -70,15 +73,26 @@ pub struct FineSettlement {
     pub guards: SessionGuards,
 }
 
-/// One run: its bounds and rule, fixed after the claim, and the page read ahead for its next
-/// batch.
+/// One run: its bounds and rule, fixed after the claim, what its journal entries say, and the page
+/// read ahead for its next batch.
 #[derive(Debug)]
 pub struct MonthPlan {
     bounds: Bounds,
     rule: FineRule,
+    /// The journal's words for this run's entries.
+    entries: Entries,
+    /// Re-prices the month's queued edits once the month index is walked.
+    edits: journal::Repricer,
     ahead: Lookahead,
 }
 
+/// What a run's journal entries say besides each loan's: kind, rule, the run's attempt.
+#[derive(Debug, Clone)]
+struct Entries {
+    kind: journal::Kind,
+    rule: serde_json::Value,
+    attempt: i32,
+}
 impl MonthPlan {
     /// How many batches of this run found their page already read ([`Lookahead`]).
     pub fn pages_read_ahead(&self) -> u64 {
@@ -329,31 +343,24 @@ pub fn rule_of(rules: &FineSchedule, business_date: NaiveDate) -> Result<DatedRu
     })
 }
 
-/// A month's rule as the job's identifying parameters:
-/// `{"from": "YYYY-MM", "daily_rate_cents": …, "grace_days": …, "max_cents": …}`.
-pub fn rule_params(rule: &DatedRule) -> Params {
-    Params(serde_json::json!({
-        "from": rule.from_month(),
-        "daily_rate_cents": rule.rule.daily_rate_cents,
-        "grace_days": rule.rule.grace_days,
-        "max_cents": rule.rule.max_cents,
-    }))
+/// A month's rule as the job's identifying parameters: its identity,
+/// `{"daily_rate_cents": …, "grace_days": …, "max_cents": …}` — what prices a fine. When the rule
+/// starts to apply (`from`) is not part of it: the same rule written again with another `from`
+/// is the same rule.
+pub fn rule_params(rule: &FineRule) -> Params {
+    Params(journal::rule_identity(rule))
 }
 
-/// The rule a month's pinned parameters describe; `None` for parameters this version does not
-/// read (then they are shown as they are).
-pub fn rule_from_params(params: &Params) -> Option<DatedRule> {
+/// The rule a month's pinned parameters describe (a pin of an earlier release may also carry
+/// `from`, which is ignored); `None` for parameters this version does not read (then they are
+/// shown as they are).
+pub fn rule_from_params(params: &Params) -> Option<FineRule> {
     let p = &params.0;
-    let from = BusinessDate::from_month(p.get("from")?.as_str()?).ok()?;
     let int = |name: &str| p.get(name).and_then(serde_json::Value::as_i64);
-    let rule = FineRule {
+    Some(FineRule {
         daily_rate_cents: int("daily_rate_cents")?,
         grace_days: int("grace_days")?,
         max_cents: int("max_cents")?,
-    };
-    Some(DatedRule {
-        from: from.first_day(),
-        rule,
     })
 }
 
@@ -369,27 +376,91 @@ impl Job for FineSettlement {
     type Plan = MonthPlan;
 
     fn params(&self, key: &JobKey) -> Result<Params, String> {
-        Ok(rule_params(&self.rule_of(key.business_date)?))
+        Ok(rule_params(&self.rule_of(key.business_date)?.rule))
     }
 
     fn describe(&self, params: &Params) -> String {
         describe_params(params)
     }
 
+    /// The shard's unsettled returns of the month that the rule can price, and its loans whose
+    /// earliest queued edit is in the month.
     async fn late_items(&self, pool: &PgPool, key: &JobKey) -> sqlx::Result<u64> {
         let bounds = Bounds::for_key(key)?;
         let mut tx = pool.begin_with(begin_batch_sql(&self.guards)).await?;
         let counts =
             unsettled_by_month(&mut tx, &[bounds.month], bounds.shards, bounds.shard).await?;
+        let edits =
+            journal::edits_waiting(&mut tx, bounds.month.date(), bounds.shards, bounds.shard)
+                .await?;
         tx.rollback().await?;
-        Ok(counts.first().map_or(0, |c| c.late))
+        Ok(counts.first().map_or(0, |c| c.late) + edits)
     }
 
     fn reopen(&self, late: u64) -> Reopen {
         Reopen {
             event: "late_returns",
-            message: format!("{late} late returns: loans returned into the month after it closed"),
+            message: format!(
+                "{late} late returns or edits of settled loans: loans returned into the month \
+                 after it closed, or settled loans whose dates libraryd changed"
+            ),
         }
+    }
+
+    /// Per month and shard: the unsettled returns of each month asked for (one index probe per
+    /// month; `late` those the rule can price, `held` the others), plus the loans with edits
+    /// queued, under the month of their earliest edit (any month: the queue is small and says
+    /// where they are); and the unsettled returns the rule can price in months before the first.
+    async fn pending(
+        &self,
+        pool: &PgPool,
+        shards: u32,
+        periods: &[NaiveDate],
+    ) -> sqlx::Result<PendingReport> {
+        let months: Vec<NaiveDateTime> = periods
+            .iter()
+            .filter_map(|d| BusinessDate::new(*d).ok())
+            .map(|d| d.first_day().and_time(NaiveTime::MIN))
+            .collect();
+        let shards = i64::from(shards.max(1));
+        let mut tx = pool.begin_with(begin_batch_sql(&self.guards)).await?;
+        let mut by_period: Vec<Pending> = unsettled_by_month_and_shard(&mut tx, &months, shards)
+            .await?
+            .into_iter()
+            .filter_map(|(month, shard, late, held)| {
+                Some(Pending {
+                    business_date: BusinessDate::of_month_of(month.date())?.date(),
+                    shard: shard as u32,
+                    late: late as u64,
+                    held: held as u64,
+                })
+            })
+            .collect();
+        for (month, shard, loans) in journal::edits_by_month(&mut tx, shards).await? {
+            let Some(business_date) = BusinessDate::of_month_of(month) else {
+                continue;
+            };
+            let business_date = business_date.date();
+            match by_period
+                .iter_mut()
+                .find(|p| p.business_date == business_date && i64::from(p.shard) == shard)
+            {
+                Some(p) => p.late += loans as u64,
+                None => by_period.push(Pending {
+                    business_date,
+                    shard: shard as u32,
+                    late: loans as u64,
+                    held: 0,
+                }),
+            }
+        }
+        let before = match months.first() {
+            Some(first) => unsettled_before(&mut tx, *first).await?,
+            None => 0,
+        };
+        tx.rollback().await?;
+        by_period.sort_by_key(|p| (p.business_date, p.shard));
+        Ok(PendingReport { by_period, before })
     }
 
     fn held_means(&self) -> &'static str {
@@ -403,18 +474,37 @@ impl Job for FineSettlement {
     async fn plan(
         &self,
         pool: &PgPool,
-        key: &JobKey,
-        resume: Cursor,
+        claim: &Claim,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
+        let key = &claim.key;
         let bounds = Bounds::for_key(key)?;
         // The claim compared this rule with the month's pinned one: they are the same.
         let rule = self
             .rule_of(key.business_date)
-            .map_err(sqlx::Error::Protocol)?;
+            .map_err(sqlx::Error::Protocol)?
+            .rule;
         let remaining = match estimate {
-            true => Some(unsettled(pool, &bounds, resume).await?),
+            true => Some(unsettled(pool, &bounds, claim.resume).await?),
             false => None,
+        };
+        let kind = match closed_before(pool, key).await? {
+            true => journal::Kind::Late,
+            false => journal::Kind::Settled,
+        };
+        let entries = Entries {
+            kind,
+            rule: journal::rule_identity(&rule),
+            attempt: claim.attempt,
+        };
+        let edits = journal::Repricer {
+            month: bounds.month.date(),
+            business_date: key.business_date,
+            shards: bounds.shards,
+            shard: bounds.shard,
+            rule,
+            attempt: claim.attempt,
+            correction_key: None,
         };
         // Only the month's one shard reads ahead: with more shards, the server's cores are busy
         // with the other shards' batches, and a read alongside each competes with them (two
@@ -428,7 +518,9 @@ impl Job for FineSettlement {
         Ok((
             MonthPlan {
                 bounds,
-                rule: rule.rule,
+                rule,
+                entries,
+                edits,
                 ahead,
             },
             remaining,
@@ -465,11 +557,36 @@ impl Job for FineSettlement {
         plan: &MonthPlan,
         cursor: Cursor,
     ) -> sqlx::Result<Batch> {
+        let limit = i64::from(self.batch_size.max(1));
+        let walked = self.index_batch(tx, plan, cursor, limit).await?;
+        if !walked.done {
+            return Ok(walked);
+        }
+        // The month index is walked: the edits of settled loans queued for this month and shard,
+        // in the same transaction (a batch of them at a time; each batch dequeues what it did).
+        let edits = journal::reprice(tx, &plan.edits, journal::Source::Queue { limit }).await?;
+        Ok(Batch {
+            scanned: walked.scanned + edits.loans,
+            updated: walked.updated + edits.written(),
+            done: (edits.loans as i64) < limit,
+            ..walked
+        })
+    }
+}
+
+impl FineSettlement {
+    /// One batch along the month index (see [`Job::run_batch`]); `done` once it is walked.
+    async fn index_batch(
+        &self,
+        tx: &mut PgConnection,
+        plan: &MonthPlan,
+        cursor: Cursor,
+        limit: i64,
+    ) -> sqlx::Result<Batch> {
         let Some((low, high)) = cursor.remaining() else {
             return Ok(Batch::nothing_left(cursor));
         };
         let bounds = &plan.bounds;
-        let limit = i64::from(self.batch_size.max(1));
         let page = match plan.ahead.take((low, high)) {
             Some(page) => page,
             None => bounds.page(&mut *tx, (low, high), limit).await?,
@@ -499,7 +616,8 @@ impl Job for FineSettlement {
         let done = page.scanned < limit;
         let sql = BatchSql::of(bounds.walk);
         let rule = &plan.rule;
-        // Both statements take the same parameters: the range, the shard, the rule.
+        // Both statements take the same parameters: the range, the shard, the rule, and what
+        // their journal entries say.
         let numbers = [
             from,
             to,
@@ -509,20 +627,28 @@ impl Job for FineSettlement {
             rule.daily_rate_cents,
             rule.max_cents,
         ];
+        let entries = &plan.entries;
         let settle = async {
             let odd = numbers
                 .iter()
                 .fold(sqlx::query_as(&sql.odd).bind(bounds.month), |q, n| {
                     q.bind(*n)
-                });
+                })
+                .bind(entries.kind.as_str())
+                .bind(&entries.rule)
+                .bind(entries.attempt);
             let (odd, held, held_ids): (i64, i64, Vec<i64>) = odd.fetch_one(&mut *tx).await?;
             let rest = numbers
                 .iter()
-                .fold(sqlx::query(&sql.settle).bind(bounds.month), |q, n| {
-                    q.bind(*n)
-                });
-            let rest = rest.execute(&mut *tx).await?.rows_affected();
-            Ok::<_, sqlx::Error>((odd as u64, rest, held as u64, held_ids))
+                .fold(
+                    sqlx::query_scalar(&sql.settle).bind(bounds.month),
+                    |q, n| q.bind(*n),
+                )
+                .bind(entries.kind.as_str())
+                .bind(&entries.rule)
+                .bind(entries.attempt);
+            let rest: i64 = rest.fetch_one(&mut *tx).await?;
+            Ok::<_, sqlx::Error>((odd as u64, rest as u64, held as u64, held_ids))
         };
         let next = if done { None } else { cursor.remaining() };
         let (settled, ()) = tokio::join!(settle, plan.ahead.read(bounds, next, limit));
@@ -537,6 +663,23 @@ impl Job for FineSettlement {
             done,
         })
     }
+}
+
+/// Whether the month of `key` was closed before this run: its shard's key was SUCCESS before, or
+/// the month was closed under another shard count. What such a run settles are late returns.
+async fn closed_before(pool: &PgPool, key: &JobKey) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (
+             SELECT 1 FROM job_events
+              WHERE job_name = $1 AND business_date = $2 AND event = 'succeeded'
+                AND (shards <> $3 OR shard = $4))",
+    )
+    .bind(&key.job_name)
+    .bind(key.business_date)
+    .bind(key.shards as i32)
+    .bind(key.shard as i32)
+    .fetch_one(pool)
+    .await
 }
 
 /// How many loans the run of `key` still has to read inside `cursor` (its committed progress):
@@ -594,8 +737,10 @@ pub const HELD_ROW: &str = "(l.due_on IS NULL OR NOT isfinite(l.due_on))";
 ///
 /// `odd` and `settle`: `$1` month key, `$2`..`$3` the batch's ids (from the remaining range's
 /// start to the page's last id, or from the page's last id to the range's end), `$4`/`$5` shard
-/// count and index, `$6`..`$8` the fine rule. `odd` settles the range's [`ODD_ROW`]s, `settle`
-/// every row left; each is counted by its row count.
+/// count and index, `$6`..`$8` the fine rule, `$9`..`$11` the journal's kind, rule identity and
+/// attempt. `odd` settles the range's [`ODD_ROW`]s, `settle` every row left, each writing the
+/// journal entries of what it settled in the same statement ([`journal`]); `settle` returns how
+/// many it settled.
 #[derive(Debug)]
 pub struct BatchSql {
     pub page: String,
@@ -628,6 +773,19 @@ impl BatchSql {
                 AND l.id + 0 BETWEEN $2 AND $3
                 AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)";
         let fine = FineRule::sql_params(6);
+        let journal = |from: &str| {
+            journal::insert_from(
+                from,
+                "$1::date",
+                "$9::text",
+                "$10::jsonb",
+                "$4::int",
+                "$11::int",
+                "NULL",
+            )
+        };
+        let settled = "RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
+                                  0::bigint AS before, l.fine_cents::bigint AS after";
         // One pass over the range finds the rare rows that need more than the plain update: held
         // ones (named, left alone) and odd ones (settled here, so that they are counted by what
         // was really written). The odd ones are updated where that pass found them, by their
@@ -638,24 +796,35 @@ impl BatchSql {
                  SELECT l.id, l.ctid, {HELD_ROW} AS held FROM loans l
                   WHERE {range} AND ({HELD_ROW} OR {ODD_ROW})
              ), odd AS (
-                 UPDATE loans l SET fine_cents = {fine}, fine_settled_at = now()
+                 UPDATE loans l
+                    SET fine_cents = {fine}, fine_settled_at = now(),
+                        fine_seq = COALESCE(l.fine_seq, 0) + 1
                   WHERE l.ctid = ANY (ARRAY(SELECT ctid FROM flagged WHERE NOT held))
                     AND l.returned_on >= $1::date
                     AND l.returned_on < ($1 + interval '1 month')::date
                     AND l.fine_settled_at IS NULL
                     AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)
                     AND NOT {HELD_ROW} AND {ODD_ROW}
-                 RETURNING 1
+                 {settled}
+             ), journal AS ({journal_odd}
              )
              SELECT (SELECT count(*) FROM odd),
                     (SELECT count(*) FROM flagged WHERE held),
-                    ARRAY(SELECT id::bigint FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})"
+                    ARRAY(SELECT id::bigint FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})",
+            journal_odd = journal("odd"),
         );
         let settle = format!(
-            "UPDATE loans l
-                SET fine_cents = {fine}, fine_settled_at = now()
-              WHERE {range}
-                AND NOT {HELD_ROW}"
+            "WITH settled AS (
+                 UPDATE loans l
+                    SET fine_cents = {fine}, fine_settled_at = now(),
+                        fine_seq = COALESCE(l.fine_seq, 0) + 1
+                  WHERE {range}
+                    AND NOT {HELD_ROW}
+                 {settled}
+             ), journal AS ({journal_settled}
+             )
+             SELECT count(*) FROM settled",
+            journal_settled = journal("settled"),
         );
         BatchSql { page, odd, settle }
     }
@@ -706,6 +875,45 @@ pub async fn unsettled_by_month(
             held: held as u64,
         })
         .collect())
+}
+
+/// [`unsettled_by_month`] for every shard of `shards` at once: `(month, shard, late, held)` for
+/// each month and shard that has unsettled returns.
+pub async fn unsettled_by_month_and_shard(
+    db: &mut PgConnection,
+    months: &[NaiveDateTime],
+    shards: i64,
+) -> sqlx::Result<Vec<(NaiveDateTime, i64, i64, i64)>> {
+    sqlx::query_as(&format!(
+        "SELECT m.month, u.shard, count(*) FILTER (WHERE NOT u.held), count(*) FILTER (WHERE u.held)
+           FROM unnest($1::timestamp[]) AS m(month)
+           JOIN LATERAL (
+                SELECT {HELD_ROW} AS held, (l.id % $2 + $2) % $2 AS shard FROM loans l
+                 WHERE {MONTH_KEY_L} = m.month
+                   AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
+           ) u ON true
+          GROUP BY 1, 2
+          ORDER BY 1, 2"
+    ))
+    .bind(months)
+    .bind(shards)
+    .fetch_all(db)
+    .await
+}
+
+/// Unsettled returns the rule can price in months before `month` (a month's first day at
+/// midnight), every shard: what a lookback that ends at `month` leaves behind. Run it inside a
+/// transaction opened with [`begin_batch_sql`]: a range of the month index.
+pub async fn unsettled_before(db: &mut PgConnection, month: NaiveDateTime) -> sqlx::Result<u64> {
+    let n: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM loans l
+          WHERE {MONTH_KEY_L} < $1 AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
+            AND isfinite(l.returned_on) AND NOT {HELD_ROW}"
+    ))
+    .bind(month)
+    .fetch_one(db)
+    .await?;
+    Ok(n as u64)
 }
 
 /// Plan settings that leave the month index as the only way to read a month's unsettled loans

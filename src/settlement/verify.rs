@@ -1,16 +1,26 @@
-//! Is a month's money right? Every loan returned in the month recomputed from the month's rule, in
-//! one read-only pass over the month's rows.
+//! Is a month's money right? Proved from the money journal and the loans by primary key, so the
+//! cost follows the month, not the table.
 //!
-//! A month is right when every settled loan's `fine_cents` is what the rule gives its dates, no
-//! return of the month is left unsettled, and no loan of it is held (dates the rule cannot price).
+//! A month is right when
+//! - every loan whose last journal entry is in the month agrees with it: settled with the entry's
+//!   fine (a fine edited by hand, or NULL, does not), still returned in the month on the dates the
+//!   entry priced (a loan moved by an edit that was never queued does not);
+//! - that fine is the month's rule's for the loan's dates;
+//! - no return of the month is left unsettled, none is held, no edit of one of its loans waits to
+//!   be re-priced, and no settled loan of it lacks a journal entry;
+//! - the journal's chain is whole for its loans: no entry ahead of its loan's `fine_seq`, no loan
+//!   gone without its deletion recorded.
+//!
 //! The rule is the month's pinned one ([`crate::jobs::params`]); a month claimed before pins
-//! existed is checked against the rule the configuration gives it, and the report says so.
+//! existed is checked against the rule the configuration gives it, and the report says so. A
+//! configured rule that differs from the pin is named (a replica with it is refused; `correct`
+//! would apply it).
 
-use super::{describe_params, rule_from_params, rule_of, MonthTotals, HELD_ROW, TOTALS_SQL};
+use super::{describe_params, rule_from_params, rule_of, MonthTotals, HELD_ROW, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
-use crate::fine::{DatedRule, FineRule, FineSchedule};
+use crate::fine::{FineRule, FineSchedule};
 use crate::jobs::{params, JobError, HELD_IDS};
-use sqlx::PgConnection;
+use sqlx::{Connection, PgConnection};
 
 /// Where the rule a month was checked against came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -26,17 +36,36 @@ pub enum RuleSource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub struct Mismatch {
     pub id: i64,
-    pub stored_cents: i64,
+    /// `None`: the stored fine is NULL.
+    pub stored_cents: Option<i64>,
     pub expected_cents: i64,
+}
+
+/// Loans found in one kind of trouble: how many, and the first [`HELD_IDS`] by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Found {
+    pub count: i64,
+    pub ids: Vec<i64>,
+}
+
+impl Found {
+    fn new(count: i64, ids: Option<Vec<i64>>) -> Self {
+        Self {
+            count,
+            ids: ids.unwrap_or_default(),
+        }
+    }
 }
 
 /// What [`verify`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Verification {
     pub business_date: String,
-    pub rule: DatedRule,
+    pub rule: FineRule,
     pub rule_source: RuleSource,
-    /// Loans returned in the month.
+    /// The configuration's rule for the month, when it is not the one checked against.
+    pub configured: Option<FineRule>,
+    /// Loans returned in the month: settled ones, unsettled ones and held ones.
     pub returned: i64,
     pub totals: MonthTotals,
     /// Settled loans whose fine differs from the rule: how many, the sum of (stored − expected),
@@ -45,17 +74,40 @@ pub struct Verification {
     pub mismatch_cents: i128,
     pub mismatches: Vec<Mismatch>,
     /// Returns of the month not settled yet that the rule can price.
-    pub unsettled: i64,
-    pub unsettled_ids: Vec<i64>,
-    /// Loans of the month the rule cannot price (due date missing or infinite), settled or not.
-    pub held: i64,
-    pub held_ids: Vec<i64>,
+    pub unsettled: Found,
+    /// Returns of the month the rule cannot price (due date missing or infinite), left unsettled.
+    pub held: Found,
+    /// Loans whose stored fine is not what their last journal entry says (edited by hand, NULL,
+    /// unsettled or settled behind settlementd's back).
+    pub off_journal: Found,
+    /// Loans whose dates are no longer those their last entry priced (moved out of the month, a
+    /// due date changed) with no edit queued: changed while the edit triggers were off.
+    pub stale: Found,
+    /// Entries ahead of their loan (its `fine_seq` behind them), or loans gone without their
+    /// deletion recorded.
+    pub broken: Found,
+    /// Loans of the month with edits waiting to be re-priced.
+    pub edits_waiting: Found,
+    /// Settled loans of the month without any journal entry.
+    pub unjournaled: Found,
 }
 
 impl Verification {
-    /// Every settled fine is the rule's, nothing is left unsettled, nothing is held.
+    /// Every settled fine is its journal entry's and the rule's, nothing is left unsettled,
+    /// waiting or held, and the journal is whole.
     pub fn is_right(&self) -> bool {
-        self.mismatched == 0 && self.unsettled == 0 && self.held == 0
+        self.mismatched == 0
+            && [
+                &self.unsettled,
+                &self.held,
+                &self.off_journal,
+                &self.stale,
+                &self.broken,
+                &self.edits_waiting,
+                &self.unjournaled,
+            ]
+            .iter()
+            .all(|f| f.count == 0)
     }
 
     /// What is wrong, in one line; `None` when the month is right.
@@ -67,15 +119,28 @@ impl Verification {
                 self.mismatched, self.mismatch_cents
             ));
         }
-        if self.unsettled > 0 {
-            parts.push(format!("{} returns are not settled", self.unsettled));
-        }
-        if self.held > 0 {
-            parts.push(format!(
-                "{} rows held (bad dates), ids {:?}",
-                self.held, self.held_ids
-            ));
-        }
+        let named = |f: &Found, what: &str| {
+            (f.count > 0).then(|| format!("{} {what}, ids {:?}", f.count, f.ids))
+        };
+        parts.extend(
+            [
+                named(&self.unsettled, "returns are not settled"),
+                named(&self.held, "rows held (bad dates)"),
+                named(
+                    &self.off_journal,
+                    "fines differ from their journal entry (edited outside settlementd)",
+                ),
+                named(
+                    &self.stale,
+                    "loans' dates changed after they were priced, with no edit queued",
+                ),
+                named(&self.broken, "loans whose journal chain is broken"),
+                named(&self.edits_waiting, "edits wait to be re-priced"),
+                named(&self.unjournaled, "settled loans have no journal entry"),
+            ]
+            .into_iter()
+            .flatten(),
+        );
         (!parts.is_empty()).then(|| parts.join("; "))
     }
 }
@@ -88,6 +153,7 @@ pub async fn verify(
     business_date: BusinessDate,
     rules: &FineSchedule,
 ) -> Result<Verification, Result<String, JobError>> {
+    let configured = rule_of(rules, business_date.date()).map(|r| r.rule);
     let pinned = params::pinned(&mut *conn, super::JOB_NAME, business_date.date())
         .await
         .map_err(Err)?;
@@ -101,12 +167,10 @@ pub async fn verify(
                 )))
             }
         },
-        None => (
-            rule_of(rules, business_date.date()).map_err(Ok)?,
-            RuleSource::Configuration,
-        ),
+        None => (configured.clone().map_err(Ok)?, RuleSource::Configuration),
     };
-    read(conn, business_date, rule, rule_source)
+    let configured = configured.ok().filter(|c| *c != rule);
+    read(conn, business_date, rule, rule_source, configured)
         .await
         .map_err(|e| Err(JobError::Db(e)))
 }
@@ -114,84 +178,220 @@ pub async fn verify(
 async fn read(
     conn: &mut PgConnection,
     business_date: BusinessDate,
-    rule: DatedRule,
+    rule: FineRule,
     rule_source: RuleSource,
+    configured: Option<FineRule>,
 ) -> sqlx::Result<Verification> {
+    // One snapshot for every statement; loans reached by primary key or the month index only.
+    let mut tx = conn
+        .begin_with(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+             SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off;
+             SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;
+             SET LOCAL jit = off; SET LOCAL work_mem = '64MB'",
+        )
+        .await?;
+    let month = business_date.first_day();
+    let journal = journal_side(&mut tx, business_date, &rule).await?;
+    let (unsettled, held) = unsettled_side(&mut tx, business_date).await?;
+    let edits_waiting = edits_side(&mut tx, business_date).await?;
+    let unjournaled: (i64, Option<Vec<i64>>) = sqlx::query_as(&format!(
+        "SELECT count(*), (array_agg(id ORDER BY id))[1:{HELD_IDS}] FROM (
+             SELECT l.id::bigint AS id FROM loans l
+              WHERE l.fine_settled_at IS NOT NULL AND l.fine_seq IS NULL
+                AND l.returned_on BETWEEN $1 AND $2) u"
+    ))
+    .bind(month)
+    .bind(business_date.date())
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.rollback().await?;
+    Ok(Verification {
+        business_date: business_date.to_string(),
+        rule,
+        rule_source,
+        configured,
+        returned: journal.totals.settled_rows + unsettled.count + held.count,
+        totals: journal.totals,
+        mismatched: journal.mismatched,
+        mismatch_cents: journal.mismatch_cents,
+        mismatches: journal.mismatches,
+        unsettled,
+        held,
+        off_journal: journal.off_journal,
+        stale: journal.stale,
+        broken: journal.broken,
+        edits_waiting,
+        unjournaled: Found::new(unjournaled.0, unjournaled.1),
+    })
+}
+
+/// What the month's journal entries and their loans say.
+struct JournalSide {
+    totals: MonthTotals,
+    mismatched: i64,
+    mismatch_cents: i128,
+    mismatches: Vec<Mismatch>,
+    off_journal: Found,
+    stale: Found,
+    broken: Found,
+}
+
+/// The month's journal entries joined to their loans by primary key: each entry that is its loan's
+/// last (`l.fine_seq = seq`) is checked; earlier ones are history (the loan was re-priced, or moved
+/// on to another month).
+async fn journal_side(
+    tx: &mut PgConnection,
+    business_date: BusinessDate,
+    rule: &FineRule,
+) -> sqlx::Result<JournalSide> {
     let fine = FineRule::sql_params(3);
-    let differs = "settled AND NOT held AND fine_cents <> expected";
+    let in_month = "l_ret BETWEEN $1 AND $2";
+    // An entry that is its loan's last, of a kind that prices.
+    let priced = "cur AND kind NOT IN ('reversed', 'deleted')";
+    let settled = format!("{priced} AND l_settled AND {in_month}");
+    let differs = format!("{settled} AND NOT l_held AND l_fine IS DISTINCT FROM expected");
+    let off_journal =
+        "cur AND CASE WHEN kind IN ('reversed', 'deleted') THEN l_settled OR l_fine IS DISTINCT FROM 0
+                      ELSE NOT l_settled OR l_fine IS DISTINCT FROM after_cents END";
+    // The subqueries run only for the rare rows the cheap conditions leave (CASE keeps the order).
+    let queued = "EXISTS (SELECT 1 FROM loan_changes q WHERE q.loan_id = c.loan_id)";
+    let stale = format!(
+        "CASE WHEN {priced} AND (l_ret IS DISTINCT FROM returned_on OR l_due IS DISTINCT FROM due_on
+                                 OR NOT {in_month})
+              THEN NOT {queued} ELSE false END"
+    );
+    let broken = format!(
+        "(present AND (l_seq IS NULL OR l_seq < seq))
+         OR (cur AND kind = 'deleted')
+         OR CASE WHEN NOT present
+                 THEN NOT {queued} AND NOT EXISTS (
+                          SELECT 1 FROM fine_journal d
+                           WHERE d.kind = 'deleted' AND c.loan_id = ANY (d.loan_ids))
+                 ELSE false END"
+    );
     let sql = format!(
-        "SELECT count(*),
-                {TOTALS_SQL},
+        "WITH e AS (
+             SELECT j.kind, x.loan_id, x.seq, x.due_on, x.returned_on, x.after_cents
+               FROM fine_journal j,
+                    unnest(j.loan_ids, j.seqs, j.due_on, j.returned_on, j.after_cents)
+                      AS x(loan_id, seq, due_on, returned_on, after_cents)
+              WHERE j.month = $1
+         ), c AS (
+             SELECT e.kind, e.loan_id, e.seq, e.due_on, e.returned_on, e.after_cents,
+                    l.id IS NOT NULL AS present, l.fine_seq AS l_seq,
+                    l.fine_seq IS NOT DISTINCT FROM e.seq AS cur,
+                    l.fine_cents::bigint AS l_fine, l.fine_settled_at IS NOT NULL AS l_settled,
+                    l.due_on AS l_due, l.returned_on AS l_ret,
+                    {HELD_ROW} AS l_held,
+                    CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
+                         THEN NULL ELSE {fine} END AS expected
+               FROM e LEFT JOIN loans l ON l.id = e.loan_id
+         )
+         SELECT count(*) FILTER (WHERE {settled}),
+                COALESCE(sum(l_fine) FILTER (WHERE {settled}), 0)::text,
+                md5(COALESCE(string_agg(loan_id::text || ':' || l_fine::text, ',' ORDER BY loan_id)
+                               FILTER (WHERE {settled}), '')),
                 count(*) FILTER (WHERE {differs}),
-                COALESCE(sum(fine_cents::numeric - expected) FILTER (WHERE {differs}), 0)::text,
-                (array_agg(id ORDER BY id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
-                (array_agg(fine_cents ORDER BY id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
-                (array_agg(expected ORDER BY id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
-                count(*) FILTER (WHERE NOT settled AND NOT held),
-                (array_agg(id ORDER BY id) FILTER (WHERE NOT settled AND NOT held))[1:{HELD_IDS}],
-                count(*) FILTER (WHERE held),
-                (array_agg(id ORDER BY id) FILTER (WHERE held))[1:{HELD_IDS}]
-           FROM (SELECT l.id::bigint AS id, l.fine_cents::bigint AS fine_cents, l.fine_settled_at,
-                        l.fine_settled_at IS NOT NULL AS settled,
-                        {HELD_ROW} AS held,
-                        CASE WHEN {HELD_ROW} THEN NULL ELSE {fine} END AS expected
-                   FROM loans l
-                  WHERE l.returned_on BETWEEN $1 AND $2) month"
+                COALESCE(sum(COALESCE(l_fine, 0)::numeric - expected)
+                         FILTER (WHERE {differs}), 0)::text,
+                (array_agg(loan_id ORDER BY loan_id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
+                (array_agg(l_fine ORDER BY loan_id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
+                (array_agg(expected ORDER BY loan_id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
+                count(DISTINCT loan_id) FILTER (WHERE {off_journal}),
+                (array_agg(DISTINCT loan_id) FILTER (WHERE {off_journal}))[1:{HELD_IDS}],
+                count(DISTINCT loan_id) FILTER (WHERE {stale}),
+                (array_agg(DISTINCT loan_id) FILTER (WHERE {stale}))[1:{HELD_IDS}],
+                count(DISTINCT loan_id) FILTER (WHERE {broken}),
+                (array_agg(DISTINCT loan_id) FILTER (WHERE {broken}))[1:{HELD_IDS}]
+           FROM c"
     );
     type Row = (
         i64,
-        i64,
         String,
         String,
         i64,
         String,
         Option<Vec<i64>>,
+        Option<Vec<Option<i64>>>,
         Option<Vec<i64>>,
+        i64,
         Option<Vec<i64>>,
         i64,
         Option<Vec<i64>>,
         i64,
         Option<Vec<i64>>,
     );
-    let r = &rule.rule;
     let row: Row = sqlx::query_as(&sql)
         .bind(business_date.first_day())
         .bind(business_date.date())
-        .bind(r.grace_days)
-        .bind(r.daily_rate_cents)
-        .bind(r.max_cents)
-        .fetch_one(conn)
+        .bind(rule.grace_days)
+        .bind(rule.daily_rate_cents)
+        .bind(rule.max_cents)
+        .fetch_one(&mut *tx)
         .await?;
-    let (returned, settled_rows, sum, digest, mismatched, mismatch_sum, ids, stored, expected) = (
-        row.0, row.1, row.2, row.3, row.4, row.5, row.6, row.7, row.8,
-    );
-    let mismatches = ids
+    let mismatches = row
+        .5
         .unwrap_or_default()
         .into_iter()
-        .zip(stored.unwrap_or_default())
-        .zip(expected.unwrap_or_default())
+        .zip(row.6.unwrap_or_default())
+        .zip(row.7.unwrap_or_default())
         .map(|((id, stored_cents), expected_cents)| Mismatch {
             id,
             stored_cents,
             expected_cents,
         })
         .collect();
-    Ok(Verification {
-        business_date: business_date.to_string(),
-        rule,
-        rule_source,
-        returned,
+    Ok(JournalSide {
         totals: MonthTotals {
-            settled_rows,
-            fine_cents_sum: super::parse_sum(&sum)?,
-            digest,
+            settled_rows: row.0,
+            fine_cents_sum: super::parse_sum(&row.1)?,
+            digest: row.2,
         },
-        mismatched,
-        mismatch_cents: super::parse_sum(&mismatch_sum)?,
+        mismatched: row.3,
+        mismatch_cents: super::parse_sum(&row.4)?,
         mismatches,
-        unsettled: row.9,
-        unsettled_ids: row.10.unwrap_or_default(),
-        held: row.11,
-        held_ids: row.12.unwrap_or_default(),
+        off_journal: Found::new(row.8, row.9),
+        stale: Found::new(row.10, row.11),
+        broken: Found::new(row.12, row.13),
     })
+}
+
+/// The month's unsettled returns, from the month index: those the rule can price, and held ones.
+async fn unsettled_side(
+    tx: &mut PgConnection,
+    business_date: BusinessDate,
+) -> sqlx::Result<(Found, Found)> {
+    type Row = (i64, Option<Vec<i64>>, i64, Option<Vec<i64>>);
+    let (unsettled, unsettled_ids, held, held_ids): Row = sqlx::query_as(&format!(
+        "SELECT count(*) FILTER (WHERE NOT held),
+                (array_agg(id ORDER BY id) FILTER (WHERE NOT held))[1:{HELD_IDS}],
+                count(*) FILTER (WHERE held),
+                (array_agg(id ORDER BY id) FILTER (WHERE held))[1:{HELD_IDS}]
+           FROM (SELECT l.id::bigint AS id, {HELD_ROW} AS held FROM loans l
+                  WHERE {MONTH_KEY_L} = $1::date::timestamp
+                    AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL) u"
+    ))
+    .bind(business_date.first_day())
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok((
+        Found::new(unsettled, unsettled_ids),
+        Found::new(held, held_ids),
+    ))
+}
+
+/// Loans with edits waiting: queued under the month (their fine is in it), or settled elsewhere
+/// and now returned in it.
+async fn edits_side(tx: &mut PgConnection, business_date: BusinessDate) -> sqlx::Result<Found> {
+    let (count, ids): (i64, Option<Vec<i64>>) = sqlx::query_as(&format!(
+        "SELECT count(DISTINCT c.loan_id), (array_agg(DISTINCT c.loan_id))[1:{HELD_IDS}]
+           FROM loan_changes c LEFT JOIN loans l ON l.id = c.loan_id
+          WHERE c.month = $1 OR l.returned_on BETWEEN $1 AND $2"
+    ))
+    .bind(business_date.first_day())
+    .bind(business_date.date())
+    .fetch_one(&mut *tx)
+    .await?;
+    Ok(Found::new(count, ids))
 }

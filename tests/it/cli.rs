@@ -62,7 +62,7 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
     );
     assert_eq!(
         v["rule"],
-        serde_json::json!({"from": "0001-01", "daily_rate_cents": 50, "grace_days": 0, "max_cents": 10000})
+        serde_json::json!({"daily_rate_cents": 50, "grace_days": 0, "max_cents": 10000})
     );
     assert_eq!(
         (v["held"].as_u64(), v["late_returns"].as_u64()),

@@ -69,8 +69,8 @@ fn settled(outcome: TickOutcome) -> (Slot, jobs::RunReport) {
 #[tokio::test]
 async fn a_year_of_monthly_ticks_gives_twelve_runs_with_the_right_business_dates() {
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-02-28"), 300, 1).await;
-    seed_month(&db.pool, bd("2027-11-30"), 300, 10_000).await;
+    seed_month_alone(&db.pool, bd("2027-02-28"), 300, 1).await;
+    seed_month_alone(&db.pool, bd("2027-11-30"), 300, 10_000).await;
     let s = settings(&[("SCHEDULE__CATCH_UP", "false")]);
     // Start just before the first fire of 2027 (02:30 on the 1st, Shanghai).
     let clock = ManualClock::new(shanghai(2027, 1, 1, 2, 29, 59));
@@ -121,7 +121,7 @@ async fn a_year_of_monthly_ticks_gives_twelve_runs_with_the_right_business_dates
 #[tokio::test]
 async fn a_fire_missed_while_down_is_caught_up_at_start_up() {
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    seed_month_alone(&db.pool, bd("2027-02-28"), 200, 1).await;
     // The replica was down over 2027-03-01 02:30 and starts four days later.
     let clock = ManualClock::new(shanghai(2027, 3, 5, 9, 0, 0));
 
@@ -183,7 +183,7 @@ async fn fail_first_updates(pool: &PgPool, n: i64) {
 #[tokio::test]
 async fn a_failed_run_is_retried_with_growing_backoff_until_success() {
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    seed_month_alone(&db.pool, bd("2027-02-28"), 200, 1).await;
     fail_first_updates(&db.pool, 2).await;
     let s = settings(&[("RETRY__INITIAL_SECS", "8"), ("RETRY__MAX_SECS", "300")]);
     let clock = ManualClock::new(shanghai(2027, 3, 1, 2, 30, 5));
@@ -240,7 +240,7 @@ async fn a_failed_run_is_retried_with_growing_backoff_until_success() {
 #[tokio::test]
 async fn a_second_replica_waits_for_a_live_claim_then_takes_over_once_its_heartbeat_is_stale() {
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    seed_month_alone(&db.pool, bd("2027-02-28"), 200, 1).await;
     let s = settings(&[]);
     // The first replica claimed the month and then hung: its lease is live but not renewed.
     let mut conn = db.pool.acquire().await.unwrap();
@@ -294,8 +294,8 @@ async fn shutdown_mid_run_leaves_a_failed_row_a_peer_takes_over_at_once_with_the
 ) {
     let month = bd("2027-02-28");
     let (db, clean) = (test_db().await, test_db().await);
-    seed_month(&db.pool, month, 600, 1).await;
-    seed_month(&clean.pool, month, 600, 1).await;
+    seed_month_alone(&db.pool, month, 600, 1).await;
+    seed_month_alone(&clean.pool, month, 600, 1).await;
     // Slow every batch down so the shutdown lands mid-run.
     for sql in [
         "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -396,7 +396,7 @@ async fn serve_catches_up_at_start_up_answers_probes_and_exits_cleanly_on_shutdo
     let due = Slot::new(
         latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
     );
-    seed_month(&db.pool, due.business_date, 200, 1).await;
+    seed_month_alone(&db.pool, due.business_date, 200, 1).await;
 
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -617,7 +617,7 @@ fn schedule_rejects_an_invalid_zone_or_cron_with_exit_2_and_one_line() {
 async fn shard_keys_follow_the_configured_shard() {
     // The replica settles only its own shard: shard 1 of 2 leaves shard 0's rows alone.
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
+    seed_month_alone(&db.pool, bd("2027-02-28"), 200, 1).await;
     let s = settings(&[("SHARD__INDEX", "1"), ("SHARD__COUNT", "2")]);
     assert_eq!(s.shard, ShardSpec { index: 1, count: 2 });
     let clock = ManualClock::new(shanghai(2027, 3, 1, 3, 0, 0));
@@ -641,7 +641,7 @@ async fn the_binary_settles_the_due_month_logs_json_with_run_fields_and_exits_0_
     let due = Slot::new(
         latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
     );
-    seed_month(&db.pool, due.business_date, 100, 1).await;
+    seed_month_alone(&db.pool, due.business_date, 100, 1).await;
     let child = settlementd(Some(&db.url))
         .arg("serve")
         .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
@@ -685,7 +685,7 @@ async fn serve_exits_within_the_grace_period_even_when_a_batch_does_not_stop() {
     let due = Slot::new(
         latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
     );
-    seed_month(&db.pool, due.business_date, 50, 1).await;
+    seed_month_alone(&db.pool, due.business_date, 50, 1).await;
     // A batch that would take a minute: shutdown cannot wait for it.
     for sql in [
         "CREATE FUNCTION stuck() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -731,8 +731,8 @@ async fn serve_exits_within_the_grace_period_even_when_a_batch_does_not_stop() {
 #[tokio::test]
 async fn a_month_still_failed_when_the_next_fire_arrives_is_settled_before_the_new_one() {
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-02-28"), 200, 1).await;
-    seed_month(&db.pool, bd("2027-03-31"), 200, 1_000).await;
+    seed_month_alone(&db.pool, bd("2027-02-28"), 200, 1).await;
+    seed_month_alone(&db.pool, bd("2027-03-31"), 200, 1_000).await;
     let s = settings(&[]);
     // February's run was claimed in March and left FAILED (say, retries ran out with the pod).
     let feb = key_of("2027-02-28", &s);
@@ -778,7 +778,7 @@ async fn months_missed_by_an_outage_over_several_fires_are_settled_oldest_first(
         .iter()
         .enumerate()
     {
-        seed_month(&db.pool, bd(month), 100, 1 + 1_000 * i as i64).await;
+        seed_month_alone(&db.pool, bd(month), 100, 1 + 1_000 * i as i64).await;
     }
     let s = settings(&[]);
     let clock = ManualClock::new(shanghai(2027, 2, 1, 2, 30, 1));
@@ -797,15 +797,32 @@ async fn months_missed_by_an_outage_over_several_fires_are_settled_oldest_first(
 }
 
 #[tokio::test]
-async fn months_before_the_first_claim_of_a_deployment_are_left_alone() {
+async fn a_month_nobody_claimed_is_settled_when_its_returns_wait_inside_the_lookback_and_left_alone_beyond_it(
+) {
     let db = test_db().await;
-    seed_month(&db.pool, bd("2027-03-31"), 100, 1).await;
-    seed_month(&db.pool, bd("2027-04-30"), 100, 1_000).await;
-    let s = settings(&[]);
+    seed_month_alone(&db.pool, bd("2027-03-31"), 100, 1).await;
+    seed_month_alone(&db.pool, bd("2027-04-30"), 100, 1_000).await;
     let clock = ManualClock::new(shanghai(2027, 5, 1, 2, 30, 1));
-    let mut r = replica(&db.pool, &s, &clock);
-    let (slot, _) = settled(r.tick().await);
+    // A lookback of one month: only April is looked at; March waits, beyond it.
+    let mut short = replica(
+        &db.pool,
+        &settings(&[("SETTLE__LOOKBACK_MONTHS", "1")]),
+        &clock,
+    );
+    let (slot, _) = settled(short.tick().await);
     assert_eq!(slot.business_date, bd("2027-04-30"));
-    assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+    assert!(matches!(
+        short.tick().await,
+        TickOutcome::AlreadyDone { .. }
+    ));
     assert_eq!(settled_in(&db.pool, "2027-03-31").await, 0);
+
+    // The default lookback covers March: its waiting returns make it due, though no replica ever
+    // claimed it; then nothing is left.
+    let mut r = replica(&db.pool, &settings(&[]), &clock);
+    let (slot, report) = settled(r.tick().await);
+    assert_eq!(slot.business_date, bd("2027-03-31"));
+    assert_eq!(report.attempt, Some(1));
+    assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
+    assert_fully_settled(&db.pool, &["2027-03-31", "2027-04-30"]).await;
 }

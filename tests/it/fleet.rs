@@ -50,7 +50,7 @@ async fn a_fleet_larger_than_the_servers_connections_settles_every_shard_and_lea
         .await
         .unwrap();
     let month = due_month();
-    seed_month(&admin, month, 12_000, 1).await;
+    seed_month_alone(&admin, month, 12_000, 1).await;
     let app = as_role(&cluster.url, "settlementd_app");
     let dir = tempfile::Builder::new()
         .prefix("settlementd-fleet-")

@@ -136,6 +136,18 @@ pub async fn seed_month(pool: &PgPool, month: BusinessDate, n: i64, first_id: i6
     .unwrap();
 }
 
+/// [`seed_month`] without its boundary rows: loans returned in `month` and loans still out, nothing
+/// returned in the months around it. A replica settles every month whose returns wait, so the
+/// schedule's tests seed only the months they are about.
+pub async fn seed_month_alone(pool: &PgPool, month: BusinessDate, n: i64, first_id: i64) {
+    seed_month(pool, month, n, first_id).await;
+    sqlx::query("DELETE FROM loans WHERE id IN ($1, $1 + 1)")
+        .bind(first_id + n)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// Rows a run of `month` must settle.
 pub async fn eligible(pool: &PgPool, month: BusinessDate) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM loans WHERE returned_on BETWEEN $1 AND $2")
@@ -233,6 +245,7 @@ pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions
         estimate,
         request: None,
         reopen: None,
+        correction: None,
     }
 }
 
@@ -828,5 +841,18 @@ async fn pipe(
         if to.write_all(&buf[..read]).await.is_err() {
             return;
         }
+    }
+}
+
+/// A claim of `key` as a first claim makes it (attempt 1, from the start), for tests that drive a
+/// job's plan and batches themselves.
+pub fn claim_of(key: &settlementd::jobs::JobKey) -> settlementd::jobs::Claim {
+    settlementd::jobs::Claim {
+        key: key.clone(),
+        attempt: 1,
+        owner: settlementd::jobs::Owner("test".into()),
+        resume: settlementd::jobs::Cursor::default(),
+        took_over: false,
+        reopened: false,
     }
 }

@@ -58,10 +58,7 @@ async fn a_writer_frozen_inside_its_batch_loses_its_session_and_locks_before_its
     seed_month(&db.pool, month, 400, 1).await;
     let job = short_lease_job(100);
     let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
-    let (plan, _) = job
-        .plan(&db.pool, &key, Cursor::default(), false)
-        .await
-        .unwrap();
+    let (plan, _) = job.plan(&db.pool, &claim_of(&key), false).await.unwrap();
 
     // The "frozen" writer: a batch that updated its rows, and then nothing — no commit, no
     // rollback, its connection simply stops talking (what SIGSTOP does to a client).
@@ -217,7 +214,7 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
 async fn leases_live_on_the_database_clock_so_replicas_hours_apart_agree() {
     let db = test_db().await;
     let month = "2027-02-28";
-    seed_month(&db.pool, bd(month), 200, 1).await;
+    seed_month_alone(&db.pool, bd(month), 200, 1).await;
     let s = settings(&[]);
     // A replica whose clock runs six hours ahead claims the month and then hangs (no heartbeat).
     let ahead = ManualClock::new(shanghai(2027, 3, 12, 12, 0, 0) + TimeDelta::hours(6));
@@ -850,8 +847,7 @@ impl Job for StopBeforeFirstBatch {
     async fn plan(
         &self,
         pool: &PgPool,
-        key: &JobKey,
-        cursor: Cursor,
+        claim: &settlementd::jobs::Claim,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         if !self.fired.swap(true, Ordering::SeqCst) {
@@ -862,7 +858,7 @@ impl Job for StopBeforeFirstBatch {
                 pg.lock().unwrap().restart().unwrap();
             });
         }
-        self.inner.plan(pool, key, cursor, estimate).await
+        self.inner.plan(pool, claim, estimate).await
     }
     async fn run_batch(
         &self,

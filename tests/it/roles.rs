@@ -121,9 +121,14 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
 
     let mut app = PgConnection::connect(&app_url).await.unwrap();
     assert_eq!(
-        sqlstate(&mut app, "UPDATE loans SET fine_cents = fine_cents, fine_settled_at = fine_settled_at WHERE id = 1").await,
+        sqlstate(&mut app, "UPDATE loans SET fine_cents = fine_cents, fine_settled_at = fine_settled_at, fine_seq = fine_seq WHERE id = 1").await,
         None,
-        "the two settlement columns are writable"
+        "the three settlement columns are writable"
+    );
+    // The edit queue: read and emptied by the runtime role, filled only by the triggers.
+    assert_eq!(
+        sqlstate(&mut app, "DELETE FROM loan_changes WHERE false").await,
+        None
     );
     let denied = [
         "UPDATE loans SET returned_on = returned_on WHERE id = 1",
@@ -149,6 +154,11 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "DELETE FROM fine_corrections",
         "DELETE FROM fine_adjustments",
         "TRUNCATE fine_adjustments",
+        "DELETE FROM fine_journal",
+        "UPDATE fine_journal SET kind = kind",
+        "TRUNCATE fine_journal",
+        "INSERT INTO loan_changes (loan_id, month, deleted) VALUES (1, '2026-10-01', false)",
+        "UPDATE loan_changes SET deleted = deleted",
     ];
     for sql in denied {
         assert_eq!(
@@ -186,6 +196,7 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "job_params",
         "fine_corrections",
         "fine_adjustments",
+        "fine_journal",
     ] {
         // Inserting is permitted, including the id sequence; a real table's NOT NULL columns
         // may still refuse an empty row, which is not a privilege error.
@@ -350,6 +361,29 @@ async fn the_migrator_migrates_libraryds_loans_as_their_owner_and_cannot_read_or
         .await
         .unwrap();
     assert_eq!(members, 1);
+
+    // libraryd's own role, granted nothing of settlementd's, edits a settled loan's return date
+    // and deletes another: settlementd's triggers queue both in libraryd's transaction.
+    sqlx::raw_sql(
+        "SET ROLE libraryd;
+         INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_cents,
+                            fine_settled_at, fine_seq)
+         VALUES (1, 1, 1, '2026-09-01', '2026-09-15', '2026-09-20', 250, now(), 1),
+                (2, 1, 1, '2026-09-01', '2026-09-15', '2026-09-20', 250, now(), 1);
+         UPDATE loans SET returned_on = '2026-10-02' WHERE id = 1;
+         DELETE FROM loans WHERE id = 2;
+         RESET ROLE;",
+    )
+    .execute(&mut owner)
+    .await
+    .unwrap();
+    let queued: Vec<(i64, bool, chrono::NaiveDate)> =
+        sqlx::query_as("SELECT loan_id, deleted, month FROM loan_changes ORDER BY loan_id")
+            .fetch_all(&mut owner)
+            .await
+            .unwrap();
+    let september = chrono::NaiveDate::from_ymd_opt(2026, 9, 1).unwrap();
+    assert_eq!(queued, vec![(1, false, september), (2, true, september)]);
 }
 
 /// Every migration that alters `loans` must run as its owner (db::LOANS_MIGRATIONS), and only

@@ -130,7 +130,7 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
 ) {
     let db = test_db().await;
     let month = due_month();
-    seed_month(&db.pool, month, 400, 1).await;
+    seed_month_alone(&db.pool, month, 400, 1).await;
 
     // Shard 0 settles the month under 37 cents a day: the month is pinned to that rule.
     let out = run_shard(&db.url, &[(RATE, "37")], month, 0, 2);
@@ -601,7 +601,7 @@ async fn a_month_edited_by_hand_fails_verify_passes_after_correct_and_the_same_k
         .await
         .unwrap();
     assert_eq!(count, 3);
-    // A key reused for another month is bad input.
+    // A key reused for another request is refused, naming what differs.
     let out = cli(
         &db.url,
         &[],
@@ -617,7 +617,12 @@ async fn a_month_edited_by_hand_fails_verify_passes_after_correct_and_the_same_k
             "2",
         ],
     );
-    assert_eq!(out.status.code(), Some(2), "{}", stderr_of(&out));
+    assert_eq!(out.status.code(), Some(3), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("month 2026-10-31 (this request: 2026-09-30)"),
+        "{}",
+        stderr_of(&out)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

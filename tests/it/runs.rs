@@ -304,7 +304,7 @@ fn start_replica(url: &str, shards: u32, shard: u32) -> ServeProcess {
 async fn ten_identical_concurrent_requests_to_two_replicas_start_one_new_attempt_per_shard() {
     let db = test_db().await;
     let oct = bd(OCT);
-    seed_month(&db.pool, oct, 2000, 1).await;
+    seed_month_alone(&db.pool, oct, 2000, 1).await;
     settle_shards(&db.pool, oct, 2, 500).await;
     let replicas = [start_replica(&db.url, 2, 0), start_replica(&db.url, 2, 1)];
     for r in &replicas {
@@ -380,7 +380,7 @@ async fn ten_identical_concurrent_requests_to_two_replicas_start_one_new_attempt
 async fn a_request_outlives_the_replica_that_accepted_it_and_runs_when_its_shard_is_served() {
     let db = test_db().await;
     let oct = bd(OCT);
-    seed_month(&db.pool, oct, 1000, 1).await;
+    seed_month_alone(&db.pool, oct, 1000, 1).await;
     // The receiving replica serves shard 1 of 2; the request is for the one shard of 1.
     let mut receiver = start_replica(&db.url, 2, 1);
     receiver.wait_for("/readyz", 200).await;
@@ -423,7 +423,7 @@ async fn a_request_the_schedule_and_a_forced_cli_run_colliding_leave_the_month_a
     let clean = test_db().await;
     let chaos = test_db().await;
     for db in [&clean, &chaos] {
-        seed_month(&db.pool, oct, 20_000, 1).await;
+        seed_month_alone(&db.pool, oct, 20_000, 1).await;
     }
     settle_shards(&clean.pool, oct, 1, 500).await;
 
@@ -550,7 +550,7 @@ async fn claims_takeovers_fencing_rejections_successes_and_failures_are_in_the_a
 async fn status_shows_each_shards_latest_events_in_text_and_json() {
     let db = test_db().await;
     let oct = bd(OCT);
-    seed_month(&db.pool, oct, 300, 1).await;
+    seed_month_alone(&db.pool, oct, 300, 1).await;
     run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", OCT, "--shards", "2"]));
     run_ok(settlementd(Some(&db.url)).args([
         "run",
@@ -641,7 +641,7 @@ async fn store(pool: &sqlx::PgPool, key: &str, force: bool) -> String {
 async fn without_force_a_request_reports_a_settled_month_as_done_and_starts_no_attempt() {
     let db = test_db().await;
     let oct = bd(OCT);
-    seed_month(&db.pool, oct, 500, 1).await;
+    seed_month_alone(&db.pool, oct, 500, 1).await;
     settle_shards(&db.pool, oct, 1, 100).await;
     let id = store(&db.pool, "settle-2026-10-again", false).await;
     let mut replica = ticking_replica(&db.pool);

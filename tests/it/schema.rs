@@ -86,6 +86,10 @@ where
     for n in numbers {
         query = query.bind(*n);
     }
+    if sql.contains("$11") {
+        // The batch statements' journal parameters: kind, rule identity, attempt.
+        query = query.bind("settled").bind(serde_json::json!({})).bind(1i32);
+    }
     query.fetch_one(conn).await.unwrap().get(0)
 }
 
@@ -324,7 +328,7 @@ async fn settle_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64,
     let month = bd("2026-09-30");
     let key = settlement::key(month, ShardSpec::new(1, 2).unwrap());
     let (plan, _) = job
-        .plan(pool, &key, jobs::Cursor::default(), false)
+        .plan(pool, &crate::helpers::claim_of(&key), false)
         .await
         .unwrap();
     let mut conn = pool.acquire().await.unwrap();

@@ -278,11 +278,10 @@ impl Job for PausedFirstBatch {
     async fn plan(
         &self,
         pool: &PgPool,
-        key: &JobKey,
-        cursor: Cursor,
+        claim: &settlementd::jobs::Claim,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
-        self.inner.plan(pool, key, cursor, estimate).await
+        self.inner.plan(pool, claim, estimate).await
     }
     async fn run_batch(
         &self,
@@ -826,10 +825,7 @@ async fn walk_month(
     before_batch: impl Fn(u64) -> Option<&'static str>,
 ) -> (u64, u64, u64) {
     let key = settlement::key(month, s);
-    let (plan, _) = job
-        .plan(pool, &key, Cursor::default(), false)
-        .await
-        .unwrap();
+    let (plan, _) = job.plan(pool, &claim_of(&key), false).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
     let (mut cursor, mut calls, mut updated) = (Cursor::default(), 0, 0);
     loop {
@@ -929,10 +925,7 @@ async fn a_page_read_ahead_serves_only_the_cursor_it_was_read_for() {
     seed_month(&db.pool, oct, 3000, 1).await;
     let job = job(100);
     let key = settlement::key(oct, shard(0, 1));
-    let (plan, _) = job
-        .plan(&db.pool, &key, Cursor::default(), false)
-        .await
-        .unwrap();
+    let (plan, _) = job.plan(&db.pool, &claim_of(&key), false).await.unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
     let begin = job.begin_batch();
     let first = one_batch(&mut conn, &job, &plan, Cursor::default(), &begin, false).await;

@@ -133,10 +133,7 @@ async fn claim_with_one_batch(
         panic!("expected to win {key}: {outcome:?}");
     };
     let job = job(batch);
-    let (plan, _) = job
-        .plan(pool, &key, Cursor::default(), false)
-        .await
-        .unwrap();
+    let (plan, _) = job.plan(pool, &claim, false).await.unwrap();
     let mut tx = conn.begin_with(job.begin_batch()).await.unwrap();
     let done = job
         .run_batch(&mut tx, &plan, Cursor::default())

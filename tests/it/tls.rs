@@ -194,7 +194,7 @@ async fn verify_full_with_the_right_host_connects_and_every_session_of_the_proce
     let cluster = TcpCluster::start(true, &[]).await;
     let admin = cluster.admin_pool().await;
     let month = due_month();
-    seed_month(&admin, month, 3000, 1).await;
+    seed_month_alone(&admin, month, 3000, 1).await;
     let ca = cluster.certs.ca.display().to_string();
     let url = cluster.url(
         cluster.addr,

@@ -1,0 +1,432 @@
+//! The money journal: every change settlementd makes to a fine, on the record, in the transaction
+//! that makes it.
+//!
+//! `fine_journal` holds one row per batch and kind, its loans as parallel arrays (the
+//! `fine_journal_entries` view reads it one entry per loan). Invariants, checked by `verify` and the
+//! fault suite:
+//! - every entry is written by the statement that changes the loan, so a fine never changes
+//!   without its entry, nor an entry without its change;
+//! - `loans.fine_seq` is the seq of the loan's last entry, and its `fine_cents` that entry's
+//!   `after_cents`: an entry's `before_cents` is the loan's settled fine before it (0 for a loan
+//!   not settled, whose `fine_cents` is not money yet), so each `before` is the previous `after`;
+//! - an entry's month is the month whose money it is: the month the loan was priced in, or the
+//!   month its fine is taken out of (reversed, deleted).
+//!
+//! Besides the settlement's own batches (`settled`, `late`: [`super::BatchSql`]) this module writes
+//! the entries of libraryd's edits ([`reprice`] over `loan_changes`: `repriced`, `reversed`,
+//! `deleted`), of corrections ([`reprice`] over a correction's loans: `corrected`, `reversed`), and
+//! the opening entries of loans settled before the journal existed ([`open_unjournaled`]).
+//!
+//! **Edits of settled loans.** libraryd's triggers queue a change of a settled loan's `returned_on`
+//! or `due_on`, and its deletion, in `loan_changes`, in libraryd's own transaction, under the month
+//! the loan's fine is in. The run (or sweep) of that month and shard re-prices the loans whose
+//! earliest queued change is in the month, under the month's pinned rule: a loan still returned in
+//! the month with dates the rule can price gets the rule's fine for its new dates (`repriced`); one
+//! whose return was undone, that moved to another month, or whose due date the rule cannot price
+//! any more, is unsettled again with fine 0 (`reversed`) — an ordinary unsettled return of its new
+//! month from then on, settled by that month's run as a late return, or held; a deleted loan's fine
+//! is taken out (`deleted`). The queue rows of a loan go in the same transaction.
+
+use crate::fine::FineRule;
+use chrono::NaiveDate;
+use sqlx::PgConnection;
+use std::sync::OnceLock;
+
+use super::{HELD_ROW, MONTH_KEY_L};
+
+/// What an entry records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Kind {
+    /// Settled by the month's run.
+    Settled,
+    /// Settled after the month closed (a late return).
+    Late,
+    /// A settled loan re-priced after libraryd changed its dates.
+    Repriced,
+    /// A settled loan unsettled again (fine 0): its return undone, moved to another month, or its
+    /// due date made unpriceable.
+    Reversed,
+    /// A settled loan deleted in libraryd: its fine taken out.
+    Deleted,
+    /// Changed by `settlementd correct`.
+    Corrected,
+    /// A loan settled before the journal existed, as it was found.
+    Opening,
+}
+
+impl Kind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Settled => "settled",
+            Kind::Late => "late",
+            Kind::Repriced => "repriced",
+            Kind::Reversed => "reversed",
+            Kind::Deleted => "deleted",
+            Kind::Corrected => "corrected",
+            Kind::Opening => "opening",
+        }
+    }
+}
+
+/// A rule's identity, as the journal, pins and corrections record it: what prices a fine.
+pub fn rule_identity(rule: &FineRule) -> serde_json::Value {
+    serde_json::json!({
+        "daily_rate_cents": rule.daily_rate_cents,
+        "grace_days": rule.grace_days,
+        "max_cents": rule.max_cents,
+    })
+}
+
+/// `INSERT INTO fine_journal` of the rows of CTE `from` (columns `id`, `seq`, `due_on`,
+/// `returned_on`, `before`, `after`), one journal row when it has any. The other arguments are SQL
+/// expressions (parameters, casts or literals).
+pub fn insert_from(
+    from: &str,
+    month: &str,
+    kind: &str,
+    rule: &str,
+    shards: &str,
+    attempt: &str,
+    correction_key: &str,
+) -> String {
+    // The six aggregates read the rows in one pass, so the arrays line up without sorting.
+    format!(
+        "INSERT INTO fine_journal (month, kind, rule, shards, attempt, correction_key, loan_ids,
+                                   seqs, due_on, returned_on, before_cents, after_cents)
+         SELECT {month}, {kind}, {rule}, {shards}, {attempt}, {correction_key},
+                array_agg(id), array_agg(seq), array_agg(due_on), array_agg(returned_on),
+                array_agg(before), array_agg(after)
+           FROM {from}
+         HAVING count(*) > 0"
+    )
+}
+
+/// Who writes a batch of re-pricings: the month, the rule it prices under, the run.
+#[derive(Debug, Clone)]
+pub struct Repricer {
+    /// The month's first day.
+    pub month: NaiveDate,
+    /// The month's end (`fine_adjustments.business_date`).
+    pub business_date: NaiveDate,
+    pub shards: i64,
+    pub shard: i64,
+    pub rule: FineRule,
+    pub attempt: i32,
+    /// The correction this is part of (its changes are `corrected` and each gets a
+    /// `fine_adjustments` row); `None`: a run re-pricing libraryd's edits (`repriced`).
+    pub correction_key: Option<String>,
+}
+
+/// What one [`reprice`] batch did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Repriced {
+    /// Loans looked at.
+    pub loans: u64,
+    /// Settled, or re-priced: priced under the rule.
+    pub priced: u64,
+    /// Unsettled again.
+    pub reversed: u64,
+    /// Deleted in libraryd: their fines taken out.
+    pub deleted: u64,
+    /// Left as they are because the rule cannot price them (corrections).
+    pub held: u64,
+    /// The first held ids.
+    pub held_ids: Vec<i64>,
+}
+
+impl Repriced {
+    /// Loans whose fine this batch wrote.
+    pub fn written(&self) -> u64 {
+        self.priced + self.reversed + self.deleted
+    }
+}
+
+/// Which loans a [`reprice`] batch takes.
+pub enum Source<'a> {
+    /// The next `limit` loans whose earliest queued edit is in the month, of the shard, by id.
+    Queue { limit: i64 },
+    /// These loans (a correction's), each checked to be at its seq (`None`: any; an unsettled
+    /// return).
+    Loans {
+        ids: &'a [i64],
+        seqs: &'a [Option<i32>],
+    },
+}
+
+/// Re-prices the loans of `source` under `by.rule` inside the caller's (fenced) transaction, and
+/// writes their journal entries (and, for a correction, their `fine_adjustments`) in the same
+/// statement:
+/// - a settled loan still returned in the month with dates the rule can price: the rule's fine
+///   (`repriced`; for a correction `corrected`, only when it changes);
+/// - a settled loan that is not: unsettled again, fine 0 (`reversed`);
+/// - a loan queued as deleted that is gone: its fine taken out (`deleted`);
+/// - an unsettled return of the month the rule can price (corrections only): settled (`corrected`).
+///
+/// Queued edits of the loans it took are deleted. Rows are locked (`FOR UPDATE`) before they are
+/// read, so a concurrent edit in libraryd is waited for and priced as it ends.
+pub async fn reprice(
+    tx: &mut PgConnection,
+    by: &Repricer,
+    source: Source<'_>,
+) -> sqlx::Result<Repriced> {
+    let priced_kind = match by.correction_key {
+        Some(_) => Kind::Corrected,
+        None => Kind::Repriced,
+    };
+    let (sql, limit, loans) = match source {
+        Source::Queue { limit } => (queue_sql(), limit, None),
+        Source::Loans { ids, seqs } => (loans_sql(), ids.len() as i64, Some((ids, seqs))),
+    };
+    type Row = (i64, i64, i64, i64, i64, Vec<i64>);
+    let query = sqlx::query_as(sql)
+        .bind(by.month)
+        .bind(by.shards)
+        .bind(by.shard)
+        .bind(limit)
+        .bind(by.rule.grace_days)
+        .bind(by.rule.daily_rate_cents)
+        .bind(by.rule.max_cents)
+        .bind(rule_identity(&by.rule))
+        .bind(by.attempt)
+        .bind(by.correction_key.as_deref())
+        .bind(priced_kind.as_str())
+        .bind(by.business_date);
+    // The queue's statement takes no loans: it finds its own.
+    let query = match loans {
+        Some((ids, seqs)) => query.bind(ids).bind(seqs),
+        None => query,
+    };
+    let (loans, priced, reversed, deleted, held, held_ids): Row = query.fetch_one(&mut *tx).await?;
+    Ok(Repriced {
+        loans: loans as u64,
+        priced: priced as u64,
+        reversed: reversed as u64,
+        deleted: deleted as u64,
+        held: held as u64,
+        held_ids,
+    })
+}
+
+/// The parameters of both statements: `$1` month (first day), `$2`/`$3` shard count and index,
+/// `$4` how many loans at most, `$5`..`$7` the rule, `$8` its identity, `$9` attempt, `$10`
+/// correction key, `$11` the kind of priced entries, `$12` the business date, and only in the
+/// statement over given loans `$13`/`$14` their ids and seqs.
+fn statement(targets: &str, settles_returns: bool) -> String {
+    let fine = FineRule::sql_params(5);
+    let shard = "($2 = 1 OR (t.loan_id % $2 + $2) % $2 = $3)";
+    let journal = |from: &str, kind: &str, rule: &str| {
+        insert_from(
+            from,
+            "$1::date",
+            kind,
+            rule,
+            "$2::int",
+            "$9::int",
+            "$10::text",
+        )
+    };
+    // Which rows are priced: settled ones (queue), or also the month's unsettled returns
+    // (a correction settles them).
+    let eligible = if settles_returns {
+        "true"
+    } else {
+        "l.fine_settled_at IS NOT NULL"
+    };
+    format!(
+        "WITH {targets},
+         gone AS MATERIALIZED (
+             SELECT DISTINCT ON (c.loan_id) c.loan_id AS id, COALESCE(c.old_fine_seq, 0) + 1 AS seq,
+                    c.old_due_on AS due_on, c.old_returned_on AS returned_on,
+                    c.old_fine_cents::bigint AS before, 0::bigint AS after
+               FROM loan_changes c JOIN targets t ON t.loan_id = c.loan_id
+              WHERE c.deleted
+                AND NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = c.loan_id)
+              ORDER BY c.loan_id, c.id DESC
+         ), cur AS MATERIALIZED (
+             SELECT l.id::bigint AS id, l.fine_cents::bigint AS old,
+                    l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
+                    (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
+                     AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
+                    CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
+                         THEN NULL ELSE {fine} END AS new
+               FROM targets t JOIN loans l ON l.id = t.loan_id
+              WHERE {shard} AND {eligible} AND (t.seq IS NULL OR l.fine_seq = t.seq)
+                FOR UPDATE OF l
+         ), priced AS (
+             UPDATE loans l
+                SET fine_cents = c.new, fine_settled_at = COALESCE(l.fine_settled_at, now()),
+                    fine_seq = COALESCE(l.fine_seq, 0) + 1
+               FROM cur c
+              WHERE l.id = c.id AND c.stays
+                AND ($10::text IS NULL OR NOT c.settled OR c.old <> c.new)
+             RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
+                       CASE WHEN c.settled THEN c.old ELSE 0 END AS before,
+                       l.fine_cents::bigint AS after
+         ), reversed AS (
+             UPDATE loans l
+                SET fine_cents = 0, fine_settled_at = NULL, fine_seq = COALESCE(l.fine_seq, 0) + 1
+               FROM cur c
+              WHERE l.id = c.id AND c.settled AND NOT c.stays
+             RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
+                       c.old AS before, 0::bigint AS after
+         ), journal_priced AS ({priced}
+         ), journal_reversed AS ({reversed}
+         ), journal_deleted AS ({deleted}
+         ), adjusted AS (
+             INSERT INTO fine_adjustments
+                    (correction_key, loan_id, business_date, old_cents, new_cents)
+             SELECT $10, id, $12, before, after
+               FROM (SELECT id, before, after FROM priced
+                     UNION ALL SELECT id, before, after FROM reversed) x
+              WHERE $10::text IS NOT NULL
+         ), dequeued AS (
+             DELETE FROM loan_changes c USING targets t WHERE c.loan_id = t.loan_id
+         )
+         SELECT (SELECT count(*) FROM targets), (SELECT count(*) FROM priced),
+                (SELECT count(*) FROM reversed), (SELECT count(*) FROM gone),
+                (SELECT count(*) FROM cur WHERE held AND NOT settled),
+                ARRAY(SELECT id FROM cur WHERE held AND NOT settled ORDER BY id
+                      LIMIT {held_ids})",
+        priced = journal("priced", "$11::text", "$8::jsonb"),
+        reversed = journal("reversed", "'reversed'", "NULL::jsonb"),
+        deleted = journal("gone", "'deleted'", "NULL::jsonb"),
+        held_ids = crate::jobs::HELD_IDS,
+    )
+}
+
+fn queue_sql() -> &'static str {
+    static SQL: OnceLock<String> = OnceLock::new();
+    SQL.get_or_init(|| {
+        // A loan's earliest queued edit says where its money is: its month's run takes it, and
+        // every edit of it with it.
+        statement(
+            "mine AS (
+                 SELECT DISTINCT c.loan_id FROM loan_changes c
+                  WHERE c.month = $1::date AND ($2 = 1 OR (c.loan_id % $2 + $2) % $2 = $3)
+             ), earliest AS (
+                 SELECT DISTINCT ON (c.loan_id) c.loan_id, c.month
+                   FROM loan_changes c JOIN mine m ON m.loan_id = c.loan_id
+                  ORDER BY c.loan_id, c.id
+             ), targets AS MATERIALIZED (
+                 SELECT loan_id, NULL::int AS seq FROM earliest WHERE month = $1::date
+                  ORDER BY loan_id LIMIT $4
+             )",
+            false,
+        )
+    })
+}
+
+fn loans_sql() -> &'static str {
+    static SQL: OnceLock<String> = OnceLock::new();
+    SQL.get_or_init(|| {
+        statement(
+            "targets AS MATERIALIZED (
+                 SELECT * FROM unnest($13::bigint[], $14::int[]) AS t(loan_id, seq) LIMIT $4
+             )",
+            true,
+        )
+    })
+}
+
+/// How many loans have edits queued for `month` (first day) whose earliest edit is in it, for
+/// shard `shard` of `shards`.
+pub async fn edits_waiting(
+    db: &mut PgConnection,
+    month: NaiveDate,
+    shards: i64,
+    shard: i64,
+) -> sqlx::Result<u64> {
+    let n: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (
+             SELECT DISTINCT ON (c.loan_id) c.month FROM loan_changes c
+              WHERE c.loan_id IN (SELECT loan_id FROM loan_changes
+                                   WHERE month = $1 AND ($2 = 1 OR (loan_id % $2 + $2) % $2 = $3))
+              ORDER BY c.loan_id, c.id
+         ) e WHERE e.month = $1",
+    )
+    .bind(month)
+    .bind(shards)
+    .bind(shard)
+    .fetch_one(db)
+    .await?;
+    Ok(n as u64)
+}
+
+/// Loans with queued edits by (month, shard of `shards`), each under the month of its earliest
+/// edit.
+pub async fn edits_by_month(
+    db: &mut PgConnection,
+    shards: i64,
+) -> sqlx::Result<Vec<(NaiveDate, i64, i64)>> {
+    sqlx::query_as(
+        "SELECT month, ((loan_id % $1 + $1) % $1)::bigint, count(*) FROM (
+             SELECT DISTINCT ON (loan_id) loan_id, month FROM loan_changes ORDER BY loan_id, id
+         ) e GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    .bind(shards)
+    .fetch_all(db)
+    .await
+}
+
+/// Gives the next `limit` settled loans without a journal entry an opening entry (the loan as it
+/// is: its dates, its fine), in one statement; returns how many. A settled loan that was never
+/// returned (a return undone before the journal existed) is also queued as an edit, so the run of
+/// its month takes its fine out. Idempotent and safe next to anything: a loan journaled meanwhile
+/// is skipped.
+pub async fn open_unjournaled(db: &mut PgConnection, limit: i64) -> sqlx::Result<u64> {
+    static SQL: OnceLock<String> = OnceLock::new();
+    let sql = SQL.get_or_init(|| {
+        let unreturned = "l.returned_on IS NULL OR NOT isfinite(l.returned_on)";
+        format!(
+            "WITH page AS MATERIALIZED (
+                 SELECT id FROM loans
+                  WHERE fine_settled_at IS NOT NULL AND fine_seq IS NULL
+                  ORDER BY id LIMIT $1
+             ), opened AS (
+                 UPDATE loans l SET fine_seq = 1
+                   FROM page p
+                  WHERE l.id = p.id AND l.fine_seq IS NULL AND l.fine_settled_at IS NOT NULL
+                 RETURNING l.id::bigint AS id, 1 AS seq, l.due_on, l.returned_on,
+                           NULL::bigint AS before, l.fine_cents::bigint AS after,
+                           CASE WHEN {unreturned}
+                                THEN (date_trunc('month', l.fine_settled_at AT TIME ZONE 'UTC')
+                                      - interval '1 month')::date
+                                ELSE date_trunc('month', l.returned_on)::date END AS month,
+                           {unreturned} AS unreturned
+             ), journal AS (
+                 INSERT INTO fine_journal (month, kind, loan_ids, seqs, due_on, returned_on,
+                                           before_cents, after_cents)
+                 SELECT month, 'opening', array_agg(id), array_agg(seq), array_agg(due_on),
+                        array_agg(returned_on), array_agg(before), array_agg(after)
+                   FROM opened GROUP BY month
+             ), queued AS (
+                 INSERT INTO loan_changes (loan_id, month, deleted, old_fine_cents, old_fine_seq,
+                                           old_due_on, old_returned_on)
+                 SELECT id, month, false, after, 1, due_on, returned_on FROM opened WHERE unreturned
+             )
+             SELECT count(*) FROM opened"
+        )
+    });
+    let n: i64 = sqlx::query_scalar(sql).bind(limit).fetch_one(db).await?;
+    Ok(n as u64)
+}
+
+/// Whether any settled loan has no journal entry yet (one probe of a partial index that is empty
+/// in steady state).
+pub async fn any_unjournaled(db: &mut PgConnection) -> sqlx::Result<bool> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM loans WHERE fine_settled_at IS NOT NULL AND fine_seq IS NULL)",
+    )
+    .fetch_one(db)
+    .await
+}
+
+/// How many settled loans have no journal entry yet (an index probe: none, in steady state).
+pub async fn unjournaled(db: &mut PgConnection) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL AND fine_seq IS NULL",
+    )
+    .fetch_one(db)
+    .await
+}
