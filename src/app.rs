@@ -271,6 +271,7 @@ pub fn run_options(settings: &Settings, force: bool, estimate: bool) -> RunOptio
         owner: Owner::for_process(),
         lease_ttl: Duration::from_secs(settings.lease.ttl_secs),
         heartbeat_every: Duration::from_secs(settings.lease.heartbeat_secs),
+        guards: guards(settings),
         force,
         estimate,
         request: None,
@@ -280,9 +281,56 @@ pub fn run_options(settings: &Settings, force: bool, estimate: bool) -> RunOptio
 }
 
 pub fn settlement_job(settings: &Settings) -> FineSettlement {
-    FineSettlement {
-        rules: settings.fine.clone(),
-        batch_size: settings.batch.size,
-        guards: settings.lease.guards(),
+    FineSettlement::of(settings)
+}
+
+/// The lease's server-side guards of every batch transaction ([`crate::jobs::lease::Guards`]).
+pub fn guards(settings: &Settings) -> crate::jobs::lease::Guards {
+    let g = settings.lease.guards();
+    crate::jobs::lease::Guards {
+        idle_in_transaction: g.idle_in_transaction,
+        lock_timeout: g.lock_timeout,
+        statement_timeout: g.statement_timeout,
+    }
+}
+
+/// The retention job of `settings` ([`crate::jobs::retention`]) deleting what closed more than
+/// `older_than_days` ago, never a period inside a job's lookback as of `now`.
+pub fn retention_job(
+    settings: &Settings,
+    older_than_days: u32,
+    now: chrono::DateTime<chrono::Utc>,
+) -> crate::jobs::retention::Retention {
+    let registry = crate::registry::build(settings);
+    let tz = settings.schedule.timezone;
+    let lookback_starts = registry
+        .iter()
+        .map(|job| {
+            let latest = crate::schedule::latest_slot_at_or_before(&job.schedule().cron, tz, now)
+                .map(|fire| crate::schedule::Slot::new(fire).business_date)
+                .unwrap_or_else(|| BusinessDate::for_instant(&now.with_timezone(&tz)));
+            let window = crate::calendar::lookback(latest, settings.settle.lookback_months);
+            (job.name(), window.first().copied().unwrap_or(latest.date()))
+        })
+        .collect();
+    crate::jobs::retention::Retention {
+        registry,
+        shards: settings.shard.count,
+        older_than_days,
+        lookback_starts,
+        batch: i64::from(settings.batch.size.max(1)),
+    }
+}
+
+/// The key of the retention run of the day `now` falls on in `schedule.timezone`: one a day.
+pub fn retention_key(
+    settings: &Settings,
+    now: chrono::DateTime<chrono::Utc>,
+) -> crate::jobs::JobKey {
+    crate::jobs::JobKey {
+        job_name: crate::jobs::retention::NAME.to_string(),
+        business_date: now.with_timezone(&settings.schedule.timezone).date_naive(),
+        shards: 1,
+        shard: 0,
     }
 }

@@ -104,6 +104,23 @@ impl fmt::Display for BusinessDate {
     }
 }
 
+/// The months of a lookback of `months` ending at `latest` (at least `latest`), oldest first.
+pub fn lookback(latest: BusinessDate, months: u32) -> Vec<NaiveDate> {
+    let earliest = latest.months_before(months.max(1) - 1).unwrap_or(latest);
+    months_between(earliest, latest)
+}
+
+/// Every business date from `earliest` to `latest`, oldest first.
+pub fn months_between(earliest: BusinessDate, latest: BusinessDate) -> Vec<NaiveDate> {
+    let mut dates = Vec::new();
+    let mut month = Some(earliest);
+    while let Some(m) = month.filter(|m| *m <= latest) {
+        dates.push(m.date());
+        month = m.date().succ_opt().and_then(BusinessDate::of_month_of);
+    }
+    dates
+}
+
 fn month_end(year: i32, month: u32) -> Option<NaiveDate> {
     let next = if month == 12 {
         NaiveDate::from_ymd_opt(year.checked_add(1)?, 1, 1)?

@@ -5,8 +5,8 @@
 use crate::app::Result;
 use crate::clock::SystemClock;
 use crate::commands::{
-    self, correct::CorrectRequest, run::RunRequest, seed::SeedRequest, status::StatusRequest,
-    verify::VerifyRequest,
+    self, correct::CorrectRequest, prune::PruneRequest, run::RangeRequest, run::RunRequest,
+    seed::SeedRequest, status::StatusRequest, verify::VerifyRequest,
 };
 use crate::config::Settings;
 use crate::jobs::Progress;
@@ -33,10 +33,19 @@ pub struct Cli {
 pub enum Command {
     /// Apply the embedded database migrations.
     Migrate(DbArgs),
-    /// Settle one month for one shard, once (idempotent: re-running changes nothing).
+    /// Run one month of a job for one shard, once (idempotent: re-running changes nothing), or a
+    /// range of months (--from, --to).
     Run(RunArgs),
-    /// Show each shard's job_runs row for a business date and the month's settled totals.
+    /// Show each shard's job_runs row for a business date and the month's facts.
     Status(StatusArgs),
+    /// List the jobs of this binary: enabled, cron, zone, next fire, last month closed.
+    Jobs(JobsArgs),
+    /// Pause a job (or every job) everywhere: nothing new is claimed, runs stop after their batch.
+    Pause(PauseArgs),
+    /// Resume a paused job (or every job).
+    Resume(ResumeArgs),
+    /// Delete job_events, run_requests and job_runs of months closed more than DAYS ago.
+    Prune(PruneArgs),
     /// Check a month's fines against its rule (read-only): exit 0 right, 1 not right.
     Verify(VerifyArgs),
     /// Recompute a settled month under the configured rule, recording every changed fine.
@@ -60,9 +69,21 @@ pub struct DbArgs {
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
+    /// The job to run (default: fine-settlement; `settlementd jobs` lists them).
+    #[arg(long, value_name = "NAME")]
+    pub job: Option<String>,
     /// The month to settle, as its last day (default: last month's end in schedule.timezone).
-    #[arg(long, value_name = "YYYY-MM-DD")]
+    #[arg(long, value_name = "YYYY-MM-DD", conflicts_with_all = ["from", "to"])]
     pub business_date: Option<String>,
+    /// The first month of a range, run in order through --to.
+    #[arg(long, value_name = "YYYY-MM", requires = "to")]
+    pub from: Option<String>,
+    /// The last month of a range.
+    #[arg(long, value_name = "YYYY-MM", requires = "from")]
+    pub to: Option<String>,
+    /// With --from/--to: every shard of the shard count, one after the other.
+    #[arg(long, requires = "from", conflicts_with = "shard")]
+    pub all_shards: bool,
     /// This run's shard index (overrides shard.index).
     #[arg(long, value_name = "N")]
     pub shard: Option<u32>,
@@ -85,6 +106,9 @@ pub struct RunArgs {
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
+    /// The job to show (default: fine-settlement).
+    #[arg(long, value_name = "NAME")]
+    pub job: Option<String>,
     #[arg(long, value_name = "YYYY-MM-DD")]
     pub business_date: Option<String>,
     /// The shard count whose claims to show (default shard.count).
@@ -135,7 +159,55 @@ pub struct CorrectArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct JobsArgs {
+    /// One JSON object per job, one per line.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct PauseArgs {
+    /// The job to pause (default: every job).
+    #[arg(long, value_name = "NAME")]
+    pub job: Option<String>,
+    /// Why: shown by status, the page and the log until it is resumed.
+    #[arg(long, value_name = "TEXT")]
+    pub reason: String,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct ResumeArgs {
+    /// The job to resume (default: every job).
+    #[arg(long, value_name = "NAME")]
+    pub job: Option<String>,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    /// Delete what belongs to months closed more than this many days ago.
+    #[arg(long, value_name = "DAYS")]
+    pub older_than: u32,
+    /// Only say what would be deleted.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print exactly one JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub db: DbArgs,
+}
+
+#[derive(Debug, Args)]
 pub struct ScheduleArgs {
+    /// The job whose schedule to show (default: fine-settlement).
+    #[arg(long, value_name = "NAME")]
+    pub job: Option<String>,
     /// How many fire times to print.
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub next: usize,
@@ -211,6 +283,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         Command::Run(args) => {
             let show_bar = !args.json && std::io::stderr().is_terminal();
             let request = RunRequest {
+                job: args.job,
                 business_date: args.business_date,
                 shard: args.shard,
                 shards: args.shards,
@@ -219,24 +292,51 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 estimate: show_bar,
                 embedded_db: args.db.embedded_db,
             };
-            let bar = progress_bar(show_bar, "{bar:40} {pos}/{len} rows {per_sec} {msg}");
+            let job = commands::run::job_of(&settings, request.job.as_deref())?;
+            let bar = progress_bar(show_bar, "{bar:40} {pos}/{len} items {per_sec} {msg}");
             let on_progress = |p: Progress| {
                 if let Some(total) = p.total {
                     bar.set_length(total);
                 }
                 bar.set_position(p.scanned);
             };
+            if let (Some(from), Some(to)) = (args.from, args.to) {
+                let range = RangeRequest {
+                    run: request,
+                    from,
+                    to,
+                    all_shards: args.all_shards,
+                };
+                let json = args.json;
+                let mut on_month = |done: &commands::run::MonthDone| {
+                    bar.suspend(|| {
+                        for report in &done.reports {
+                            if json {
+                                println!("{}", commands::run::report_json(report));
+                            } else {
+                                println!("{}", commands::run::report_line(job.as_ref(), report));
+                            }
+                        }
+                    });
+                };
+                let result =
+                    commands::run::run_range(&settings, &range, &on_progress, &mut on_month).await;
+                bar.finish_and_clear();
+                result?;
+                return Ok(());
+            }
             let result = commands::run::run(&settings, &request, &on_progress).await;
             bar.finish_and_clear();
             let report = result?;
             if args.json {
                 println!("{}", commands::run::report_json(&report));
             } else {
-                println!("{}", commands::run::report_line(&report));
+                println!("{}", commands::run::report_line(job.as_ref(), &report));
             }
         }
         Command::Status(args) => {
             let request = StatusRequest {
+                job: args.job,
                 business_date: args.business_date,
                 shards: args.shards,
                 history: args.history,
@@ -247,6 +347,54 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 println!("{}", status.to_json());
             } else {
                 print!("{}", status.to_text());
+            }
+        }
+        Command::Jobs(args) => {
+            for line in commands::jobs::jobs(&settings, &SystemClock, args.db.embedded_db).await? {
+                if args.json {
+                    println!("{}", line.to_json());
+                } else {
+                    println!("{}", line.to_text());
+                }
+            }
+        }
+        Command::Pause(args) => {
+            let paused = commands::pause::pause_command(
+                &settings,
+                args.job.as_deref(),
+                &args.reason,
+                args.db.embedded_db,
+            )
+            .await?;
+            for p in paused {
+                println!("{}", commands::pause::pause_line(&p));
+            }
+        }
+        Command::Resume(args) => {
+            let resumed = commands::pause::resume_command(
+                &settings,
+                args.job.as_deref(),
+                args.db.embedded_db,
+            )
+            .await?;
+            for (job, pause) in resumed {
+                match pause {
+                    Some(p) => println!("{job} resumed ({})", commands::pause::pause_line(&p)),
+                    None => println!("{job} was not paused"),
+                }
+            }
+        }
+        Command::Prune(args) => {
+            let request = PruneRequest {
+                older_than_days: args.older_than,
+                dry_run: args.dry_run,
+                embedded_db: args.db.embedded_db,
+            };
+            let pruned = commands::prune::prune(&settings, &request).await?;
+            if args.json {
+                println!("{}", pruned.to_json());
+            } else {
+                print!("{}", pruned.to_text());
             }
         }
         Command::Verify(args) => {
@@ -281,7 +429,8 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         }
         Command::Serve(args) => crate::daemon::serve_command(settings, args.embedded_db).await?,
         Command::Schedule(args) => {
-            for slot in commands::schedule::next(&settings, &SystemClock, args.next) {
+            let job = commands::run::job_of(&settings, args.job.as_deref())?;
+            for slot in commands::schedule::next(&settings, job.as_ref(), &SystemClock, args.next) {
                 if args.json {
                     println!("{}", slot.to_json());
                 } else {

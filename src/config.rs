@@ -47,6 +47,8 @@ pub const INTEGER_KEYS: &[(&str, i128, i128)] = &[
     // A day: a crashed replica's month waits at most this long for a takeover.
     ("lease.ttl_secs", 3, 86_400),
     ("lease.heartbeat_secs", 1, 3600),
+    // A hundred years: beyond that, keep it for good (retention.enabled = false).
+    ("retention.older_than_days", 1, 36_500),
     (
         "fine.daily_rate_cents",
         0,
@@ -103,6 +105,33 @@ pub struct Settings {
     pub shutdown: ShutdownSettings,
     pub http: HttpSettings,
     pub log: LogSettings,
+    /// `[jobs.<section>]`, one per job of the binary's registry (a job's name with `-` written
+    /// `_`): whether a replica schedules it and when. Which sections exist is the registry's to
+    /// say: it refuses an unknown one (`crate::registry`).
+    #[serde(default)]
+    pub jobs: std::collections::BTreeMap<String, JobSettings>,
+    pub retention: RetentionSettings,
+}
+
+/// `[jobs.<section>]`: one job's schedule; unset keys take the job's defaults.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSettings {
+    #[serde(default, deserialize_with = "de_opt_bool")]
+    pub enabled: Option<bool>,
+    /// Six fields, seconds first, in `schedule.timezone`.
+    #[serde(default, deserialize_with = "de_opt_cron")]
+    pub cron: Option<Cron>,
+}
+
+/// `[retention]`: `serve` deletes the audit trail, run requests and claims of months closed longer
+/// than `older_than_days` ago, once a day on one replica (`settlementd prune` does it by hand).
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RetentionSettings {
+    #[serde(deserialize_with = "de_bool")]
+    pub enabled: bool,
+    pub older_than_days: u32,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -298,8 +327,10 @@ pub struct SettleSettings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSettings {
-    #[serde(deserialize_with = "de_cron")]
-    pub cron: Cron,
+    /// The cron of the job that reads it (the fine settlement's, from before jobs had sections of
+    /// their own): `None` when unset, and then `[jobs.<section>] cron` or the job's default.
+    #[serde(default, deserialize_with = "de_opt_cron")]
+    pub cron: Option<Cron>,
     #[serde(deserialize_with = "de_tz")]
     pub timezone: Tz,
     #[serde(deserialize_with = "de_bool")]
@@ -394,7 +425,7 @@ pub fn parse_cron(text: &str) -> Result<Cron> {
         .parse(text)
         .map_err(|e| {
             ConfigError(format!(
-                "schedule.cron '{text}' is not a 6-field cron expression: {e}"
+                "cron '{text}' is not a 6-field cron expression: {e}"
             ))
         })
 }
@@ -430,9 +461,19 @@ fn de_bool<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<bool, 
     d.deserialize_any(Strict)
 }
 
-fn de_cron<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Cron, D::Error> {
+fn de_opt_cron<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<Cron>, D::Error> {
     let text = String::deserialize(d)?;
-    parse_cron(&text).map_err(|e| serde::de::Error::custom(e.0))
+    parse_cron(&text)
+        .map(Some)
+        .map_err(|e| serde::de::Error::custom(e.0))
+}
+
+fn de_opt_bool<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> std::result::Result<Option<bool>, D::Error> {
+    de_bool(d).map(Some)
 }
 
 fn de_tz<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Tz, D::Error> {
@@ -1093,6 +1134,7 @@ mod tests {
             ("batch.size", ""),
             ("lease.ttl_secs", "[lease]\nheartbeat_secs = 1\n"),
             ("lease.heartbeat_secs", "[lease]\nttl_secs = 86400\n"),
+            ("retention.older_than_days", ""),
             ("fine.daily_rate_cents", ""),
             ("fine.grace_days", ""),
             ("fine.max_cents", ""),

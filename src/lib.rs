@@ -42,6 +42,7 @@ pub mod embedded_pg;
 pub mod fine;
 pub mod jobs;
 pub mod overview;
+pub mod registry;
 pub mod schedule;
 pub mod seed;
 pub mod settlement;

@@ -2,7 +2,6 @@
 //! library, map the outcome to an exit code (0 done or skipped, 1 failed, 2 invalid input/config).
 
 use settlementd::cli::{self, Command};
-use settlementd::config::Settings;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
@@ -10,7 +9,7 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
-    let settings = match Settings::load(cli.config.as_deref()) {
+    let settings = match settlementd::registry::load(cli.config.as_deref()) {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("settlementd: {e}");

@@ -1,30 +1,34 @@
-//! The settlement at a glance: which months and shards are settled, what runs, what failed, what
-//! the schedule does next. The status page shows it; any other front end could.
+//! A job at a glance: which months and shards are done, what runs, what failed, what waits, what
+//! the schedule does next. The status page shows it, one section per job of the registry;
+//! `settlementd status` prints one month of it.
 //!
 //! Reading is read-only and bounded:
 //! - A [`Reader`] has its own small pool (one connection for views, one for background totals), so
 //!   however many browsers refresh the page, it never takes a connection that the replica's runs
 //!   and heartbeats need; views take turns.
 //! - A view is read in one `REPEATABLE READ READ ONLY` transaction, one snapshot, so the grid, the
-//!   history and the totals agree. Its statements share [`VIEW_BUDGET`], enforced by the server:
+//!   history and the facts agree. Its statements share [`VIEW_BUDGET`], enforced by the server:
 //!   `statement_timeout` is lowered before each statement to what is left. The claims and the
 //!   history are cheap (primary keys, the trail's indexes) and must be read; what is costly
 //!   degrades instead of making the view wait.
-//! - A month's settled totals ([`settlement::month_totals`]) read every settled row of the month:
-//!   no index covers settled rows. A **closed** month (every shard SUCCESS) cannot change while no
-//!   run of it starts again — the conditional update never touches a settled row, and every claim
-//!   raises [`MonthRunRow::month_attempts`] — so its totals are computed once and kept under that
-//!   number. One that does not fit in a view's budget is computed in the background (one task at
-//!   a time, [`BACKGROUND_TIMEOUT`]) and shown from a later view on. An **open** month's totals are
-//!   computed live within what is left of the budget, or shown as unavailable.
-//! - A running shard's progress bar needs how many loans its run still has to read
-//!   ([`settlement::unsettled_after`]); that is counted once per attempt, within the budget.
-//! - A month whose every shard is SUCCESS is *closed* only when none of its returns is left
-//!   unsettled: its month index entries (late returns, held rows) are counted, one index probe per
-//!   month that has none. A month with late returns waiting is shown as such, and its totals are
-//!   computed live like an open month's until they are settled.
-//! - Each month shows its pinned rule, and a shard whose latest claim was refused because its
-//!   replica's rule differs (a `rule_conflict` event newer than the shard's claim) shows that.
+//! - A month's facts are the job's ([`crate::jobs::Job::facts`]; the fine settlement: settled rows,
+//!   fine sum and digest, read through the money journal). A **closed** month (every shard
+//!   SUCCESS, nothing waiting) cannot change while no run of it starts again — an edit of its
+//!   loans is queued and makes it wait, and re-pricing is a run — and every claim raises
+//!   [`MonthRunRow::month_attempts`], so its facts are computed once and kept under that number.
+//!   Facts that do not fit in a view's budget are computed in the background (one task at a time,
+//!   [`BACKGROUND_TIMEOUT`]) and shown from a later view on. An **open** month's are computed live
+//!   within what is left of the budget, or shown as unavailable.
+//! - A running shard's progress bar needs how many items its run still has to read
+//!   ([`crate::jobs::Job::remaining`]); that is counted once per attempt, within the budget.
+//! - A month whose every shard is SUCCESS is *closed* only when nothing waits for a run in it (the
+//!   job's [`crate::jobs::Job::pending`]; the fine settlement: late returns and edits of settled
+//!   loans); a month held by an unfinished correction is "being corrected", never closed.
+//! - Each month shows its pinned parameters, and a shard whose latest claim was refused because
+//!   its replica's parameters differ (a `rule_conflict` event newer than the shard's claim) shows
+//!   that.
+//! - Across the lookback, the view says what the job's replicas watch ([`Watch`]): months not
+//!   closed, items waiting before the lookback, a pause.
 //!
 //! The status page reads with [`VIEW_BUDGET`]; `settlementd status` reads the same overview with a
 //! budget of its own ([`Reader::with_budget`]), so the two cannot disagree.
@@ -32,11 +36,13 @@
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::jobs::claim::{self, JobRunRow, MonthRunRow};
+use crate::jobs::due::{self, NotClosed};
 use crate::jobs::events::{self, ShardEvent};
-use crate::jobs::{params, Cursor, JobError, JobKey, Params};
+use crate::jobs::pause::{self, Pause};
+use crate::jobs::registry::Registered;
+use crate::jobs::{params, Fact, JobError, JobKey, Params, Words};
 use crate::schedule::{self, Slot};
-use crate::settlement::{self, MonthTotals, Unsettled};
-use chrono::{DateTime, Datelike, NaiveDate, Utc};
+use chrono::{DateTime, NaiveDate, Utc};
 use chrono_tz::Tz;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
@@ -119,9 +125,13 @@ impl Scope {
     }
 }
 
-/// One view of the settlement under one shard count.
+/// One view of a job under one shard count.
 #[derive(Debug, Clone)]
 pub struct Overview {
+    /// The job's name.
+    pub job: &'static str,
+    /// What the job calls its items.
+    pub words: Words,
     pub scope: Scope,
     pub shards: u32,
     /// Newest first; only months with at least one claim under `shards`.
@@ -131,6 +141,45 @@ pub struct Overview {
     pub schedule: Schedule,
     /// `lease.ttl_secs`: a RUNNING claim whose heartbeat is older may be taken over.
     pub lease_ttl_secs: u64,
+    /// What the job's replicas watch over the lookback; `None` when it could not be read within
+    /// the view's budget.
+    pub watch: Option<Watch>,
+}
+
+/// What the job's replicas watch, across `settle.lookback_months` months ending at the latest
+/// fire's month, under the view's shard count.
+#[derive(Debug, Clone)]
+pub struct Watch {
+    pub lookback_months: u32,
+    /// The job's pause, when it is paused.
+    pub paused: Option<Pause>,
+    /// The months of the lookback that are not closed, oldest first ([`due::not_closed`]).
+    pub not_closed: Vec<NotClosed>,
+    /// Items waiting in months before the lookback, every shard: no replica runs them by itself.
+    pub before_lookback: u64,
+}
+
+/// Why a month is not closed, in words: "2 of 3 shards not SUCCESS, 4 late returns or edits
+/// waiting, being corrected under key \"T-1\"".
+pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
+    let mut parts = Vec::new();
+    if n.unsettled_shards > 0 {
+        parts.push(format!("{} shards not SUCCESS", n.unsettled_shards));
+    }
+    if n.waiting > 0 {
+        parts.push(format!("{} {}", n.waiting, words.waiting));
+    }
+    if let Some(key) = &n.correction {
+        parts.push(format!("being corrected under key {key:?}"));
+    }
+    parts.join(", ")
+}
+
+/// Items of a month whose every shard is SUCCESS: waiting for a run, and held for an operator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Waiting {
+    pub late: u64,
+    pub held: u64,
 }
 
 impl Overview {
@@ -166,12 +215,15 @@ pub struct Month {
     /// Every shard of the count, in order.
     pub shards: Vec<Shard>,
     pub totals: Totals,
-    /// The rule the month's first claim pinned (or its last correction); `None`: none yet.
+    /// The parameters the month's first claim pinned (or its last correction); `None`: none yet.
     pub rule: Option<Params>,
-    /// When every shard is SUCCESS: the returns still unsettled, late (waiting for a run) and held
-    /// (the rule cannot price them). `None` when not counted (an open month, or the count did not
-    /// fit in the view's budget).
-    pub unsettled: Option<Unsettled>,
+    /// The same in words ([`crate::jobs::Job::describe`]).
+    pub rule_text: Option<String>,
+    /// When every shard is SUCCESS: the items still waiting for a run, and held. `None` when not
+    /// counted (an open month, or the count did not fit in the view's budget).
+    pub unsettled: Option<Waiting>,
+    /// The unfinished correction holding the month (its key, since when): "being corrected".
+    pub correction: Option<(String, DateTime<Utc>)>,
 }
 
 impl Month {
@@ -190,11 +242,13 @@ impl Month {
         self.unsettled.map_or(0, |u| u.held)
     }
 
-    /// Every shard SUCCESS and no return known to wait: what the month's own rows allow is
-    /// settled (held rows stay, named, until their dates are fixed). Not closed while its
-    /// unsettled returns could not be counted.
+    /// Every shard SUCCESS, nothing known to wait, no correction holding it: what the month's own
+    /// rows allow is done (held rows stay, named, until they are fixed). Not closed while its
+    /// waiting items could not be counted.
     pub fn closed(&self) -> bool {
-        self.all_success() && self.unsettled.is_some_and(|u| u.late == 0)
+        self.all_success()
+            && self.unsettled.is_some_and(|u| u.late == 0)
+            && self.correction.is_none()
     }
 
     /// The shards in `state`.
@@ -282,13 +336,14 @@ impl Progress {
     }
 }
 
+/// A month's facts ([`crate::jobs::Job::facts`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Totals {
     /// A closed month's, computed once.
-    Closed(MonthTotals),
-    /// An open month's: what is settled so far, computed in this view.
-    SoFar(MonthTotals),
-    /// A closed month's totals are being computed in the background.
+    Closed(Vec<Fact>),
+    /// An open month's: what is done so far, computed in this view.
+    SoFar(Vec<Fact>),
+    /// A closed month's facts are being computed in the background.
     Computing,
     /// Not computed: why.
     Unavailable(String),
@@ -306,7 +361,8 @@ pub struct Reader {
 
 #[derive(Default)]
 struct Kept {
-    totals: BTreeMap<NaiveDate, KeptTotals>,
+    /// By job name and business date.
+    totals: BTreeMap<(&'static str, NaiveDate), KeptTotals>,
     /// Loans read plus left to read, per run attempt (job key and attempt).
     run_totals: HashMap<(JobKey, i32), u64>,
     /// A background task is computing closed months' totals.
@@ -317,7 +373,7 @@ struct Kept {
 enum KeptTotals {
     Ready {
         month_attempts: i64,
-        totals: MonthTotals,
+        totals: Vec<Fact>,
     },
     Computing {
         month_attempts: i64,
@@ -374,10 +430,11 @@ impl Reader {
         self.pool.close().await;
     }
 
-    /// Reads what `scope` shows under `shards`, with the schedule as of `now`.
+    /// Reads what `scope` shows of `job` under `shards`, with the schedule as of `now`.
     pub async fn read(
         &self,
         settings: &Settings,
+        job: &Arc<dyn Registered>,
         now: DateTime<Utc>,
         scope: Scope,
         shards: u32,
@@ -386,7 +443,7 @@ impl Reader {
             Scope::Latest => HISTORY_LATEST,
             Scope::Month(_) => HISTORY_MONTH,
         };
-        self.read_with_history(settings, now, scope, shards, per_shard)
+        self.read_with_history(settings, job, now, scope, shards, per_shard)
             .await
     }
 
@@ -394,6 +451,7 @@ impl Reader {
     pub async fn read_with_history(
         &self,
         settings: &Settings,
+        job: &Arc<dyn Registered>,
         now: DateTime<Utc>,
         scope: Scope,
         shards: u32,
@@ -416,69 +474,144 @@ impl Reader {
             Scope::Latest => MONTHS,
             Scope::Month(_) => 1,
         };
-        let job = settlement::JOB_NAME;
+        let name = job.name();
         set_timeout(&mut tx, left(deadline)).await?;
-        let rows = claim::latest_months(&mut *tx, job, shards, scope.month(), months).await?;
+        let rows = claim::latest_months(&mut *tx, name, shards, scope.month(), months).await?;
         set_timeout(&mut tx, left(deadline)).await?;
         let history = match per_shard {
             0 => Vec::new(),
-            n => events::latest_per_shard(&mut *tx, job, shards, scope.month(), n).await?,
+            n => events::latest_per_shard(&mut *tx, name, shards, scope.month(), n).await?,
         };
         let mut grouped = by_month(rows);
         if let (Scope::Month(month), true) = (scope, grouped.is_empty()) {
             // One month asked for, and no shard of the count has claimed it: every shard missing,
-            // and whatever is settled of it (under another count, say) all the same.
+            // and whatever is done of it (under another count, say) all the same.
             grouped.push((month.date(), 0, Vec::new()));
         }
         let dates: Vec<NaiveDate> = grouped.iter().map(|(d, _, _)| *d).collect();
         set_timeout(&mut tx, left(deadline)).await?;
-        let mut rules: HashMap<NaiveDate, Params> = params::pinned_for(&mut *tx, job, &dates)
+        let mut rules: HashMap<NaiveDate, Params> = params::pinned_for(&mut *tx, name, &dates)
             .await?
             .into_iter()
             .collect();
         let mut conflicts =
-            events::latest_of_kind(&mut *tx, job, shards, &dates, "rule_conflict").await?;
-        // The months whose every shard is SUCCESS: are their returns all settled?
-        let done: Vec<NaiveDate> = grouped
-            .iter()
-            .filter(|(_, _, runs)| {
-                runs.len() == shards as usize && runs.iter().all(|r| r.status == "SUCCESS")
+            events::latest_of_kind(&mut *tx, name, shards, &dates, "rule_conflict").await?;
+        let (cron, timezone) = (&job.schedule().cron, settings.schedule.timezone);
+        let latest = schedule::latest_slot_at_or_before(cron, timezone, now).map(Slot::new);
+        let watch_dates: Vec<NaiveDate> = latest
+            .map(|slot| {
+                crate::calendar::lookback(slot.business_date, settings.settle.lookback_months)
             })
-            .map(|(d, _, _)| *d)
+            .unwrap_or_default();
+        set_timeout(&mut tx, left(deadline)).await?;
+        let periods = match watch_dates.first().zip(watch_dates.last()) {
+            Some((first, last)) => {
+                due::periods(&mut *tx, name, shards, shards, *first, *last).await?
+            }
+            None => Vec::new(),
+        };
+        let held_by: HashMap<NaiveDate, (String, DateTime<Utc>)> = periods
+            .iter()
+            .filter_map(|p| {
+                Some((
+                    p.business_date,
+                    (
+                        p.correction_key.clone()?,
+                        p.correcting_since.unwrap_or_default(),
+                    ),
+                ))
+            })
             .collect();
-        let unsettled = costly(&mut tx, (deadline, budget), unsettled_of, done.clone())
-            .await?
-            .ok();
+        let mut held_months = HashMap::new();
+        for date in &dates {
+            if !held_by.contains_key(date) {
+                if let Some(held) = params::held_by(&mut *tx, name, *date).await? {
+                    held_months.insert(*date, held);
+                }
+            }
+        }
+        // What waits, from the job's own probes (index probes for the fine settlement), within
+        // what is left of the budget: every month from the oldest shown to the latest fire's, so
+        // that what waits before the lookback is counted whole.
+        let asked: Vec<NaiveDate> = match (
+            dates.iter().chain(&watch_dates).min(),
+            dates.iter().chain(&watch_dates).max(),
+        ) {
+            (Some(first), Some(last)) => match (
+                BusinessDate::new(*first).ok(),
+                BusinessDate::new(*last).ok(),
+            ) {
+                (Some(first), Some(last)) => crate::calendar::months_between(first, last),
+                _ => dates.clone(),
+            },
+            _ => Vec::new(),
+        };
+        // At most half of what is left: the facts still get their share.
+        let pending =
+            tokio::time::timeout(left(deadline) / 2, job.pending(&self.pool, shards, &asked))
+                .await
+                .ok()
+                .and_then(|found| found.ok());
+        let watch = match (&pending, latest) {
+            (Some(pending), Some(_)) => {
+                let mut window = pending.clone();
+                let start = watch_dates.first().copied().unwrap_or(NaiveDate::MAX);
+                window.before = pending.before
+                    + pending
+                        .by_period
+                        .iter()
+                        .filter(|p| p.business_date < start)
+                        .map(|p| p.late)
+                        .sum::<u64>();
+                Some(Watch {
+                    lookback_months: settings.settle.lookback_months,
+                    paused: pause::of(&mut *tx, name).await?,
+                    not_closed: due::not_closed(&periods, &window, shards, &watch_dates),
+                    before_lookback: window.before,
+                })
+            }
+            (None, _) => None,
+            (Some(_), None) => Some(Watch {
+                lookback_months: settings.settle.lookback_months,
+                paused: pause::of(&mut *tx, name).await?,
+                not_closed: Vec::new(),
+                before_lookback: 0,
+            }),
+        };
         let mut months = Vec::new();
         for (business_date, month_attempts, runs) in grouped {
-            let counted = match (&unsettled, done.contains(&business_date)) {
+            let all_success =
+                runs.len() == shards as usize && runs.iter().all(|r| r.status == "SUCCESS");
+            let counted = match (&pending, all_success) {
                 (Some(found), true) => Some(
                     found
+                        .by_period
                         .iter()
-                        .find(|u| {
-                            u.month.date() == business_date.with_day(1).unwrap_or(business_date)
-                        })
-                        .copied()
-                        .unwrap_or(Unsettled {
-                            month: business_date.and_time(chrono::NaiveTime::MIN),
-                            late: 0,
-                            held: 0,
+                        .filter(|p| p.business_date == business_date)
+                        .fold(Waiting::default(), |w, p| Waiting {
+                            late: w.late + p.late,
+                            held: w.held + p.held,
                         }),
                 ),
                 _ => None,
             };
+            let correction = held_by
+                .get(&business_date)
+                .or_else(|| held_months.get(&business_date))
+                .cloned();
             let mut month = self
                 .costly_reads(
                     &mut tx,
+                    job,
                     deadline,
-                    business_date,
-                    month_attempts,
+                    (business_date, month_attempts),
                     runs,
                     shards,
-                    counted,
+                    (counted, correction),
                 )
                 .await?;
             month.rule = rules.remove(&business_date);
+            month.rule_text = month.rule.as_ref().map(|p| job.describe(p));
             for shard in &mut month.shards {
                 let refused = conflicts.iter().position(|e| {
                     e.business_date == business_date && e.event.shard == shard.index as i32
@@ -498,8 +631,9 @@ impl Reader {
         }
         // Read-only: nothing to commit.
         tx.rollback().await?;
-        let (cron, timezone) = (&settings.schedule.cron, settings.schedule.timezone);
         Ok(Overview {
+            job: name,
+            words: job.words(),
             scope,
             shards,
             months,
@@ -507,25 +641,26 @@ impl Reader {
             schedule: Schedule {
                 timezone,
                 next: schedule::next_slot_after(cron, timezone, now).map(Slot::new),
-                latest: schedule::latest_slot_at_or_before(cron, timezone, now).map(Slot::new),
+                latest,
             },
             lease_ttl_secs: settings.lease.ttl_secs,
+            watch,
         })
     }
 
-    /// One month's shards, running shards' progress and totals, each costly read within what is
-    /// left of the view's budget. `unsettled`: the month's counted unsettled returns, when every
-    /// shard is SUCCESS and they could be counted.
+    /// One month's shards, running shards' progress and facts, each costly read within what is
+    /// left of the view's budget. `counted`: the month's waiting items, when every shard is
+    /// SUCCESS and they could be counted; `correction`: the correction holding it.
     #[allow(clippy::too_many_arguments)]
     async fn costly_reads(
         &self,
         tx: &mut PgConnection,
+        job: &Arc<dyn Registered>,
         deadline: Instant,
-        business_date: NaiveDate,
-        month_attempts: i64,
+        (business_date, month_attempts): (NaiveDate, i64),
         runs: Vec<JobRunRow>,
         shards: u32,
-        unsettled: Option<Unsettled>,
+        (unsettled, correction): (Option<Waiting>, Option<(String, DateTime<Utc>)>),
     ) -> Result<Month> {
         let mut runs: BTreeMap<u32, JobRunRow> =
             runs.into_iter().map(|r| (r.shard as u32, r)).collect();
@@ -535,12 +670,12 @@ impl Reader {
             let progress = match &run {
                 Some(run) if run.status == "RUNNING" => {
                     let key = JobKey {
-                        job_name: settlement::JOB_NAME.to_string(),
+                        job_name: job.name().to_string(),
                         business_date,
                         shards,
                         shard: index,
                     };
-                    self.progress(tx, deadline, key, run).await?
+                    self.progress(tx, job, deadline, key, run).await?
                 }
                 _ => None,
             };
@@ -551,18 +686,19 @@ impl Reader {
                 conflict: None,
             });
         }
-        // Every shard SUCCESS: its settled rows change only with a new attempt (a late return
-        // waits unsettled until one settles it), so its totals are kept under the month's attempts.
+        // Every shard SUCCESS: what is done of it changes only with a new attempt (a late return
+        // waits unsettled, an edit waits queued, until a run takes them; a correction runs), so
+        // its facts are kept under the month's attempts.
         let closed = month_shards.iter().all(|s| s.state() == State::Success);
         let totals = match BusinessDate::new(business_date) {
             // Claims are made for month ends only; a row written by hand may not be one.
             Err(e) => Totals::Unavailable(e.to_string()),
             Ok(date) if closed => {
-                self.closed_totals(tx, deadline, date, month_attempts)
+                self.closed_totals(tx, job, deadline, date, month_attempts)
                     .await?
             }
-            Ok(date) => match costly(tx, (deadline, self.budget), totals_of, date).await? {
-                Ok(totals) => Totals::SoFar(totals),
+            Ok(date) => match costly(tx, (deadline, self.budget), facts_of(job, date)).await? {
+                Ok(facts) => Totals::SoFar(facts),
                 Err(why) => Totals::Unavailable(why),
             },
         };
@@ -571,13 +707,16 @@ impl Reader {
             shards: month_shards,
             totals,
             rule: None,
+            rule_text: None,
             unsettled,
+            correction,
         })
     }
 
     async fn progress(
         &self,
         tx: &mut PgConnection,
+        job: &Arc<dyn Registered>,
         deadline: Instant,
         key: JobKey,
         run: &JobRunRow,
@@ -587,43 +726,45 @@ impl Reader {
         let known = self.kept().run_totals.get(&id).copied();
         let total = match known {
             Some(total) => total,
-            None => match costly(
-                tx,
-                (deadline, self.budget),
-                unsettled_of_run,
-                (key, run.cursor()),
-            )
-            .await?
-            {
-                Ok(left) => {
-                    let total = read + left;
-                    let mut kept = self.kept();
-                    if kept.run_totals.len() >= KEEP_AT_MOST {
-                        kept.run_totals.clear();
+            None => {
+                let job = job.clone();
+                let cursor = run.cursor();
+                let remaining = costly(tx, (deadline, self.budget), move |c| {
+                    Box::pin(async move { job.remaining(c, &key, cursor).await })
+                })
+                .await?;
+                match remaining {
+                    Ok(Some(left)) => {
+                        let total = read + left;
+                        let mut kept = self.kept();
+                        if kept.run_totals.len() >= KEEP_AT_MOST {
+                            kept.run_totals.clear();
+                        }
+                        kept.run_totals.insert(id, total);
+                        total
                     }
-                    kept.run_totals.insert(id, total);
-                    total
+                    Ok(None) | Err(_) => return Ok(None),
                 }
-                Err(_) => return Ok(None),
-            },
+            }
         };
         Ok(Some(Progress { read, total }))
     }
 
-    /// A closed month's totals: kept, computed now within the budget and kept, or computed in the
+    /// A closed month's facts: kept, computed now within the budget and kept, or computed in the
     /// background when the budget does not suffice.
     async fn closed_totals(
         &self,
         tx: &mut PgConnection,
+        job: &Arc<dyn Registered>,
         deadline: Instant,
         month: BusinessDate,
         month_attempts: i64,
     ) -> Result<Totals> {
-        let date = month.date();
+        let at = (job.name(), month.date());
         let kept = self
             .kept()
             .totals
-            .get(&date)
+            .get(&at)
             .filter(|k| k.month_attempts() == month_attempts)
             .cloned();
         match kept {
@@ -633,14 +774,14 @@ impl Reader {
                 return Ok(Totals::Unavailable(why))
             }
             Some(KeptTotals::Failed { .. }) => {
-                return Ok(self.compute_in_background(month, month_attempts))
+                return Ok(self.compute_in_background(job, month, month_attempts))
             }
             None => {}
         }
-        match costly(tx, (deadline, self.budget), totals_of, month).await? {
+        match costly(tx, (deadline, self.budget), facts_of(job, month)).await? {
             Ok(totals) => {
                 self.keep(
-                    date,
+                    at,
                     KeptTotals::Ready {
                         month_attempts,
                         totals: totals.clone(),
@@ -648,13 +789,18 @@ impl Reader {
                 );
                 Ok(Totals::Closed(totals))
             }
-            Err(_) => Ok(self.compute_in_background(month, month_attempts)),
+            Err(_) => Ok(self.compute_in_background(job, month, month_attempts)),
         }
     }
 
-    /// Starts computing `month`'s totals in the background unless another month's are being
+    /// Starts computing `month`'s facts in the background unless another month's are being
     /// computed (a later view starts this one then).
-    fn compute_in_background(&self, month: BusinessDate, month_attempts: i64) -> Totals {
+    fn compute_in_background(
+        &self,
+        job: &Arc<dyn Registered>,
+        month: BusinessDate,
+        month_attempts: i64,
+    ) -> Totals {
         {
             let mut kept = self.kept();
             if kept.background {
@@ -665,16 +811,17 @@ impl Reader {
             }
             kept.background = true;
         }
-        self.keep(month.date(), KeptTotals::Computing { month_attempts });
-        let (pool, kept) = (self.pool.clone(), self.kept.clone());
+        let at = (job.name(), month.date());
+        self.keep(at, KeptTotals::Computing { month_attempts });
+        let (pool, kept, job) = (self.pool.clone(), self.kept.clone(), job.clone());
         tokio::spawn(async move {
-            let entry = match totals_in_background(pool, month).await {
+            let entry = match totals_in_background(pool, &job, month).await {
                 Ok(totals) => KeptTotals::Ready {
                     month_attempts,
                     totals,
                 },
                 Err(e) => {
-                    tracing::warn!(business_date = %month, error = %e, "status page: cannot compute a closed month's totals");
+                    tracing::warn!(job = job.name(), business_date = %month, error = %e, "status page: cannot compute a closed month's totals");
                     KeptTotals::Failed {
                         month_attempts,
                         retry_at: Instant::now() + RETRY_BACKGROUND_AFTER,
@@ -688,18 +835,17 @@ impl Reader {
             let mut kept = lock(&kept);
             kept.background = false;
             // Unless a run of the month started meanwhile (its entry is another one now).
-            let date = month.date();
-            if matches!(kept.totals.get(&date), Some(k @ KeptTotals::Computing { .. }) if k.month_attempts() == month_attempts)
+            if matches!(kept.totals.get(&at), Some(k @ KeptTotals::Computing { .. }) if k.month_attempts() == month_attempts)
             {
-                kept.totals.insert(date, entry);
+                kept.totals.insert(at, entry);
             }
         });
         Totals::Computing
     }
 
-    fn keep(&self, date: NaiveDate, entry: KeptTotals) {
+    fn keep(&self, at: (&'static str, NaiveDate), entry: KeptTotals) {
         let mut kept = self.kept();
-        kept.totals.insert(date, entry);
+        kept.totals.insert(at, entry);
         while kept.totals.len() > KEEP_AT_MOST {
             kept.totals.pop_first();
         }
@@ -710,13 +856,17 @@ impl Reader {
     }
 }
 
-/// A closed month's totals on a connection of its own, with a timeout of its own.
-async fn totals_in_background(pool: PgPool, month: BusinessDate) -> sqlx::Result<MonthTotals> {
+/// A closed month's facts on a connection of its own, with a timeout of its own.
+async fn totals_in_background(
+    pool: PgPool,
+    job: &Arc<dyn Registered>,
+    month: BusinessDate,
+) -> sqlx::Result<Vec<Fact>> {
     let mut tx = pool.begin_with("BEGIN READ ONLY").await?;
     set_timeout(&mut tx, BACKGROUND_TIMEOUT).await?;
-    let totals = totals_of(&mut tx, month).await?;
+    let facts = job.facts(&mut tx, month.date()).await?;
     tx.rollback().await?;
-    Ok(totals)
+    Ok(facts)
 }
 
 /// Never held across an await; a panic while held cannot leave it half-written in a way that
@@ -755,53 +905,22 @@ async fn set_timeout(tx: &mut PgConnection, limit: Duration) -> sqlx::Result<()>
 /// A read of the database, boxed so [`costly`] can hand it its connection.
 type Read<'a, T> = Pin<Box<dyn Future<Output = sqlx::Result<T>> + Send + 'a>>;
 
-fn totals_of(c: &mut PgConnection, month: BusinessDate) -> Read<'_, MonthTotals> {
-    Box::pin(settlement::month_totals(c, month))
-}
-
-fn unsettled_of_run(c: &mut PgConnection, (key, cursor): (JobKey, Cursor)) -> Read<'_, u64> {
-    Box::pin(async move { settlement::unsettled_after(c, &key, cursor).await })
-}
-
-/// The unsettled returns (late and held, every shard) of the months ending on `dates`, read through
-/// the month index only (the plan settings are local to a savepoint that is rolled back after).
-fn unsettled_of(c: &mut PgConnection, dates: Vec<NaiveDate>) -> Read<'_, Vec<Unsettled>> {
-    Box::pin(unsettled_months(c, dates))
-}
-
-async fn unsettled_months(
-    c: &mut PgConnection,
-    dates: Vec<NaiveDate>,
-) -> sqlx::Result<Vec<Unsettled>> {
-    if dates.is_empty() {
-        return Ok(Vec::new());
-    }
-    let months: Vec<chrono::NaiveDateTime> = dates
-        .iter()
-        .filter_map(|d| d.with_day(1))
-        .map(|d| d.and_time(chrono::NaiveTime::MIN))
-        .collect();
-    sqlx::query("SAVEPOINT month_index")
-        .execute(&mut *c)
-        .await?;
-    sqlx::query(settlement::PIN_MONTH_INDEX)
-        .execute(&mut *c)
-        .await?;
-    let found = settlement::unsettled_by_month(&mut *c, &months, 1, 0).await;
-    sqlx::query("ROLLBACK TO SAVEPOINT month_index")
-        .execute(&mut *c)
-        .await?;
-    found
+/// The job's facts of `month`, as a read [`costly`] runs.
+fn facts_of(
+    job: &Arc<dyn Registered>,
+    month: BusinessDate,
+) -> impl for<'a> FnOnce(&'a mut PgConnection) -> Read<'a, Vec<Fact>> {
+    let job = job.clone();
+    move |c| Box::pin(async move { job.facts(c, month.date()).await })
 }
 
 /// Runs one costly read in a savepoint, limited to what is left of the budget. `Ok(Err(why))`
 /// when it did not fit or failed: the view goes on without it. `Err` only when the transaction
 /// itself is broken.
-async fn costly<A, T>(
+async fn costly<T>(
     tx: &mut PgConnection,
     (deadline, whole): (Instant, Duration),
-    read: for<'a> fn(&'a mut PgConnection, A) -> Read<'a, T>,
-    arg: A,
+    read: impl for<'a> FnOnce(&'a mut PgConnection) -> Read<'a, T>,
 ) -> Result<Result<T, String>> {
     let budget = left(deadline);
     if budget.is_zero() {
@@ -809,7 +928,7 @@ async fn costly<A, T>(
     }
     sqlx::query("SAVEPOINT costly").execute(&mut *tx).await?;
     set_timeout(tx, budget).await?;
-    match read(&mut *tx, arg).await {
+    match read(&mut *tx).await {
         Ok(value) => {
             sqlx::query("RELEASE SAVEPOINT costly")
                 .execute(&mut *tx)
@@ -874,7 +993,9 @@ mod tests {
                 .collect(),
             totals: Totals::Computing,
             rule: None,
+            rule_text: None,
             unsettled: None,
+            correction: None,
         }
     }
 
@@ -888,11 +1009,7 @@ mod tests {
             !all.closed(),
             "not while its unsettled returns are not counted"
         );
-        all.unsettled = Some(Unsettled {
-            month: all.business_date.and_time(chrono::NaiveTime::MIN),
-            late: 0,
-            held: 0,
-        });
+        all.unsettled = Some(Waiting { late: 0, held: 0 });
         assert!(all.closed());
         let one_missing = month(vec![Some(run(0, "SUCCESS", 1.0)), None]);
         assert!(!one_missing.closed());
@@ -908,13 +1025,7 @@ mod tests {
     #[test]
     fn a_month_with_late_returns_waiting_is_not_closed_and_held_rows_do_not_keep_it_open() {
         let mut month = month(vec![Some(run(0, "SUCCESS", 1.0))]);
-        let counted = |late, held| Unsettled {
-            month: NaiveDate::from_ymd_opt(2026, 10, 1)
-                .unwrap()
-                .and_time(chrono::NaiveTime::MIN),
-            late,
-            held,
-        };
+        let counted = |late, held| Waiting { late, held };
         month.unsettled = Some(counted(2, 0));
         assert!(month.all_success() && !month.closed());
         assert_eq!(month.late_returns(), 2);

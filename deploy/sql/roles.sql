@@ -14,10 +14,11 @@
 -- (SET LOCAL ROLE) only for the migrations that alter loans, one transaction each.
 -- settlementd_app runs `run`, `serve` and `status` (with database.migrate_on_start = false):
 --   loans            SELECT, and UPDATE of fine_cents, fine_settled_at and fine_seq only
---   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress)
---   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP)
---   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state)
---   job_events       SELECT, INSERT (the audit trail: append-only, never updated or deleted)
+--   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress), DELETE (retention)
+--   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP), DELETE (retention)
+--   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state), DELETE (retention)
+--   job_events       SELECT, INSERT (the audit trail: never updated), DELETE (retention)
+--   job_pauses       SELECT, INSERT, DELETE (pause and resume)
 --   job_params       SELECT, INSERT, UPDATE (each month's pinned fine rule; UPDATE for `correct`)
 --   fine_corrections SELECT, INSERT, UPDATE (corrections by key; UPDATE marks one complete)
 --   fine_adjustments SELECT, INSERT (every fine a correction changed: append-only)
@@ -25,8 +26,10 @@
 --   loan_changes     SELECT, DELETE (libraryd's edits of settled loans, queued by settlementd's
 --                    triggers on loans; a re-pricing deletes what it did)
 --   _sqlx_migrations SELECT (/readyz compares it with the binary's migrations)
--- and nothing else: no DELETE but of the edit queue, no TRUNCATE, no DDL, no other column of
--- loans. libraryd's own roles need nothing: the triggers' function runs as its owner, the
+-- and nothing else: no DELETE but of the edit queue, a pause, and (retention: `settlementd prune`,
+-- retention.enabled) the audit trail, requests and claims of months closed long ago — never of
+-- the money journal, fine_adjustments, fine_corrections or job_params; no TRUNCATE, no DDL, no
+-- other column of loans. libraryd's own roles need nothing: the triggers' function runs as its owner, the
 -- migrator (SECURITY DEFINER).
 -- Job tables are granted by name, not through default privileges, so a table a later migration
 -- adds gets nothing until it is named here.
@@ -65,7 +68,8 @@ DECLARE
 BEGIN
     FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
                                 'job_params', 'fine_corrections', 'fine_adjustments',
-                                'fine_journal', 'loan_changes', '_sqlx_migrations'] LOOP
+                                'fine_journal', 'loan_changes', 'job_pauses',
+                                '_sqlx_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
         END IF;
@@ -124,10 +128,11 @@ BEGIN
         END IF;
     END IF;
     FOR grant_ IN
-        SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE'),
-                              ('run_requests', 'SELECT, INSERT, UPDATE'),
-                              ('run_request_shards', 'SELECT, INSERT, UPDATE'),
-                              ('job_events', 'SELECT, INSERT'),
+        SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE, DELETE'),
+                              ('run_requests', 'SELECT, INSERT, UPDATE, DELETE'),
+                              ('run_request_shards', 'SELECT, INSERT, UPDATE, DELETE'),
+                              ('job_events', 'SELECT, INSERT, DELETE'),
+                              ('job_pauses', 'SELECT, INSERT, DELETE'),
                               ('job_params', 'SELECT, INSERT, UPDATE'),
                               ('fine_corrections', 'SELECT, INSERT, UPDATE'),
                               ('fine_adjustments', 'SELECT, INSERT'),

@@ -321,7 +321,7 @@ async fn run_shards(
             shard,
             attempt: report.attempt.unwrap_or_default(),
             updated: report.updated,
-            held: report.held,
+            held: report.notes.get(settlement::HELD).map_or(0, |h| h.count),
         });
     }
     Ok(runs)

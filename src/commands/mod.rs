@@ -7,7 +7,10 @@
 //! [`crate::demo::run`].
 
 pub mod correct;
+pub mod jobs;
 pub mod migrate;
+pub mod pause;
+pub mod prune;
 pub mod run;
 pub mod schedule;
 pub mod seed;

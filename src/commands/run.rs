@@ -1,18 +1,23 @@
-//! `settlementd run`: settle one month for one shard, once.
+//! `settlementd run`: run one month of one job for one shard, once — or a range of months, in
+//! order, for one shard or every shard.
 
 use crate::app::{
-    business_date_or_default, check_schema, ensure_month_is_over, run_options, settlement_job,
-    shutdown_on_signals, AppError, Database, Result,
+    business_date_or_default, check_schema, ensure_month_is_over, run_options, shutdown_on_signals,
+    AppError, Database, Result,
 };
+use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec};
 use crate::db;
-use crate::jobs::{self, Progress, RunReport, SkipReason};
-use crate::settlement;
+use crate::jobs::registry::Registered;
+use crate::jobs::{JobKey, Progress, RunReport, SkipReason};
+use std::sync::Arc;
 
 /// What to run; `None` fields fall back to the configuration.
 #[derive(Debug, Clone, Default)]
 pub struct RunRequest {
+    /// The job (default: the registry's first, `fine-settlement`).
+    pub job: Option<String>,
     /// The month as its last day, `YYYY-MM-DD` (default: last month's end in schedule.timezone).
     pub business_date: Option<String>,
     pub shard: Option<u32>,
@@ -29,6 +34,26 @@ pub struct RunRequest {
     pub embedded_db: bool,
 }
 
+/// A range of months: `--from YYYY-MM --to YYYY-MM`, each month for one shard or every shard.
+#[derive(Debug, Clone, Default)]
+pub struct RangeRequest {
+    pub run: RunRequest,
+    pub from: String,
+    pub to: String,
+    /// Every shard of the shard count, one after the other, instead of one shard.
+    pub all_shards: bool,
+}
+
+/// The job a command names (`--job`), or the registry's default.
+pub fn job_of(settings: &Settings, name: Option<&str>) -> Result<Arc<dyn Registered>> {
+    let registry = crate::registry::build(settings);
+    let name = name.unwrap_or(crate::registry::default_job());
+    registry
+        .get(name)
+        .cloned()
+        .map_err(|why| AppError::Invalid(format!("--job: {why}")))
+}
+
 /// Validates the request, runs the month's shard through the job layer until it is done, skipped
 /// or failed, and stops on SIGINT/SIGTERM after the batch in flight.
 pub async fn run(
@@ -36,71 +61,227 @@ pub async fn run(
     request: &RunRequest,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
 ) -> Result<RunReport> {
+    let job = job_of(settings, request.job.as_deref())?;
     let shard = ShardSpec::new(
         request.shard.unwrap_or(settings.shard.index),
         request.shards.unwrap_or(settings.shard.count),
     )?;
     let business_date =
         business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
+    let key = checked_key(settings, &job, business_date, shard)?;
+    let database = open(settings, request.embedded_db).await?;
+    let shutdown = shutdown_on_signals();
+    let result = run_key(
+        settings,
+        &database,
+        &job,
+        key,
+        request,
+        &shutdown,
+        on_progress,
+    )
+    .await;
+    database.close().await;
+    result
+}
+
+/// What one month of a range did (or why it stopped there).
+#[derive(Debug)]
+pub struct MonthDone {
+    pub business_date: BusinessDate,
+    /// One report per shard run (several with `--all-shards`).
+    pub reports: Vec<RunReport>,
+}
+
+/// Runs every month from `from` to `to` in order, for the shard or every shard, calling
+/// `on_month` after each month. Stops at the first failure: the error names the month and says
+/// that running the same command again resumes (months done are skipped as SUCCESS).
+pub async fn run_range(
+    settings: &Settings,
+    request: &RangeRequest,
+    on_progress: &(dyn Fn(Progress) + Send + Sync),
+    on_month: &mut (dyn FnMut(&MonthDone) + Send),
+) -> Result<Vec<MonthDone>> {
+    let job = job_of(settings, request.run.job.as_deref())?;
+    let from = BusinessDate::from_month(&request.from)
+        .map_err(|e| AppError::Invalid(format!("--from: {e}")))?;
+    let to = BusinessDate::from_month(&request.to)
+        .map_err(|e| AppError::Invalid(format!("--to: {e}")))?;
+    if to < from {
+        return Err(AppError::Invalid(format!(
+            "--to {} is before --from {}",
+            request.to, request.from
+        )));
+    }
+    let shards = request.run.shards.unwrap_or(settings.shard.count);
+    let targets: Vec<ShardSpec> = if request.all_shards {
+        if request.run.shard.is_some() {
+            return Err(AppError::Invalid(
+                "--shard and --all-shards exclude each other".into(),
+            ));
+        }
+        (0..shards)
+            .map(|s| ShardSpec::new(s, shards))
+            .collect::<std::result::Result<_, _>>()?
+    } else {
+        vec![ShardSpec::new(
+            request.run.shard.unwrap_or(settings.shard.index),
+            shards,
+        )?]
+    };
+    let months: Vec<BusinessDate> = crate::calendar::months_between(from, to)
+        .into_iter()
+        .filter_map(|d| BusinessDate::new(d).ok())
+        .collect();
+    // Every month is checked before anything runs: a range is refused whole, not half run.
+    let mut keys = Vec::new();
+    for month in &months {
+        for shard in &targets {
+            keys.push(checked_key(settings, &job, *month, *shard)?);
+        }
+    }
+    let database = open(settings, request.run.embedded_db).await?;
+    let shutdown = shutdown_on_signals();
+    let mut done = Vec::new();
+    let mut keys = keys.into_iter().peekable();
+    let result = async {
+        for month in months {
+            let mut reports = Vec::new();
+            while let Some(key) = keys.next_if(|k| k.business_date == month.date()) {
+                let ran = run_key(
+                    settings,
+                    &database,
+                    &job,
+                    key,
+                    &request.run,
+                    &shutdown,
+                    on_progress,
+                )
+                .await;
+                match ran {
+                    Ok(report) => reports.push(report),
+                    Err(e) => {
+                        return Err(stopped(e, month, &request.from, &request.to));
+                    }
+                }
+            }
+            let month_done = MonthDone {
+                business_date: month,
+                reports,
+            };
+            on_month(&month_done);
+            done.push(month_done);
+        }
+        Ok(())
+    }
+    .await;
+    database.close().await;
+    result.map(|()| done)
+}
+
+/// A range's failure at `month`, saying where it stopped and how to resume.
+fn stopped(e: AppError, month: BusinessDate, from: &str, to: &str) -> AppError {
+    let how = format!(
+        "stopped at {}: {e}; the months before it are done — run the same command again (--from \
+         {from} --to {to}) to resume: done months are skipped",
+        month.first_day().format("%Y-%m")
+    );
+    match e {
+        AppError::Invalid(_) => AppError::Invalid(how),
+        AppError::Failed(_) => AppError::Failed(how),
+        AppError::Refused(_) => AppError::Refused(how),
+    }
+}
+
+/// The key of `month` for `shard`, once the month is over and the job's configuration covers it.
+fn checked_key(
+    settings: &Settings,
+    job: &Arc<dyn Registered>,
+    business_date: BusinessDate,
+    shard: ShardSpec,
+) -> Result<JobKey> {
     ensure_month_is_over(business_date, settings, &SystemClock)?;
-    let job = settlement_job(settings);
-    job.rule_of(business_date.date())
+    let key = JobKey {
+        job_name: job.name().to_string(),
+        business_date: business_date.date(),
+        shards: shard.count,
+        shard: shard.index,
+    };
+    job.params(&key)
         .map_err(|why| AppError::Invalid(format!("{business_date}: {why}")))?;
-    let database = Database::open(settings, request.embedded_db).await?;
+    Ok(key)
+}
+
+/// The database, its `loans` checked (and migrated when private).
+async fn open(settings: &Settings, embedded_db: bool) -> Result<Database> {
+    let database = Database::open(settings, embedded_db).await?;
     if let Err(e) = check_schema(&database.pool, settings).await {
         database.close().await;
         return Err(e);
     }
     if database.embedded.is_some() {
-        db::migrate(&database.pool).await?;
+        if let Err(e) = db::migrate(&database.pool).await {
+            database.close().await;
+            return Err(e.into());
+        }
     }
-    let shutdown = shutdown_on_signals();
+    Ok(database)
+}
+
+/// One key, to completion: waiting out a live claim with `wait`.
+async fn run_key(
+    settings: &Settings,
+    database: &Database,
+    job: &Arc<dyn Registered>,
+    key: JobKey,
+    request: &RunRequest,
+    shutdown: &tokio_util::sync::CancellationToken,
+    on_progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<RunReport> {
     let opts = run_options(settings, request.force, request.estimate);
-    let result = loop {
-        let result = jobs::run_once(
-            &database.pool,
-            &job,
-            settlement::key(business_date, shard),
-            &opts,
-            &shutdown,
-            on_progress,
-        )
-        .await;
+    loop {
+        let result = job
+            .run(&database.pool, key.clone(), &opts, shutdown, on_progress)
+            .await;
         let held = matches!(&result, Ok(r) if r.skipped == Some(SkipReason::Held));
         if !(request.wait && held) {
-            break result;
+            return Ok(result?);
         }
         tracing::info!("a live run holds the claim; waiting for it to finish or go stale");
         tokio::select! {
             _ = tokio::time::sleep(opts.heartbeat_every) => {}
-            _ = shutdown.cancelled() => break result,
+            _ = shutdown.cancelled() => return Ok(result?),
         }
-    };
-    database.close().await;
-    Ok(result?)
+    }
 }
 
-/// The `run --json` object.
+/// The `run --json` object: the report, with each of the job's notes as a key (and, when the job
+/// names the items, `<note>_ids`).
 pub fn report_json(report: &RunReport) -> serde_json::Value {
-    serde_json::json!({
+    let mut json = serde_json::json!({
+        "job": report.key.job_name,
         "business_date": report.key.business_date.to_string(),
         "shard": report.key.shard,
         "shards": report.key.shards,
         "skipped": report.skipped.is_some(),
         "scanned": report.scanned,
         "updated": report.updated,
-        "odd_rows": report.odd,
-        "held": report.held,
-        "held_ids": report.held_ids,
         "late_returns": report.late,
         "rule": report.params,
         "attempt": report.attempt,
         "elapsed_ms": report.elapsed.as_millis() as u64,
-    })
+    });
+    for (name, noted) in &report.notes {
+        json[*name] = noted.count.into();
+        if let Some(ids) = &noted.ids {
+            json[format!("{name}_ids")] = serde_json::json!(ids);
+        }
+    }
+    json
 }
 
 /// The one-line summary `run` prints without `--json`.
-pub fn report_line(report: &RunReport) -> String {
+pub fn report_line(job: &dyn Registered, report: &RunReport) -> String {
     let head = format!("{}", report.key);
     let ms = report.elapsed.as_millis();
     match report.skipped {
@@ -113,38 +294,27 @@ pub fn report_line(report: &RunReport) -> String {
         Some(SkipReason::RequestServed) => {
             format!("{head}: skipped, the run request was already served [{ms} ms]")
         }
-        None => format!(
-            "{head}: SUCCESS attempt {}{}{}: scanned {}, updated {}{}{} in {ms} ms; rule: {}",
-            report.attempt.unwrap_or_default(),
-            if report.took_over && report.late == 0 {
-                " (took over)"
-            } else {
-                ""
-            },
-            if report.late > 0 {
-                format!(" (for {} late returns)", report.late)
-            } else {
-                String::new()
-            },
-            report.scanned,
-            report.updated,
-            if report.odd > 0 {
-                format!(
-                    " ({} with contradictory dates, settled all the same)",
-                    report.odd
-                )
-            } else {
-                String::new()
-            },
-            if report.held > 0 {
-                format!(
-                    "; {} rows held (bad dates), left unsettled: ids {:?}",
-                    report.held, report.held_ids
-                )
-            } else {
-                String::new()
-            },
-            settlement::describe_params(&report.params)
-        ),
+        None => {
+            let notes: String = report
+                .notes
+                .iter()
+                .filter(|(_, noted)| noted.count > 0)
+                .map(|(name, noted)| format!("; {}", job.explain(name, noted)))
+                .collect();
+            format!(
+                "{head}: SUCCESS attempt {}{}: scanned {}, updated {}{notes} in {ms} ms; rule: {}",
+                report.attempt.unwrap_or_default(),
+                if report.late > 0 {
+                    format!(" (for {} late items)", report.late)
+                } else if report.took_over {
+                    " (took over)".to_string()
+                } else {
+                    String::new()
+                },
+                report.scanned,
+                report.updated,
+                job.describe(&report.params)
+            )
+        }
     }
 }

@@ -1,14 +1,15 @@
-//! `settlementd schedule`: the next fire times and the months they settle (no database).
+//! `settlementd schedule`: the next fire times of a job and the months they run (no database).
 
 use crate::clock::Clock;
 use crate::config::Settings;
+use crate::jobs::registry::Registered;
 use crate::schedule::{next_slots, Slot};
 use chrono::SecondsFormat;
 
-/// The next `n` slots after the clock's now.
-pub fn next(settings: &Settings, clock: &dyn Clock, n: usize) -> Vec<Slot> {
+/// The next `n` slots of `job` after the clock's now.
+pub fn next(settings: &Settings, job: &dyn Registered, clock: &dyn Clock, n: usize) -> Vec<Slot> {
     next_slots(
-        &settings.schedule.cron,
+        &job.schedule().cron,
         settings.schedule.timezone,
         clock.now(),
         n,

@@ -1,8 +1,10 @@
-//! `settlementd status`: one month as the status page shows it — each shard's claim, whether the
-//! month is closed (late returns waiting, rows held), its pinned rule, its settled totals, and each
-//! shard's latest events from the audit trail (`--history N`). It reads the page's own overview
-//! ([`crate::overview`]), with a command's patience instead of the page's budget, so the two never
-//! disagree.
+//! `settlementd status`: one month of one job (`--job`, default the fine settlement) as the status
+//! page shows it — each shard's claim, whether the month is closed (items waiting, rows held, a
+//! correction unfinished), its pinned parameters, its facts (the settlement: settled rows, fine
+//! sum, digest), each shard's latest events from the audit trail (`--history N`), and what the
+//! job's replicas watch across the lookback (months not closed, items waiting before it, a pause).
+//! It reads the page's own overview ([`crate::overview`]), with a command's patience instead of
+//! the page's budget, so the two never disagree.
 
 use crate::app::{business_date_or_default, AppError, Database, Result};
 use crate::calendar::BusinessDate;
@@ -11,8 +13,8 @@ use crate::config::{Settings, MAX_SHARDS};
 use crate::jobs::claim::JobRunRow;
 use crate::jobs::events::ShardEvent;
 use crate::jobs::Cursor;
-use crate::overview::{self, Month, OverviewError, Scope, Totals};
-use crate::settlement::{self, describe_params};
+use crate::jobs::Words;
+use crate::overview::{self, Month, OverviewError, Scope, Totals, Watch};
 use std::fmt::Write;
 use std::time::Duration;
 
@@ -21,6 +23,8 @@ pub const BUDGET: Duration = Duration::from_secs(600);
 
 #[derive(Debug, Clone, Default)]
 pub struct StatusRequest {
+    /// The job (default: the registry's first).
+    pub job: Option<String>,
     /// The month as its last day (default: last month's end in schedule.timezone).
     pub business_date: Option<String>,
     /// The shard count whose claims to show (default shard.count).
@@ -33,14 +37,19 @@ pub struct StatusRequest {
 /// One month as `status` shows it.
 #[derive(Debug, Clone)]
 pub struct MonthStatus {
+    pub job: &'static str,
+    pub words: Words,
     pub business_date: BusinessDate,
     pub shards: u32,
     pub month: Month,
     /// Each shard's latest audit events, by shard, newest first.
     pub history: Vec<ShardEvent>,
+    /// What the job's replicas watch; `None` when it could not be read.
+    pub watch: Option<Watch>,
 }
 
 pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<MonthStatus> {
+    let job = super::run::job_of(settings, request.job.as_deref())?;
     let business_date =
         business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
     let shards = request.shards.unwrap_or(settings.shard.count);
@@ -54,6 +63,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
     let read = reader
         .read_with_history(
             settings,
+            &job,
             SystemClock.now(),
             Scope::Month(business_date),
             shards,
@@ -72,10 +82,13 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
             AppError::Failed(format!("{business_date}: the overview has no month"))
         })?;
     Ok(MonthStatus {
+        job: view.job,
+        words: view.words,
         business_date,
         shards,
         month,
         history: view.history,
+        watch: view.watch,
     })
 }
 
@@ -84,15 +97,21 @@ impl MonthStatus {
         self.month.shards.get(shard as usize)?.run.as_ref()
     }
 
-    /// "closed", "closed, 2 late returns waiting" or "not closed".
+    /// "closed", "being corrected under key K since T", "closed, 2 late returns or edits
+    /// waiting" or "not closed".
     pub fn verdict(&self) -> String {
         let m = &self.month;
-        if m.closed() {
+        if let Some((key, since)) = &m.correction {
+            format!(
+                "being corrected under key {key:?} since {}",
+                since.format("%Y-%m-%d %H:%M:%S UTC")
+            )
+        } else if m.closed() {
             "closed".into()
         } else if m.all_success() && m.unsettled.is_none() {
-            "every shard SUCCESS; late returns not counted".into()
+            format!("every shard SUCCESS; {} not counted", self.words.waiting)
         } else if m.all_success() {
-            format!("closed, {} late returns waiting", m.late_returns())
+            format!("closed, {} {}", m.late_returns(), self.words.waiting)
         } else {
             "not closed".into()
         }
@@ -114,17 +133,39 @@ impl MonthStatus {
             })
             .collect();
         let totals = match &self.month.totals {
-            Totals::Closed(t) | Totals::SoFar(t) => serde_json::json!(t),
+            Totals::Closed(facts) | Totals::SoFar(facts) => serde_json::Value::Object(
+                facts
+                    .iter()
+                    .map(|f| (f.name.to_string(), f.value.clone()))
+                    .collect(),
+            ),
             _ => serde_json::Value::Null,
         };
+        let watch = self.watch.as_ref().map(|w| {
+            serde_json::json!({
+                "lookback_months": w.lookback_months,
+                "paused": w.paused,
+                "months_not_closed": w.not_closed.iter().map(|n| serde_json::json!({
+                    "business_date": n.business_date,
+                    "shards_not_success": n.unsettled_shards,
+                    "waiting": n.waiting,
+                    "correction_key": n.correction,
+                })).collect::<Vec<_>>(),
+                "waiting_before_lookback": w.before_lookback,
+            })
+        });
         serde_json::json!({
-            "job": settlement::JOB_NAME,
+            "job": self.job,
             "business_date": self.business_date.to_string(),
             "shards": self.shards,
             "closed": self.month.closed(),
             "verdict": self.verdict(),
             "late_returns": self.month.unsettled.map(|u| u.late),
             "held": self.month.unsettled.map(|u| u.held),
+            "correction": self.month.correction.as_ref().map(|(key, since)| serde_json::json!({
+                "key": key, "since": since,
+            })),
+            "watch": watch,
             "rule": self.month.rule,
             "runs": runs,
             "totals": totals,
@@ -148,21 +189,21 @@ impl MonthStatus {
         let _ = writeln!(
             out,
             "{} {} with {} shard(s): {}",
-            settlement::JOB_NAME,
+            self.job,
             self.business_date,
             self.shards,
             self.verdict()
         );
-        let _ = match &self.month.rule {
-            Some(rule) => writeln!(out, "rule: {}", describe_params(rule)),
+        let _ = match &self.month.rule_text {
+            Some(rule) => writeln!(out, "rule: {rule}"),
             None => writeln!(out, "rule: none pinned yet (no claim of the month)"),
         };
         if self.month.held() > 0 {
             let _ = writeln!(
                 out,
-                "{} rows held (bad dates): unsettled until their due dates are fixed \
-                 (`settlementd verify` names them)",
-                self.month.held()
+                "{} {}: left as they are until they are fixed",
+                self.month.held(),
+                self.words.held
             );
         }
         let _ = writeln!(
@@ -197,17 +238,46 @@ impl MonthStatus {
             }
         }
         let _ = match &self.month.totals {
-            Totals::Closed(t) | Totals::SoFar(t) => writeln!(
+            Totals::Closed(facts) | Totals::SoFar(facts) => writeln!(
                 out,
-                "settled in {}: rows={} fine_cents_sum={} digest={}",
+                "{}: {}",
                 self.business_date.first_day().format("%Y-%m"),
-                t.settled_rows,
-                t.fine_cents_sum,
-                t.digest
+                facts
+                    .iter()
+                    .map(|f| format!("{}={}", f.name, plain(&f.value)))
+                    .collect::<Vec<_>>()
+                    .join(" ")
             ),
-            Totals::Computing => writeln!(out, "settled totals: being computed"),
-            Totals::Unavailable(why) => writeln!(out, "settled totals unavailable: {why}"),
+            Totals::Computing => writeln!(out, "totals: being computed"),
+            Totals::Unavailable(why) => writeln!(out, "totals unavailable: {why}"),
         };
+        if let Some(watch) = &self.watch {
+            if let Some(p) = &watch.paused {
+                let _ = writeln!(
+                    out,
+                    "PAUSED since {} by {}: {}",
+                    p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                    p.paused_by,
+                    p.reason
+                );
+            }
+            for n in &watch.not_closed {
+                let _ = writeln!(
+                    out,
+                    "not closed within the lookback: {} ({})",
+                    n.business_date,
+                    overview::not_closed_words(n, self.words)
+                );
+            }
+            if watch.before_lookback > 0 {
+                let _ = writeln!(
+                    out,
+                    "{} {} in months before the lookback of {} months: no replica runs them by \
+                     itself (`settlementd run --business-date D` does)",
+                    watch.before_lookback, self.words.waiting, watch.lookback_months
+                );
+            }
+        }
         if !self.history.is_empty() {
             let _ = writeln!(out, "history (newest first):");
         }
@@ -231,6 +301,14 @@ impl MonthStatus {
             );
         }
         out
+    }
+}
+
+/// A JSON value as text, strings without their quotes.
+fn plain(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
     }
 }
 

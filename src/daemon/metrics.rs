@@ -4,10 +4,11 @@
 //! and tests start `serve` many times in one process. The recorder never opens a listener of its
 //! own; `/metrics` renders it (see [`super::http`]).
 //!
-//! Metrics emitted by the job layer: `settlementd_claims_total{result=won|lost|done}`,
-//! `settlementd_takeovers_total`, `settlementd_fencing_rejections_total`,
-//! `settlementd_rows_scanned_total`, `settlementd_rows_updated_total`,
-//! `settlementd_odd_rows_total`, `settlementd_rule_conflicts_total`. Emitted here: the rest.
+//! Every metric of a job carries `job_name`. Emitted by the job layer:
+//! `settlementd_claims_total{result=won|lost|done}`, `settlementd_takeovers_total`,
+//! `settlementd_fencing_rejections_total`, `settlementd_rows_scanned_total`,
+//! `settlementd_rows_updated_total`, `settlementd_rule_conflicts_total`; by a job itself (the fine
+//! settlement: `settlementd_odd_rows_total`). Emitted here: the rest.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
@@ -30,6 +31,13 @@ pub const UNSETTLED_BEYOND_LOOKBACK: &str = "settlementd_unsettled_beyond_lookba
 /// started or with items waiting, and not SUCCESS on every shard, or with items waiting, or
 /// being corrected.
 pub const MONTHS_NOT_CLOSED: &str = "settlementd_months_not_closed";
+/// 1 while the job is paused (`settlementd pause`), else 0.
+pub const PAUSED: &str = "settlementd_paused";
+/// Unix time the job was paused (0 while it is not): with the latest fire, whether a pause
+/// outlived a fire.
+pub const PAUSED_SINCE: &str = "settlementd_paused_since_timestamp_seconds";
+/// Rows the daily retention run deleted (job_events, run_requests, job_runs).
+pub const RETENTION_DELETED_TOTAL: &str = "settlementd_retention_deleted_total";
 /// Corrections begun and not completed (every month): their months are held, "being corrected".
 pub const CORRECTIONS_UNFINISHED: &str = "settlementd_corrections_unfinished";
 /// Runs of stored run requests by outcome: `settled`, `failed`.
@@ -90,8 +98,13 @@ pub fn handle() -> PrometheusHandle {
         .clone()
 }
 
-/// Declares every metric at start-up so `/metrics` lists them before the first run.
-pub fn describe() {
+/// Declares every metric at start-up so `/metrics` lists them before the first run, the per-job
+/// ones for each job of `registry` (and each job's own).
+pub fn describe(registry: &crate::jobs::registry::Registry) {
+    let jobs = registry.names();
+    for job in registry.iter() {
+        job.describe_metrics();
+    }
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         RUNS_TOTAL,
@@ -152,6 +165,19 @@ pub fn describe() {
         "Months inside settle.lookback_months not closed under the current shard count (a shard not SUCCESS, items waiting, or a correction unfinished), every shard"
     );
     describe_gauge!(
+        PAUSED,
+        "1 while the job is paused (settlementd pause), else 0"
+    );
+    describe_gauge!(
+        PAUSED_SINCE,
+        Unit::Seconds,
+        "Unix time the job was paused (0 while it runs)"
+    );
+    describe_counter!(
+        RETENTION_DELETED_TOTAL,
+        "Rows of job_events, run_requests and job_runs the daily retention run deleted"
+    );
+    describe_gauge!(
         CORRECTIONS_UNFINISHED,
         "Corrections begun and not completed: their months are held, being corrected"
     );
@@ -188,47 +214,51 @@ pub fn describe() {
         "Loans settled by settlement batches"
     );
     describe_counter!(
-        "settlementd_odd_rows_total",
-        "Loans settled whose dates contradict each other (returned or due before borrowed)"
-    );
-    describe_counter!(
         AUTH_REFUSED_TOTAL,
         "Runs API requests refused for a missing or wrong bearer token (401)"
     );
     metrics::counter!(AUTH_REFUSED_TOTAL).increment(0);
-    for outcome in [
-        "settled",
-        "skipped",
-        "failed",
-        "lease_lost",
-        "rule_conflict",
-    ] {
-        metrics::counter!(RUNS_TOTAL, "outcome" => outcome).increment(0);
-    }
-    for outcome in ["settled", "failed"] {
-        metrics::counter!(REQUEST_RUNS_TOTAL, "outcome" => outcome).increment(0);
+    metrics::gauge!(CORRECTIONS_UNFINISHED).set(0.0);
+    metrics::counter!(RETENTION_DELETED_TOTAL).increment(0);
+    for &job in &jobs {
+        for outcome in [
+            "settled",
+            "skipped",
+            "failed",
+            "lease_lost",
+            "rule_conflict",
+        ] {
+            metrics::counter!(RUNS_TOTAL, "job_name" => job, "outcome" => outcome).increment(0);
+        }
+        for outcome in ["settled", "failed"] {
+            metrics::counter!(REQUEST_RUNS_TOTAL, "job_name" => job, "outcome" => outcome)
+                .increment(0);
+        }
+        // Set by the replica at each tick; present (0) from the start.
+        for gauge in [
+            UNSETTLED_IN_CLOSED_MONTHS,
+            HELD_ROWS,
+            MONTHS_NOT_CLOSED,
+            UNSETTLED_BEYOND_LOOKBACK,
+            PAUSED,
+            PAUSED_SINCE,
+        ] {
+            metrics::gauge!(gauge, "job_name" => job).set(0.0);
+        }
+        for result in ["won", "lost", "done"] {
+            metrics::counter!("settlementd_claims_total", "job_name" => job, "result" => result)
+                .increment(0);
+        }
+        for name in [
+            "settlementd_takeovers_total",
+            "settlementd_fencing_rejections_total",
+            "settlementd_rows_scanned_total",
+            "settlementd_rows_updated_total",
+            RULE_CONFLICTS_TOTAL,
+            LATE_RETURNS_SETTLED_TOTAL,
+        ] {
+            metrics::counter!(name, "job_name" => job).increment(0);
+        }
     }
     metrics::counter!(REQUESTS_ACCEPTED_TOTAL).increment(0);
-    // Set by the sweep at the first idle tick; present (0) from the start.
-    for gauge in [
-        UNSETTLED_IN_CLOSED_MONTHS,
-        HELD_ROWS,
-        CORRECTIONS_UNFINISHED,
-    ] {
-        metrics::gauge!(gauge).set(0.0);
-    }
-    for result in ["won", "lost", "done"] {
-        metrics::counter!("settlementd_claims_total", "result" => result).increment(0);
-    }
-    for name in [
-        "settlementd_takeovers_total",
-        "settlementd_fencing_rejections_total",
-        "settlementd_rows_scanned_total",
-        "settlementd_rows_updated_total",
-        "settlementd_odd_rows_total",
-        RULE_CONFLICTS_TOTAL,
-        LATE_RETURNS_SETTLED_TOTAL,
-    ] {
-        metrics::counter!(name).increment(0);
-    }
 }

@@ -1,9 +1,12 @@
-//! `settlementd serve`: the long-running replica of one shard.
+//! `settlementd serve`: the long-running replica of one shard, for every enabled job of the
+//! registry ([`crate::registry`]).
 //!
 //! Start-up: the configuration was validated by the binary before anything here runs; `serve`
 //! starts the HTTP endpoints, applies migrations when `database.migrate_on_start`, runs one
-//! catch-up tick, then loops: tick on every cron wake-up, on a timer of at most one lease
-//! heartbeat, and when a retry is due — until shutdown.
+//! catch-up tick per job, then loops: tick every job on every cron wake-up (one schedule per
+//! enabled job), on a timer of at most one lease heartbeat, and when a retry is due — until
+//! shutdown. The jobs take turns in one loop, in the registry's order (a job that follows another
+//! comes after it), at most one run that claims per job and tick.
 //!
 //! The cron library (tokio-cron-scheduler) is only a wake-up: its callback is one line that
 //! notifies the loop. Which month is due is always recomputed from the injected [`Clock`] by
@@ -23,7 +26,7 @@ use crate::app::{self, AppError, Database, Result};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
 use crate::db;
-use crate::jobs::Owner;
+use crate::jobs::{self, Owner};
 use replica::{Replica, TickOutcome};
 use sqlx::PgPool;
 use std::sync::Arc;
@@ -32,13 +35,12 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio_cron_scheduler::{Job, JobScheduler};
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 /// `settlementd serve`: binds `http.listen` and serves until SIGTERM/SIGINT. The configured
 /// database is not connected here but by [`serve`], which waits for a server that is down or full
 /// instead of exiting.
 pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
-    rules_cover_the_schedule(&settings, SystemClock.now())?;
+    jobs_cover_their_schedules(&settings, SystemClock.now())?;
     let database = if embedded || settings.database.embedded {
         Database::open(&settings, embedded).await?
     } else {
@@ -86,21 +88,35 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
     result
 }
 
-/// Refuses a configuration whose fine rules do not cover the months the schedule settles now and
-/// next (a `[[fine.rules]]` list starting after them): such a replica could settle nothing.
-pub fn rules_cover_the_schedule(
+/// Refuses a configuration that does not cover the months an enabled job's schedule runs now and
+/// next (for the fine settlement: a `[[fine.rules]]` list starting after them): such a replica
+/// could run nothing.
+pub fn jobs_cover_their_schedules(
     settings: &Settings,
     now: chrono::DateTime<chrono::Utc>,
 ) -> Result<()> {
-    let (cron, tz) = (&settings.schedule.cron, settings.schedule.timezone);
-    let slots = [
-        crate::schedule::latest_slot_at_or_before(cron, tz, now),
-        crate::schedule::next_slot_after(cron, tz, now),
-    ];
-    for fire_at in slots.into_iter().flatten() {
-        let month = crate::schedule::Slot::new(fire_at).business_date;
-        crate::settlement::rule_of(&settings.fine, month.date())
-            .map_err(|why| AppError::Invalid(format!("the schedule settles {month}: {why}")))?;
+    let tz = settings.schedule.timezone;
+    for job in crate::registry::build(settings).enabled() {
+        let cron = &job.schedule().cron;
+        let slots = [
+            crate::schedule::latest_slot_at_or_before(cron, tz, now),
+            crate::schedule::next_slot_after(cron, tz, now),
+        ];
+        for fire_at in slots.into_iter().flatten() {
+            let month = crate::schedule::Slot::new(fire_at).business_date;
+            let key = crate::jobs::JobKey {
+                job_name: job.name().to_string(),
+                business_date: month.date(),
+                shards: settings.shard.count,
+                shard: settings.shard.index,
+            };
+            job.params(&key).map_err(|why| {
+                AppError::Invalid(format!(
+                    "{} runs {month} by its schedule: {why}",
+                    job.name()
+                ))
+            })?;
+        }
     }
     Ok(())
 }
@@ -115,7 +131,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<()> {
     let metrics_handle = metrics::handle();
-    metrics::describe();
+    metrics::describe(&crate::registry::build(&settings));
 
     let owner = Owner::for_process();
     let settings = Arc::new(settings);
@@ -130,6 +146,7 @@ pub async fn serve(
             clock: clock.clone(),
             owner: owner.0.clone(),
             overview: Arc::new(crate::overview::Reader::new(&pool)),
+            registry: crate::registry::build(&settings),
         },
         http_stop.clone().cancelled_owned(),
     ));
@@ -179,19 +196,41 @@ async fn run_replica(
     }
 
     let wake = Arc::new(Notify::new());
-    let mut scheduler = start_wakeups(settings, wake.clone()).await;
+    let registry = crate::registry::build(settings);
+    let mut scheduler = start_wakeups(settings, &registry, wake.clone()).await;
     let listener = tokio::spawn(wake_on_requests(pool.clone(), wake.clone()));
-    let replica = Replica::new(pool, settings, clock, shutdown.clone()).with_owner(owner);
-    let span = replica.span().clone();
-    span.in_scope(|| {
-        tracing::info!(
-            cron = %settings.schedule.cron.pattern,
-            timezone = %settings.schedule.timezone,
-            catch_up = settings.schedule.catch_up,
-            "replica started"
-        )
+    let replicas: Vec<Replica> = registry
+        .enabled()
+        .map(|job| {
+            Replica::for_job(
+                pool.clone(),
+                settings,
+                job.clone(),
+                clock.clone(),
+                shutdown.clone(),
+            )
+            .with_owner(owner.clone())
+        })
+        .collect();
+    for replica in &replicas {
+        replica.span().in_scope(|| {
+            tracing::info!(
+                cron = %replica.job().schedule().cron.pattern,
+                timezone = %settings.schedule.timezone,
+                catch_up = settings.schedule.catch_up,
+                "replica started"
+            )
+        });
+    }
+    let retention = settings.retention.enabled.then(|| RetentionTicker {
+        settings: settings.clone(),
+        pool: pool.clone(),
+        clock: clock.clone(),
+        owner: owner.clone(),
+        shutdown: shutdown.clone(),
+        done: None,
     });
-    let mut worker = tokio::spawn(tick_loop(replica, wake, shutdown.clone()).instrument(span));
+    let mut worker = tokio::spawn(tick_loop(replicas, retention, wake, shutdown.clone()));
 
     let grace = Duration::from_secs(settings.shutdown.grace_secs);
     tokio::select! {
@@ -264,30 +303,105 @@ async fn wait_for_database(
     }
 }
 
-/// Tick at start-up (catch-up), then on every wake-up, until shutdown.
-async fn tick_loop(mut replica: Replica, wake: Arc<Notify>, shutdown: CancellationToken) {
+/// Tick every job at start-up (catch-up), then on every wake-up, until shutdown; and the day's
+/// retention run, when it is enabled.
+async fn tick_loop(
+    mut replicas: Vec<Replica>,
+    mut retention: Option<RetentionTicker>,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
     loop {
-        let outcome = replica.tick().await;
-        match &outcome {
-            TickOutcome::Interrupted { .. } | TickOutcome::ShuttingDown => return,
-            TickOutcome::Settled { slot, .. } => {
-                tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month settled")
+        if let Some(retention) = retention.as_mut() {
+            retention.tick().await;
+        }
+        let mut again = false;
+        for replica in replicas.iter_mut() {
+            let outcome = replica.tick().await;
+            let _in_span = replica.span().enter();
+            match &outcome {
+                TickOutcome::Interrupted { .. } | TickOutcome::ShuttingDown => return,
+                TickOutcome::Settled { slot, .. } => {
+                    tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month settled");
+                    again = true;
+                }
+                // Another request, the schedule or another month may be due: look again at once.
+                TickOutcome::Served { .. }
+                | TickOutcome::RequestFailed { .. }
+                | TickOutcome::LateReturns { .. } => again = true,
+                other => tracing::debug!(outcome = ?other, "tick"),
             }
-            // Another request, the schedule or another month's late returns may be due: look
-            // again at once.
-            TickOutcome::Served { .. }
-            | TickOutcome::RequestFailed { .. }
-            | TickOutcome::LateReturns { .. } => continue,
-            other => tracing::debug!(outcome = ?other, "tick"),
+            if shutdown.is_cancelled() {
+                return;
+            }
         }
-        if shutdown.is_cancelled() {
-            return;
+        if again {
+            continue;
         }
-        let wait = replica.next_wake();
+        let wait = replicas
+            .iter()
+            .map(Replica::next_wake)
+            .min()
+            .unwrap_or(Duration::from_secs(1));
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = wake.notified() => tracing::debug!("cron wake-up"),
             _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// The day's retention run ([`crate::jobs::retention`]), claimed like a job: one replica a day
+/// does it, the others find the day's key SUCCESS (or held) and skip it.
+struct RetentionTicker {
+    settings: Settings,
+    pool: PgPool,
+    clock: Arc<dyn Clock>,
+    owner: Owner,
+    shutdown: CancellationToken,
+    /// The day this process last saw its retention done: a shortcut until the next day, never the
+    /// source of truth (the day's key in `job_runs` is).
+    done: Option<chrono::NaiveDate>,
+}
+
+impl RetentionTicker {
+    async fn tick(&mut self) {
+        let now = self.clock.now();
+        let key = app::retention_key(&self.settings, now);
+        if self.done == Some(key.business_date) || self.shutdown.is_cancelled() {
+            return;
+        }
+        let job = app::retention_job(&self.settings, self.settings.retention.older_than_days, now);
+        let opts = jobs::RunOptions {
+            owner: self.owner.clone(),
+            ..app::run_options(&self.settings, false, false)
+        };
+        match jobs::run_once(
+            &self.pool,
+            &job,
+            key.clone(),
+            &opts,
+            &self.shutdown,
+            &|_| {},
+        )
+        .await
+        {
+            Ok(report) => {
+                if report.skipped.is_none() {
+                    ::metrics::counter!(metrics::RETENTION_DELETED_TOTAL).increment(report.updated);
+                    tracing::info!(
+                        deleted = report.updated,
+                        batches = report.batches,
+                        "retention: old months' audit rows deleted"
+                    );
+                }
+                if report.skipped != Some(jobs::SkipReason::Held) {
+                    self.done = Some(key.business_date);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "retention run failed; trying again at the next tick")
+            }
         }
     }
 }
@@ -322,16 +436,26 @@ async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
     }
 }
 
-/// Starts tokio-cron-scheduler as a wake-up source. A failure here is logged, not fatal: the tick
-/// loop's own timer still wakes at every fire time.
-async fn start_wakeups(settings: &Settings, wake: Arc<Notify>) -> Option<JobScheduler> {
-    let pattern = settings.schedule.cron.pattern.to_string();
+/// Starts tokio-cron-scheduler as a wake-up source: one schedule per enabled job. A failure here is
+/// logged, not fatal: the tick loop's own timer still wakes at every fire time.
+async fn start_wakeups(
+    settings: &Settings,
+    registry: &crate::jobs::registry::Registry,
+    wake: Arc<Notify>,
+) -> Option<JobScheduler> {
+    let crons: Vec<String> = registry
+        .enabled()
+        .map(|job| job.schedule().cron.pattern.to_string())
+        .collect();
     let started = async {
         let scheduler = JobScheduler::new().await?;
-        let job = Job::new_tz(pattern.as_str(), settings.schedule.timezone, move |_, _| {
-            wake.notify_one()
-        })?;
-        scheduler.add(job).await?;
+        for pattern in &crons {
+            let wake = wake.clone();
+            let job = Job::new_tz(pattern.as_str(), settings.schedule.timezone, move |_, _| {
+                wake.notify_one()
+            })?;
+            scheduler.add(job).await?;
+        }
         scheduler.start().await?;
         Ok::<_, tokio_cron_scheduler::JobSchedulerError>(scheduler)
     }
@@ -339,7 +463,7 @@ async fn start_wakeups(settings: &Settings, wake: Arc<Notify>) -> Option<JobSche
     match started {
         Ok(scheduler) => Some(scheduler),
         Err(e) => {
-            tracing::warn!(error = %e, cron = %pattern, "cron scheduler did not start; relying on the tick timer");
+            tracing::warn!(error = %e, crons = ?crons, "cron scheduler did not start; relying on the tick timer");
             None
         }
     }

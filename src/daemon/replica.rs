@@ -30,10 +30,10 @@ use crate::calendar::BusinessDate;
 use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
 use crate::jobs::due::{self, Due, Why};
-use crate::jobs::Job;
+use crate::jobs::registry::Registered;
+use crate::jobs::JobKey;
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
 use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
-use crate::settlement::{self, FineSettlement};
 use chrono::{DateTime, TimeDelta, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
@@ -95,11 +95,19 @@ pub enum TickOutcome {
         after: Duration,
         error: String,
     },
+    /// The job is paused ([`jobs::pause`]): nothing was claimed.
+    Paused { since: DateTime<Utc>, by: String },
+    /// The slot's month is held by an unfinished correction (its key): only that correction runs
+    /// it, and it is not SUCCESS until it completes.
+    BeingCorrected { slot: Slot, correction: String },
+    /// The slot's month is not ready for this job: the job it follows has not closed it.
+    NotReady { slot: Slot, why: String },
 }
 
 pub struct Replica {
     pool: PgPool,
-    job: FineSettlement,
+    /// The job this replica schedules (one replica per enabled job in a `serve` process).
+    job: Arc<dyn Registered>,
     cron: Cron,
     tz: Tz,
     catch_up: bool,
@@ -127,23 +135,41 @@ pub struct Replica {
 }
 
 impl Replica {
+    /// The replica of the registry's first job ([`crate::registry::default_job`]).
     pub fn new(
         pool: PgPool,
         settings: &Settings,
         clock: Arc<dyn Clock>,
         shutdown: CancellationToken,
     ) -> Self {
+        let registry = crate::registry::build(settings);
+        let job = registry
+            .get(crate::registry::default_job())
+            .expect("the registry lists its default job")
+            .clone();
+        Self::for_job(pool, settings, job, clock, shutdown)
+    }
+
+    /// The replica of `job`.
+    pub fn for_job(
+        pool: PgPool,
+        settings: &Settings,
+        job: Arc<dyn Registered>,
+        clock: Arc<dyn Clock>,
+        shutdown: CancellationToken,
+    ) -> Self {
         let opts = crate::app::run_options(settings, false, false);
         let span = tracing::info_span!(
             "replica",
+            job = job.name(),
             shard = settings.shard.index,
             shards = settings.shard.count,
             owner = %opts.owner,
         );
         Self {
             pool,
-            job: crate::app::settlement_job(settings),
-            cron: settings.schedule.cron.clone(),
+            cron: job.schedule().cron.clone(),
+            job,
             tz: settings.schedule.timezone,
             catch_up: settings.schedule.catch_up,
             retry: settings.retry,
@@ -165,6 +191,7 @@ impl Replica {
     pub fn with_owner(mut self, owner: Owner) -> Self {
         self.span = tracing::info_span!(
             "replica",
+            job = self.job.name(),
             shard = self.shard.index,
             shards = self.shard.count,
             owner = %owner,
@@ -175,6 +202,20 @@ impl Replica {
 
     pub fn owner(&self) -> &Owner {
         &self.opts.owner
+    }
+
+    pub fn job(&self) -> &Arc<dyn Registered> {
+        &self.job
+    }
+
+    /// The key of `month` for this replica's job and shard.
+    fn key(&self, month: BusinessDate) -> JobKey {
+        JobKey {
+            job_name: self.job.name().to_string(),
+            business_date: month.date(),
+            shards: self.shard.count,
+            shard: self.shard.index,
+        }
     }
 
     pub fn span(&self) -> &tracing::Span {
@@ -213,10 +254,22 @@ impl Replica {
     async fn tick_inner(&mut self) -> TickOutcome {
         let now = self.clock.now();
         if let Some(next) = next_slot_after(&self.cron, self.tz, now) {
-            metrics::gauge!(m::NEXT_FIRE_TIMESTAMP).set(next.timestamp() as f64);
+            metrics::gauge!(m::NEXT_FIRE_TIMESTAMP, "job_name" => self.job.name())
+                .set(next.timestamp() as f64);
         }
         if self.shutdown.is_cancelled() {
             return TickOutcome::ShuttingDown;
+        }
+        // A paused job claims nothing (its claims would be refused one by one): one look a tick.
+        match jobs::pause::of(&self.pool, self.job.name()).await {
+            Ok(Some(pause)) => {
+                return TickOutcome::Paused {
+                    since: pause.paused_at,
+                    by: pause.paused_by,
+                }
+            }
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "cannot read the job's pause"),
         }
         // Run requests first: an operator asked for them.
         if let Some(outcome) = self.serve_a_request(now).await {
@@ -226,17 +279,18 @@ impl Replica {
             return TickOutcome::Idle;
         };
         let slot = Slot::new(fire_at);
-        self.open_unjournaled().await;
+        self.upkeep().await;
         let scheduled = (self.catch_up || fire_at.with_timezone(&Utc) >= self.started_at)
             .then_some(slot.business_date);
-        let due = self.due(slot.business_date, scheduled).await;
+        let (due, held) = self.due(slot.business_date, scheduled).await;
         self.retries
             .retain(|month, _| due.iter().any(|d| d.business_date == month.date()));
         // At most one run that claims per tick, oldest month first; a month held by a live peer
         // or backing off gives way to the next.
-        let mut idle = match scheduled {
-            Some(_) => TickOutcome::AlreadyDone { slot },
-            None => TickOutcome::Idle,
+        let mut idle = match (scheduled, held) {
+            (Some(_), Some(correction)) => TickOutcome::BeingCorrected { slot, correction },
+            (Some(_), None) => TickOutcome::AlreadyDone { slot },
+            (None, _) => TickOutcome::Idle,
         };
         for d in due {
             let Ok(month) = BusinessDate::new(d.business_date) else {
@@ -261,8 +315,14 @@ impl Replica {
                     continue;
                 }
             }
-            if let Some(outcome) = self.run_month(month_slot, &d, fire_at).await {
-                return outcome;
+            match self.run_month(month_slot, &d, fire_at).await {
+                Some(TickOutcome::NotReady { slot, why }) if month == slot.business_date => {
+                    idle = TickOutcome::NotReady { slot, why };
+                    continue;
+                }
+                Some(TickOutcome::NotReady { .. }) => continue,
+                Some(outcome) => return outcome,
+                None => {}
             }
             if month == slot.business_date {
                 idle = TickOutcome::Watching {
@@ -277,32 +337,33 @@ impl Replica {
         idle
     }
 
-    /// What is due for this shard now ([`due::due`]), publishing what is not closed on the way.
-    /// When the database cannot say, the schedule's month alone (its run then reports why).
-    async fn due(&self, latest: BusinessDate, scheduled: Option<BusinessDate>) -> Vec<Due> {
+    /// What is due for this shard now ([`due::due`]), publishing what is not closed on the way,
+    /// and the correction holding the latest slot's month, if one does. When the database cannot
+    /// say, the schedule's month alone (its run then reports why).
+    async fn due(
+        &self,
+        latest: BusinessDate,
+        scheduled: Option<BusinessDate>,
+    ) -> (Vec<Due>, Option<String>) {
         let fallback = || {
-            scheduled
+            let due = scheduled
                 .map(|date| Due {
                     business_date: date.date(),
                     why: Why::Scheduled,
                 })
                 .into_iter()
-                .collect()
+                .collect();
+            (due, None)
         };
-        let back = self.lookback_months.max(1);
-        let earliest = latest
-            .months_before(back - 1)
-            .unwrap_or_else(|| BusinessDate::from_month("0001-01").unwrap_or(latest));
-        let mut window = Vec::new();
-        let mut month = Some(earliest);
-        while let Some(m) = month.filter(|m| *m <= latest) {
-            window.push(m.date());
-            month = m.date().succ_opt().and_then(BusinessDate::of_month_of);
-        }
+        let window = crate::calendar::lookback(latest, self.lookback_months);
+        let earliest = window
+            .first()
+            .and_then(|d| BusinessDate::new(*d).ok())
+            .unwrap_or(latest);
         let looked = async {
             let periods = due::periods(
                 &self.pool,
-                settlement::JOB_NAME,
+                self.job.name(),
                 self.shard.count,
                 self.shard.index,
                 earliest.date(),
@@ -339,7 +400,11 @@ impl Replica {
             .into_iter()
             .filter(|p| self.lookback_months > 0 || p.business_date == latest.date())
             .collect();
-        due::due(
+        let held = periods
+            .iter()
+            .find(|p| p.business_date == latest.date())
+            .and_then(|p| p.correction_key.clone());
+        let due = due::due(
             &periods,
             &pending,
             due::Ask {
@@ -347,40 +412,20 @@ impl Replica {
                 scheduled: scheduled.map(|d| d.date()),
                 start_waiting: self.catch_up,
             },
-        )
+        );
+        (due, held)
     }
 
-    /// Gives settled loans without a journal entry their opening entry, a batch per tick: loans an
-    /// older binary settled during a rolling upgrade, or that `settlementd migrate` has not
-    /// reached yet. It changes no fine, so it needs no claim (a loan journaled meanwhile is
-    /// skipped).
-    async fn open_unjournaled(&self) {
-        // Batches for up to half a heartbeat per tick: a backlog left by an upgrade goes at the
-        // speed of the database, and the tick still comes back to the schedule soon.
+    /// The job's upkeep between runs ([`crate::jobs::Job::upkeep`]: for the fine settlement,
+    /// opening journal entries of loans an older binary settled during a rolling upgrade, or that
+    /// `settlementd migrate` has not reached yet), for at most half a heartbeat: a backlog goes at
+    /// the speed of the database, and the tick comes back to the schedule soon.
+    async fn upkeep(&self) {
         let until = Instant::now() + self.opts.heartbeat_every / 2;
-        let opened = async {
-            let mut conn = self.pool.acquire().await?;
-            if !settlement::journal::any_unjournaled(&mut conn).await? {
-                return Ok(0);
-            }
-            let batch = i64::from(self.job.batch_size.max(1));
-            let mut opened = 0;
-            loop {
-                let n = settlement::journal::open_unjournaled(&mut conn, batch).await?;
-                opened += n;
-                if (n as i64) < batch || Instant::now() >= until || self.shutdown.is_cancelled() {
-                    return Ok::<_, sqlx::Error>(opened);
-                }
-            }
-        }
-        .await;
-        match opened {
+        match self.job.upkeep(&self.pool, until).await {
             Ok(0) => {}
-            Ok(n) => tracing::info!(
-                opened = n,
-                "settled loans without a journal entry given their opening entry"
-            ),
-            Err(e) => tracing::warn!(error = %e, "cannot write opening journal entries"),
+            Ok(n) => tracing::info!(items = n, "upkeep done"),
+            Err(e) => tracing::warn!(error = %e, "upkeep failed; trying again at the next tick"),
         }
     }
 
@@ -392,7 +437,7 @@ impl Replica {
         window: &[chrono::NaiveDate],
         corrections: i64,
     ) {
-        let job = settlement::JOB_NAME;
+        let job = self.job.name();
         let open = due::not_closed(periods, pending, self.shard.count, window);
         metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open.len() as f64);
         metrics::gauge!(m::UNSETTLED_BEYOND_LOOKBACK, "job_name" => job).set(pending.before as f64);
@@ -402,8 +447,8 @@ impl Replica {
             .iter()
             .filter(|p| p.shard == self.shard.index && window.contains(&p.business_date));
         let (waiting, held) = mine.fold((0, 0), |(w, h), p| (w + p.late, h + p.held));
-        metrics::gauge!(m::UNSETTLED_IN_CLOSED_MONTHS).set(waiting as f64);
-        metrics::gauge!(m::HELD_ROWS).set(held as f64);
+        metrics::gauge!(m::UNSETTLED_IN_CLOSED_MONTHS, "job_name" => job).set(waiting as f64);
+        metrics::gauge!(m::HELD_ROWS, "job_name" => job).set(held as f64);
     }
 
     /// Runs one due month of this shard. `None` when it claimed nothing (a live peer holds it, or
@@ -415,36 +460,35 @@ impl Replica {
         latest_fire: DateTime<chrono_tz::Tz>,
     ) -> Option<TickOutcome> {
         let month = slot.business_date;
-        let key = settlement::key(month, self.shard);
+        let key = self.key(month);
         let started = Instant::now();
-        let result = jobs::run_once(
-            &self.pool,
-            &self.job,
-            key,
-            &self.opts,
-            &self.shutdown,
-            &|_| {},
-        )
-        .await;
+        let result = self
+            .job
+            .run(&self.pool, key, &self.opts, &self.shutdown, &|_| {})
+            .await;
+        let job = self.job.name();
         let waiting = matches!(due.why, Why::Waiting(_));
         let claimed = !matches!(&result, Ok(r) if r.skipped.is_some());
         if claimed {
-            metrics::histogram!(m::RUN_DURATION_SECONDS).record(started.elapsed().as_secs_f64());
+            metrics::histogram!(m::RUN_DURATION_SECONDS, "job_name" => job)
+                .record(started.elapsed().as_secs_f64());
             if month == Slot::new(latest_fire).business_date {
                 let late = (self.clock.now() - latest_fire.with_timezone(&Utc)).as_seconds_f64();
-                metrics::gauge!(m::LAST_RUN_LATENESS_SECONDS).set(late.max(0.0));
+                metrics::gauge!(m::LAST_RUN_LATENESS_SECONDS, "job_name" => job).set(late.max(0.0));
             }
         }
         match result {
             Ok(report) => match report.skipped {
                 None => {
-                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "settled").increment(1);
-                    metrics::gauge!(m::LAST_SUCCESS_TIMESTAMP)
+                    metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "settled")
+                        .increment(1);
+                    metrics::gauge!(m::LAST_SUCCESS_TIMESTAMP, "job_name" => job)
                         .set(self.clock.now().timestamp() as f64);
                     self.retries.remove(&month);
                     self.conflicts_logged.remove(&month);
                     if report.late > 0 {
-                        metrics::counter!(m::LATE_RETURNS_SETTLED_TOTAL).increment(report.updated);
+                        metrics::counter!(m::LATE_RETURNS_SETTLED_TOTAL, "job_name" => job)
+                            .increment(report.updated);
                         tracing::info!(business_date = %month, late = report.late, updated = report.updated, "late returns and edits settled");
                         return Some(TickOutcome::LateReturns {
                             business_date: month,
@@ -454,26 +498,39 @@ impl Replica {
                     Some(TickOutcome::Settled { slot, report })
                 }
                 Some(SkipReason::AlreadyDone) => {
-                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
+                    metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "skipped")
+                        .increment(1);
                     None
                 }
                 Some(SkipReason::Held | SkipReason::RequestServed) => {
-                    metrics::counter!(m::RUNS_TOTAL, "outcome" => "skipped").increment(1);
+                    metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "skipped")
+                        .increment(1);
                     tracing::info!(business_date = %month, "a live peer holds the claim; watching it");
                     None
                 }
             },
             Err(JobError::Interrupted) => {
-                metrics::counter!(m::RUNS_TOTAL, "outcome" => "failed").increment(1);
+                metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "failed")
+                    .increment(1);
                 Some(TickOutcome::Interrupted { slot })
             }
+            // The job it follows has not closed the month: nothing claimed, nothing to retry but
+            // at the next tick.
+            Err(JobError::NotReady { why, .. }) => {
+                tracing::debug!(business_date = %month, why = %why, "not ready");
+                Some(TickOutcome::NotReady { slot, why })
+            }
+            // Paused meanwhile (a run stopped after its batch is FAILED `interrupted: paused`,
+            // taken over at once after a resume).
+            Err(JobError::Paused { by, since, .. }) => Some(TickOutcome::Paused { since, by }),
             Err(e @ JobError::LeaseLost { .. }) => {
-                metrics::counter!(m::RUNS_TOTAL, "outcome" => "lease_lost").increment(1);
+                metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "lease_lost")
+                    .increment(1);
                 tracing::warn!(business_date = %month, error = %e, "lost the claim to a peer; watching it");
                 None
             }
             Err(e) => {
-                metrics::counter!(m::RUNS_TOTAL, "outcome" => failed_outcome(&e)).increment(1);
+                metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => failed_outcome(&e)).increment(1);
                 let failures = self.retries.get(&month).map_or(0, |r| r.0) + 1;
                 let (after, not_before) = self.retry_after(failures);
                 self.retries.insert(month, (failures, not_before));
@@ -543,7 +600,7 @@ impl Replica {
     async fn serve_a_request(&mut self, now: DateTime<Utc>) -> Option<TickOutcome> {
         let open = match jobs::requests::open_for(
             &self.pool,
-            settlement::JOB_NAME,
+            self.job.name(),
             self.shard.count,
             self.shard.index,
         )
@@ -566,7 +623,7 @@ impl Replica {
                 continue;
             }
             let key = jobs::requests::key_of(
-                settlement::JOB_NAME,
+                self.job.name(),
                 &request,
                 self.shard.count,
                 self.shard.index,
@@ -576,12 +633,15 @@ impl Replica {
                 request: Some(request.request_id.clone()),
                 ..self.opts.clone()
             };
-            let result =
-                jobs::run_once(&self.pool, &self.job, key, &opts, &self.shutdown, &|_| {}).await;
+            let result = self
+                .job
+                .run(&self.pool, key, &opts, &self.shutdown, &|_| {})
+                .await;
             let id = request.request_id;
             match result {
                 Ok(report) if report.skipped.is_none() => {
-                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "outcome" => "settled").increment(1);
+                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => "settled")
+                        .increment(1);
                     self.request_retries.remove(&id);
                     tracing::info!(request_id = %id, business_date = %request.business_date, "run request served");
                     return Some(TickOutcome::Served {
@@ -592,12 +652,16 @@ impl Replica {
                 // Held by a live run (tried again next tick), served elsewhere, or already done.
                 Ok(_) => continue,
                 Err(JobError::Interrupted) => return Some(TickOutcome::ShuttingDown),
+                Err(JobError::Paused { by, since, .. }) => {
+                    return Some(TickOutcome::Paused { since, by })
+                }
                 Err(e @ JobError::LeaseLost { .. }) => {
                     tracing::warn!(request_id = %id, error = %e, "lost a run request's claim to a peer");
                     continue;
                 }
                 Err(e) => {
-                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "outcome" => "failed").increment(1);
+                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => "failed")
+                        .increment(1);
                     let failures = self.request_retries.get(&id).map_or(0, |r| r.0) + 1;
                     let (after, not_before) = self.retry_after(failures);
                     self.request_retries
@@ -619,22 +683,29 @@ impl Replica {
     /// is down still counts; a failed read leaves the gauges as they were.
     async fn publish_latest_month(&self) {
         metrics::gauge!(m::SHARDS).set(f64::from(self.shard.count));
+        let job = self.job.name();
+        match jobs::pause::of(&self.pool, job).await {
+            Ok(Some(pause)) => {
+                metrics::gauge!(m::PAUSED, "job_name" => job).set(1.0);
+                metrics::gauge!(m::PAUSED_SINCE, "job_name" => job)
+                    .set(pause.paused_at.timestamp() as f64);
+            }
+            Ok(None) => {
+                metrics::gauge!(m::PAUSED, "job_name" => job).set(0.0);
+                metrics::gauge!(m::PAUSED_SINCE, "job_name" => job).set(0.0);
+            }
+            Err(e) => tracing::debug!(error = %e, "cannot read the job's pause"),
+        }
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
             return;
         };
         let month = Slot::new(fire_at).business_date;
-        match jobs::claim::rows_for(
-            &self.pool,
-            settlement::JOB_NAME,
-            month.date(),
-            self.shard.count,
-        )
-        .await
-        {
+        match jobs::claim::rows_for(&self.pool, job, month.date(), self.shard.count).await {
             Ok(rows) => {
                 let settled = rows.iter().filter(|r| r.status == "SUCCESS").count() as f64;
-                metrics::gauge!(m::LATEST_FIRE_TIMESTAMP).set(fire_at.timestamp() as f64);
-                metrics::gauge!(m::LATEST_MONTH_UNSETTLED_SHARDS)
+                metrics::gauge!(m::LATEST_FIRE_TIMESTAMP, "job_name" => job)
+                    .set(fire_at.timestamp() as f64);
+                metrics::gauge!(m::LATEST_MONTH_UNSETTLED_SHARDS, "job_name" => job)
                     .set(f64::from(self.shard.count) - settled);
             }
             Err(e) => tracing::debug!(error = %e, "cannot read the latest month's claims"),

@@ -44,6 +44,8 @@ pub enum ClaimOutcome {
     Conflict {
         pinned: Params,
     },
+    /// The job is paused ([`super::pause`]): nothing was claimed.
+    Paused(super::pause::Pause),
     /// The key's period is held by an unfinished correction (its key, since when): nothing was
     /// claimed; only that correction's claims may run it until it completes.
     Correcting {
@@ -111,6 +113,12 @@ pub async fn claim_for(
 ) -> Result<ClaimOutcome> {
     let request = opts.request;
     let mut tx = conn.begin().await?;
+    // A pause committed before this claim stops it; one committed after it reaches the run at its
+    // next heartbeat.
+    if let Some(pause) = super::pause::of(&mut *tx, &key.job_name).await? {
+        tx.commit().await?;
+        return Ok(ClaimOutcome::Paused(pause));
+    }
     if let Some(request) = request {
         if !requests::lock_open(&mut tx, request, key.shard).await? {
             tx.commit().await?;
@@ -341,9 +349,22 @@ pub async fn record_batch(conn: &mut PgConnection, claim: &Claim, batch: &Batch)
     Ok(rows == 1)
 }
 
-/// Renews the lease. `false` means the claim is lost.
-pub async fn heartbeat(db: impl PgExecutor<'_>, claim: &Claim) -> Result<bool> {
-    fenced_update(db, claim, "heartbeat_at = clock_timestamp()").await
+/// Renews the lease, and says whether the job is paused: `Some(paused)`, or `None` when the claim
+/// is lost.
+pub async fn heartbeat(db: impl PgExecutor<'_>, claim: &Claim) -> Result<Option<bool>> {
+    Ok(sqlx::query_scalar(
+        "UPDATE job_runs SET heartbeat_at = clock_timestamp()
+          WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
+            AND attempt = $5 AND status = 'RUNNING'
+         RETURNING EXISTS (SELECT 1 FROM job_pauses p WHERE p.job_name = $1)",
+    )
+    .bind(&claim.key.job_name)
+    .bind(claim.key.business_date)
+    .bind(claim.key.shards as i32)
+    .bind(claim.key.shard as i32)
+    .bind(claim.attempt)
+    .fetch_optional(db)
+    .await?)
 }
 
 /// An audit event a run's final write appends with it: `(event, message)`.
@@ -416,21 +437,6 @@ async fn finish(db: impl PgExecutor<'_>, claim: &Claim, error: Option<&str>) -> 
     .fetch_one(db)
     .await?;
     Ok(done == 1)
-}
-
-async fn fenced_update(db: impl PgExecutor<'_>, claim: &Claim, set: &str) -> Result<bool> {
-    let sql = format!(
-        "UPDATE job_runs SET {set}
-          WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
-            AND attempt = $5 AND status = 'RUNNING'"
-    );
-    let query = sqlx::query(&sql)
-        .bind(&claim.key.job_name)
-        .bind(claim.key.business_date)
-        .bind(claim.key.shards as i32)
-        .bind(claim.key.shard as i32)
-        .bind(claim.attempt);
-    Ok(query.execute(db).await?.rows_affected() == 1)
 }
 
 /// One `job_runs` row as `status` shows it.

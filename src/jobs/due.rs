@@ -71,6 +71,64 @@ pub async fn periods(
     .await?)
 }
 
+/// Whether `job_name`'s period of `business_date` is closed under `shards`: SUCCESS on every shard
+/// and held by no correction. `None` when it is; else why not, in words. What a job that follows
+/// it waits for ([`super::Job::after`]).
+pub async fn closed(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    business_date: NaiveDate,
+    shards: u32,
+) -> Result<Option<String>> {
+    let (success, correction): (i64, Option<String>) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM job_runs
+                  WHERE job_name = $1 AND business_date = $2 AND shards = $3
+                    AND status = 'SUCCESS'),
+                (SELECT correction_key FROM job_params
+                  WHERE job_name = $1 AND business_date = $2)",
+    )
+    .bind(job_name)
+    .bind(business_date)
+    .bind(shards as i32)
+    .fetch_one(db)
+    .await?;
+    Ok(if let Some(key) = correction {
+        Some(format!(
+            "{job_name} {business_date} is being corrected under key {key:?}"
+        ))
+    } else if success < i64::from(shards) {
+        Some(format!(
+            "{job_name} {business_date} is SUCCESS on {success} of its {shards} shards"
+        ))
+    } else {
+        None
+    })
+}
+
+/// The latest period of `job_name` that is SUCCESS on every shard of `shards` and held by no
+/// correction.
+pub async fn last_closed(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+) -> Result<Option<NaiveDate>> {
+    Ok(sqlx::query_scalar(
+        "SELECT r.business_date FROM job_runs r
+          WHERE r.job_name = $1 AND r.shards = $2 AND r.status = 'SUCCESS'
+            AND NOT EXISTS (SELECT 1 FROM job_params p
+                             WHERE p.job_name = $1 AND p.business_date = r.business_date
+                               AND p.correction_key IS NOT NULL)
+          GROUP BY r.business_date
+         HAVING count(*) = $2
+          ORDER BY r.business_date DESC
+          LIMIT 1",
+    )
+    .bind(job_name)
+    .bind(shards as i32)
+    .fetch_optional(db)
+    .await?)
+}
+
 /// How many periods of any job an unfinished correction holds.
 pub async fn corrections_unfinished(db: impl PgExecutor<'_>) -> Result<i64> {
     Ok(

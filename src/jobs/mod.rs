@@ -24,7 +24,10 @@ pub mod due;
 pub mod events;
 pub mod lease;
 pub mod params;
+pub mod pause;
+pub mod registry;
 pub mod requests;
+pub mod retention;
 pub mod runner;
 
 use chrono::NaiveDate;
@@ -126,25 +129,47 @@ impl fmt::Display for Cursor {
     }
 }
 
-/// How many held items a report names by id: enough to find the rest.
+/// How many items a note names by id: enough to find the rest.
 pub const HELD_IDS: usize = 20;
+
+/// A count a job keeps of its own over a run (the fine settlement: loans with contradictory dates,
+/// loans held because the rule cannot price them), and, when the job names them, the first
+/// [`HELD_IDS`] ids. The job layer sums them and reports them; what they mean is the job's
+/// ([`Job::note_events`], [`Job::explain`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Noted {
+    pub count: u64,
+    /// `None`: the job does not name these items.
+    pub ids: Option<Vec<i64>>,
+}
+
+/// A run's notes, by the name the job gives them (also their key in `run --json`).
+pub type Notes = std::collections::BTreeMap<&'static str, Noted>;
+
+/// Adds `more` to `notes`, keeping at most [`HELD_IDS`] ids per note.
+pub fn add_notes(notes: &mut Notes, more: &Notes) {
+    for (name, noted) in more {
+        let total = notes.entry(name).or_default();
+        total.count += noted.count;
+        if let Some(ids) = &noted.ids {
+            let kept = total.ids.get_or_insert_with(Vec::new);
+            let room = HELD_IDS.saturating_sub(kept.len());
+            kept.extend(ids.iter().take(room));
+        }
+    }
+}
 
 /// What one committed batch did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Batch {
     /// The run's cursor after this batch (unchanged when nothing was read).
     pub cursor: Cursor,
+    /// Items read.
     pub scanned: u64,
+    /// Items written.
     pub updated: u64,
-    /// Items done that the job flags for an operator's attention (for the fine settlement: loans
-    /// whose dates contradict each other). Counted in the report and a metric, never skipped.
-    pub odd: u64,
-    /// Items the job could not do and left as they were for an operator (for the fine settlement:
-    /// loans the rule cannot price). Never done at a guess, never stopping the other items; a
-    /// later run does them once they are fixed.
-    pub held: u64,
-    /// The first [`HELD_IDS`] held items' ids, in the walk's order.
-    pub held_ids: Vec<i64>,
+    /// The job's own counts of this batch ([`Noted`]).
+    pub notes: Notes,
     /// No more work after this batch.
     pub done: bool,
 }
@@ -158,6 +183,42 @@ impl Batch {
             ..Batch::default()
         }
     }
+}
+
+/// What a job's items are called ([`Job::words`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Words {
+    /// Items waiting for a run in a period that is SUCCESS.
+    pub waiting: &'static str,
+    /// Items left for an operator.
+    pub held: &'static str,
+    /// What a period's facts are ("settled"; "so far" is added while it is open).
+    pub done: &'static str,
+    /// What a run does to its period ("settles").
+    pub runs: &'static str,
+}
+
+/// A fact a job reports about one period, for `status` and the status page (the fine settlement:
+/// settled rows, fine sum, digest).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Fact {
+    /// Its key in `status --json` and in `status`'s text.
+    pub name: &'static str,
+    /// What the page calls it ("rows", "fines", "digest").
+    pub label: &'static str,
+    pub kind: FactKind,
+    pub value: serde_json::Value,
+}
+
+/// How a fact reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum FactKind {
+    /// A number of things: "1,081 rows".
+    Count,
+    /// Cents, shown as money: "fines 9,186.50".
+    Cents,
+    /// A fingerprint: "digest f7590c92f0be…".
+    Digest,
 }
 
 /// Items of one period and shard that wait for a run whatever `job_runs` says: for the fine
@@ -196,6 +257,17 @@ pub trait Job: Sync {
     /// Per-run state computed once after the claim (bounds, parameters).
     type Plan: Send + Sync;
 
+    /// The job's name: its `job_runs` rows, its configuration section (`-` written `_`), its
+    /// `job_name` label.
+    fn name(&self) -> &'static str;
+
+    /// The job whose periods this one follows: a period runs only once that job's period is SUCCESS
+    /// on every shard of the shard count and no correction holds it ([`runner::run_once`] checks;
+    /// [`JobError::NotReady`] otherwise). Default: none.
+    fn after(&self) -> Option<&'static str> {
+        None
+    }
+
     /// The parameters that decide what a run of `key` computes (for the fine settlement: the
     /// month's fine rule), pinned by the first claim of the key's period and compared by every
     /// later one ([`params`]). `Err` says why the job has none for this key (a configuration that
@@ -226,9 +298,63 @@ pub trait Job: Sync {
         }
     }
 
-    /// What a held item is, in words (the warning and the audit trail name the ids with it).
-    fn held_means(&self) -> &'static str {
-        "items the job could not do"
+    /// The audit events a SUCCESS writes for the run's notes (the fine settlement: `held_rows`,
+    /// naming the loans the rule cannot price); each is also logged as a warning. Default: none.
+    fn note_events(&self, _notes: &Notes) -> Vec<(&'static str, String)> {
+        Vec::new()
+    }
+
+    /// A note in words, for a run's one-line summary. Default: "N name".
+    fn explain(&self, name: &str, noted: &Noted) -> String {
+        format!("{} {name}", noted.count)
+    }
+
+    /// Work a replica does between runs that needs no claim because it changes nothing a run
+    /// computes (the fine settlement: opening journal entries of loans settled before the
+    /// journal), for at most until `until`; returns how many items it did. Default: none.
+    fn upkeep(
+        &self,
+        _pool: &PgPool,
+        _until: std::time::Instant,
+    ) -> impl Future<Output = sqlx::Result<u64>> + Send {
+        async { Ok(0) }
+    }
+
+    /// How many items the run of `key` still has to read after `cursor` (its committed progress),
+    /// for a running shard's progress bar; `None` when the job cannot tell. Default: `None`.
+    fn remaining(
+        &self,
+        _db: &mut PgConnection,
+        _key: &JobKey,
+        _cursor: Cursor,
+    ) -> impl Future<Output = sqlx::Result<Option<u64>>> + Send {
+        async { Ok(None) }
+    }
+
+    /// Declares the job's own metrics (present, at 0, before its first run), labelled `job_name`.
+    /// Default: none.
+    fn describe_metrics(&self) {}
+
+    /// What its items are called on the status page and in `status`: those waiting for a run in
+    /// a period that is SUCCESS (`waiting`), and those left for an operator (`held`). Default:
+    /// "items waiting", "items held".
+    fn words(&self) -> Words {
+        Words {
+            waiting: "items waiting",
+            held: "items held",
+            done: "done",
+            runs: "runs",
+        }
+    }
+
+    /// What the job reports about a period for `status` and the status page (the fine
+    /// settlement: its settled rows, fine sum and digest). Default: nothing.
+    fn facts(
+        &self,
+        _db: &mut PgConnection,
+        _business_date: NaiveDate,
+    ) -> impl Future<Output = sqlx::Result<Vec<Fact>>> + Send {
+        async { Ok(Vec::new()) }
     }
 
     /// The items waiting in each of `periods` (business dates, oldest first) under `shards`, by
@@ -254,11 +380,11 @@ pub trait Job: Sync {
         estimate: bool,
     ) -> impl Future<Output = sqlx::Result<(Self::Plan, Option<u64>)>> + Send;
 
-    /// The statement that opens each batch transaction: `BEGIN`, optionally followed (in the same
-    /// round trip) by `SET LOCAL` settings the job's statements rely on (plan settings, and the
-    /// server-side timeouts that keep a paused writer from holding locks past its lease).
-    fn begin_batch(&self) -> Cow<'static, str> {
-        Cow::Borrowed("BEGIN")
+    /// `SET LOCAL` settings the job's batch statements rely on (plan settings), sent with the
+    /// `BEGIN` of each batch transaction after the lease's guards, which the runner sets for every
+    /// job ([`lease::Guards`]). Default: none.
+    fn batch_settings(&self) -> Cow<'static, str> {
+        Cow::Borrowed("")
     }
 
     /// Does one batch inside the caller's transaction, from `cursor` (the run's progress so far),
@@ -296,6 +422,21 @@ pub enum JobError {
     /// The job has no parameters for the key: its configuration does not cover it.
     #[error("{key}: {why}")]
     NoParams { key: JobKey, why: String },
+    /// The period is not ready for this job yet: the job it follows has not closed it. Nothing was
+    /// claimed or written; a scheduler tries again with its backoff.
+    #[error("{key} is not ready: {why}; nothing was run")]
+    NotReady { key: JobKey, why: String },
+    /// The job is paused ([`pause`]): nothing new is claimed, and a run in flight stops after its
+    /// batch (marked FAILED `interrupted: paused`, resumed like any interrupted run).
+    #[error(
+        "{job} is paused since {since} by {by}: {reason} (`settlementd resume` lets it go on)"
+    )]
+    Paused {
+        job: String,
+        by: String,
+        since: chrono::DateTime<chrono::Utc>,
+        reason: String,
+    },
     /// The key's period is held by an unfinished correction: nothing was claimed. It ends when
     /// that correction completes (running it again with its key finishes it).
     #[error(
@@ -384,6 +525,10 @@ impl JobError {
     pub fn is_retryable(&self) -> bool {
         match self {
             JobError::Db(_) | JobError::Unanswered { .. } | JobError::NoConnection { .. } => true,
+            // The job it follows closes the period by itself; trying again later can help.
+            JobError::NotReady { .. } => true,
+            // Waits for an operator's resume.
+            JobError::Paused { .. } => false,
             // Someone else owns the key now; the scheduler watches it instead of fighting.
             JobError::LeaseLost { .. } | JobError::Interrupted => false,
             // The same configuration gets the same answer (a scheduler may still look again later:

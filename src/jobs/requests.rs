@@ -25,6 +25,9 @@ pub struct NewRequest {
     pub idempotency_key: String,
     pub job_name: String,
     pub business_date: NaiveDate,
+    /// A range: every month from `business_date` to this one (month ends), each stored as a child
+    /// request of this one and run in order. `None`: one month.
+    pub to: Option<NaiveDate>,
     pub shards: u32,
     /// `None`: every shard of `shards`.
     pub shard: Option<u32>,
@@ -37,12 +40,13 @@ impl NewRequest {
     pub fn fingerprint(&self) -> String {
         use sha2::{Digest, Sha256};
         let canonical = format!(
-            "{}|{}|{}|{}|{}",
+            "{}|{}|{}|{}|{}{}",
             self.job_name,
             self.business_date,
             self.shards,
             self.shard.map_or("*".to_string(), |s| s.to_string()),
-            self.force
+            self.force,
+            self.to.map_or(String::new(), |to| format!("|to {to}"))
         );
         format!("{:x}", Sha256::digest(canonical.as_bytes()))
     }
@@ -62,7 +66,10 @@ pub struct StoredRequest {
     pub request_id: String,
     pub idempotency_key: String,
     pub fingerprint: String,
+    pub job_name: String,
     pub business_date: NaiveDate,
+    /// A range's last month; its months are child requests ([`months_of`]).
+    pub range_to: Option<NaiveDate>,
     pub shards: i32,
     pub shard: Option<i32>,
     pub force: bool,
@@ -99,8 +106,9 @@ pub async fn store(
     let fingerprint = request.fingerprint();
     let created: Option<DateTime<Utc>> = sqlx::query_scalar(
         "INSERT INTO run_requests (request_id, idempotency_key, fingerprint, job_name,
-                                   business_date, shards, shard, force, accepted_by, response)
-         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9, '')
+                                   business_date, shards, shard, force, accepted_by, response,
+                                   range_to)
+         VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9, '', $10)
          ON CONFLICT (idempotency_key) DO NOTHING
          RETURNING created_at",
     )
@@ -113,6 +121,7 @@ pub async fn store(
     .bind(request.shard.map(|s| s as i32))
     .bind(request.force)
     .bind(accepted_by)
+    .bind(request.to)
     .fetch_optional(&mut *tx)
     .await?;
     let Some(created_at) = created else {
@@ -128,25 +137,101 @@ pub async fn store(
         request_id: id,
         idempotency_key: request.idempotency_key.clone(),
         fingerprint,
+        job_name: request.job_name.clone(),
         business_date: request.business_date,
+        range_to: request.to,
         shards: request.shards as i32,
         shard: request.shard.map(|s| s as i32),
         force: request.force,
         created_at,
         response: String::new(),
     };
+    // A range: a child request per month, in month order, each a request like any other.
+    let months: Vec<NaiveDate> = match request.to {
+        None => vec![request.business_date],
+        Some(to) => month_ends(request.business_date, to),
+    };
+    let mut children = Vec::new();
+    if request.to.is_some() {
+        for month in &months {
+            let child = new_request_id();
+            sqlx::query(
+                "INSERT INTO run_requests (request_id, idempotency_key, fingerprint, job_name,
+                                           business_date, shards, shard, force, accepted_by,
+                                           response, parent_id)
+                 VALUES ($1::uuid, $2, $3, $4, $5, $6, $7, $8, $9, '', $10::uuid)",
+            )
+            .bind(&child)
+            .bind(format!("{}/{month}", stored.request_id))
+            .bind(&stored.fingerprint)
+            .bind(&request.job_name)
+            .bind(*month)
+            .bind(request.shards as i32)
+            .bind(request.shard.map(|s| s as i32))
+            .bind(request.force)
+            .bind(accepted_by)
+            .bind(&stored.request_id)
+            .execute(&mut *tx)
+            .await?;
+            children.push((*month, child));
+        }
+    } else {
+        children.push((request.business_date, stored.request_id.clone()));
+    }
     stored.response = respond(&stored);
     sqlx::query("UPDATE run_requests SET response = $2 WHERE request_id = $1::uuid")
         .bind(&stored.request_id)
         .bind(&stored.response)
         .execute(&mut *tx)
         .await?;
+    for (month, child) in &children {
+        let one = NewRequest {
+            business_date: *month,
+            ..request.clone()
+        };
+        add_targets(&mut tx, &one, child, accepted_by).await?;
+    }
+    // Delivered at commit: replicas serving these shards wake up and run it.
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(CHANNEL)
+        .bind(&stored.request_id)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(Stored::New(stored))
+}
+
+/// Every month end from `from` to `to`.
+fn month_ends(from: NaiveDate, to: NaiveDate) -> Vec<NaiveDate> {
+    let mut months = Vec::new();
+    let mut month = from;
+    while month <= to {
+        months.push(month);
+        let Some(next) = month
+            .succ_opt()
+            .and_then(|first| first.checked_add_months(chrono::Months::new(1)))
+            .and_then(|after| after.pred_opt())
+        else {
+            break;
+        };
+        month = next;
+    }
+    months
+}
+
+/// The `pending` shard rows and `requested` events of one month's request.
+async fn add_targets(
+    tx: &mut PgConnection,
+    request: &NewRequest,
+    request_id: &str,
+    accepted_by: &str,
+) -> Result<()> {
     let targets: Vec<i32> = request.targets().into_iter().map(|s| s as i32).collect();
     sqlx::query(
         "INSERT INTO run_request_shards (request_id, shard, state)
          SELECT $1::uuid, s, 'pending' FROM unnest($2::int[]) AS s",
     )
-    .bind(&stored.request_id)
+    .bind(request_id)
     .bind(&targets)
     .execute(&mut *tx)
     .await?;
@@ -164,19 +249,12 @@ pub async fn store(
     .bind(request.business_date)
     .bind(request.shards as i32)
     .bind(accepted_by)
-    .bind(&stored.request_id)
+    .bind(request_id)
     .bind(&message)
     .bind(&targets)
     .execute(&mut *tx)
     .await?;
-    // Delivered at commit: replicas serving these shards wake up and run it.
-    sqlx::query("SELECT pg_notify($1, $2)")
-        .bind(CHANNEL)
-        .bind(&stored.request_id)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(Stored::New(stored))
+    Ok(())
 }
 
 /// A random version-4 UUID: a request's own id (the idempotency key is the client's).
@@ -196,8 +274,23 @@ fn new_request_id() -> String {
 }
 
 const SELECT_REQUEST: &str = "SELECT request_id::text AS request_id, idempotency_key, fingerprint,
-                                     business_date, shards, shard, force, created_at, response
+                                     job_name, business_date, range_to, shards, shard, force,
+                                     created_at, response
                                 FROM run_requests";
+
+/// A range request's months: each month's child request id, in month order.
+pub async fn months_of(
+    db: impl PgExecutor<'_>,
+    request_id: &str,
+) -> Result<Vec<(NaiveDate, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT business_date, request_id::text FROM run_requests
+          WHERE parent_id = $1::uuid ORDER BY business_date",
+    )
+    .bind(request_id)
+    .fetch_all(db)
+    .await?)
+}
 
 async fn by_key(db: impl PgExecutor<'_>, key: &str) -> Result<StoredRequest> {
     Ok(

@@ -11,10 +11,10 @@
 //! that commits the work together with the fenced progress update; no transaction spans the run.
 
 use super::claim::{self, ClaimOptions, ClaimOutcome, Stated};
-use super::lease::Heartbeat;
+use super::lease::{Guards, Heartbeat};
 use super::{
-    abandon_if_unanswered, answered, events, requests, Job, JobError, JobKey, Owner, Params,
-    Reopen, Result, HELD_IDS,
+    abandon_if_unanswered, add_notes, answered, events, requests, Job, JobError, JobKey, Notes,
+    Owner, Params, Reopen, Result,
 };
 use sqlx::{Connection, PgConnection, PgPool};
 use std::time::{Duration, Instant};
@@ -35,6 +35,8 @@ pub struct RunOptions {
     pub owner: Owner,
     pub lease_ttl: Duration,
     pub heartbeat_every: Duration,
+    /// The server-side limits every batch transaction carries, derived from the lease.
+    pub guards: Guards,
     /// Reopen a SUCCESS claim (never a live RUNNING one).
     pub force: bool,
     /// Count the remaining work first, for a progress bar.
@@ -82,11 +84,8 @@ pub struct RunReport {
     pub late: u64,
     pub scanned: u64,
     pub updated: u64,
-    /// Items the job flagged as odd (done, not skipped; see [`super::Batch::odd`]).
-    pub odd: u64,
-    /// Items the job held (not done; see [`super::Batch::held`]), and the first of their ids.
-    pub held: u64,
-    pub held_ids: Vec<i64>,
+    /// The job's own counts over the run ([`super::Noted`]).
+    pub notes: Notes,
     /// Batch transactions this run committed (0 when skipped).
     pub batches: u64,
     pub elapsed: Duration,
@@ -98,8 +97,6 @@ pub struct Progress {
     pub total: Option<u64>,
     pub scanned: u64,
     pub updated: u64,
-    pub odd: u64,
-    pub held: u64,
     pub batches: u64,
 }
 
@@ -141,6 +138,18 @@ async fn run_in_span<J: Job>(
         key: key.clone(),
         why,
     })?;
+    if let Some(before) = job.after() {
+        // Only once the job it follows has closed the period: nothing is claimed or written before.
+        let within = opts.answer_within();
+        let closed = answered(within, async {
+            super::due::closed(pool, before, key.business_date, key.shards).await
+        })
+        .await?;
+        if let Some(why) = closed {
+            tracing::info!(after = before, "not ready: {why}");
+            return Err(JobError::NotReady { key, why });
+        }
+    }
     let describe = |p: &Params| job.describe(p);
     let stated: Stated = (&params, &describe);
     // One connection carries the run: the claim, every batch, SUCCESS. (The heartbeat takes its own
@@ -170,7 +179,8 @@ async fn run_in_span<J: Job>(
         let skip = match outcome {
             ClaimOutcome::Won(claim) => break claim,
             ClaimOutcome::Held { owner, attempt } => {
-                metrics::counter!("settlementd_claims_total", "result" => "lost").increment(1);
+                metrics::counter!("settlementd_claims_total", "job_name" => job.name(), "result" => "lost")
+                    .increment(1);
                 tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: claim held by a live run");
                 SkipReason::Held
             }
@@ -186,7 +196,8 @@ async fn run_in_span<J: Job>(
                     reopen = Some((late, job.reopen(late)));
                     continue;
                 }
-                metrics::counter!("settlementd_claims_total", "result" => "done").increment(1);
+                metrics::counter!("settlementd_claims_total", "job_name" => job.name(), "result" => "done")
+                    .increment(1);
                 tracing::info!(holder_attempt = attempt, "skipped: already SUCCESS");
                 if let Some(request) = &opts.request {
                     // Without force, a settled month is reported as done, not re-run.
@@ -211,12 +222,17 @@ async fn run_in_span<J: Job>(
                 SkipReason::RequestServed
             }
             ClaimOutcome::Conflict { pinned } => {
-                metrics::counter!("settlementd_rule_conflicts_total").increment(1);
+                metrics::counter!("settlementd_rule_conflicts_total", "job_name" => job.name())
+                    .increment(1);
                 return Err(JobError::ParamsConflict {
                     key,
                     pinned: describe(&pinned),
                     mine: describe(&params),
                 });
+            }
+            ClaimOutcome::Paused(pause) => {
+                tracing::info!(paused_by = %pause.paused_by, "skipped: the job is paused");
+                return Err(paused(pause));
             }
             ClaimOutcome::Correcting { correction, since } => {
                 tracing::info!(correction = %correction, "skipped: the month is held by an unfinished correction");
@@ -230,66 +246,49 @@ async fn run_in_span<J: Job>(
         return Ok(skipped(key, params, skip, started));
     };
     span.record("attempt", claim.attempt);
-    metrics::counter!("settlementd_claims_total", "result" => "won").increment(1);
+    let job_name = job.name();
+    metrics::counter!("settlementd_claims_total", "job_name" => job_name, "result" => "won")
+        .increment(1);
     if claim.took_over {
-        metrics::counter!("settlementd_takeovers_total").increment(1);
+        metrics::counter!("settlementd_takeovers_total", "job_name" => job_name).increment(1);
     }
     let late = reopen.map_or(0, |(late, _)| late);
     tracing::info!(took_over = claim.took_over, resume = %claim.resume, late, rule = %describe(&params), "claimed");
 
     let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
-    let worked = work(
-        pool,
-        &mut conn,
-        job,
-        &claim,
-        opts,
-        heartbeat.lost(),
+    let stops = Stops {
+        lost: heartbeat.lost(),
+        paused: heartbeat.paused(),
         shutdown,
-        on_progress,
-    )
-    .await;
+    };
+    let worked = work(pool, &mut conn, job, &claim, opts, stops, on_progress).await;
     heartbeat.stop().await;
     let worked = worked.inspect_err(|e| abandon_if_unanswered(&mut conn, e));
 
     let failure = match worked {
-        Ok((progress, held_ids)) => {
+        Ok((progress, notes)) => {
             let Progress {
                 scanned,
                 updated,
-                odd,
-                held,
                 batches,
                 ..
             } = progress;
-            let mut notes = Vec::new();
-            if held > 0 {
-                let named = format!(
-                    "{held} {}, left as they were: ids {held_ids:?}",
-                    job.held_means()
-                );
-                // What "held" means is the job's (fine settlement: loans the rule cannot price).
-                tracing::warn!(held, held_ids = ?held_ids, "done; {named}");
-                notes.push(("held_rows", named));
+            let noted = job.note_events(&notes);
+            for (event, message) in &noted {
+                tracing::warn!(event, "done; {message}");
             }
-            let marked = answered(within, claim::mark_success(&mut conn, &claim, &notes)).await;
+            let marked = answered(within, claim::mark_success(&mut conn, &claim, &noted)).await;
             // Unanswered here, the SUCCESS write may or may not have committed: the row stays as
             // it is (RUNNING, or SUCCESS) and no FAILED is written over it. With the heartbeat
             // stopped, a RUNNING row goes stale after one lease, and the retry that takes it over
             // finds nothing left to settle.
             if !marked.inspect_err(|e| abandon_if_unanswered(&mut conn, e))? {
-                metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+                metrics::counter!("settlementd_fencing_rejections_total", "job_name" => job_name)
+                    .increment(1);
                 events::fencing_rejected(pool, &claim, "SUCCESS").await;
                 return Err(lease_lost(&claim));
             }
-            if odd > 0 {
-                // What "odd" means is the job's (fine settlement: contradictory loan dates).
-                tracing::warn!(
-                    odd,
-                    "done, including items the job flags as odd (not skipped)"
-                );
-            }
-            tracing::info!(scanned, updated, odd, held, batches, "SUCCESS");
+            tracing::info!(scanned, updated, batches, notes = ?notes, "SUCCESS");
             return Ok(RunReport {
                 key,
                 skipped: None,
@@ -299,9 +298,7 @@ async fn run_in_span<J: Job>(
                 late,
                 scanned,
                 updated,
-                odd,
-                held,
-                held_ids,
+                notes,
                 batches,
                 elapsed: started.elapsed(),
             });
@@ -316,7 +313,8 @@ async fn run_in_span<J: Job>(
             // A peer took the claim over while this run was stopped (paused, cut off, its session
             // ended by the server's guards): say that, not the error it met on waking up.
             tracing::warn!(error = %failure, "failed, and the claim was already taken over");
-            metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+            metrics::counter!("settlementd_fencing_rejections_total", "job_name" => job_name)
+                .increment(1);
             events::fencing_rejected(pool, &claim, "FAILED").await;
             return Err(lease_lost(&claim));
         }
@@ -336,7 +334,11 @@ async fn mark_failed(
     failure: &JobError,
     within: Duration,
 ) -> Result<bool> {
-    let error = failure.to_string();
+    let error = match failure {
+        // Left like a run stopped by a shutdown: FAILED, taken over at once once resumed.
+        JobError::Paused { .. } => format!("interrupted: {failure}"),
+        _ => failure.to_string(),
+    };
     if !matches!(failure, JobError::Unanswered { .. }) {
         return claim::mark_failed(pool, claim, &error).await;
     }
@@ -349,34 +351,48 @@ async fn mark_failed(
     answered(within, fresh).await
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What stops a run between batches: its claim taken over, its job paused, the process shutting
+/// down.
+struct Stops<'a> {
+    lost: &'a CancellationToken,
+    paused: &'a CancellationToken,
+    shutdown: &'a CancellationToken,
+}
+
 async fn work<J: Job>(
     pool: &PgPool,
     conn: &mut PgConnection,
     job: &J,
     claim: &claim::Claim,
     opts: &RunOptions,
-    lost: &CancellationToken,
-    shutdown: &CancellationToken,
+    stops: Stops<'_>,
     on_progress: &(dyn Fn(Progress) + Send + Sync),
-) -> Result<(Progress, Vec<i64>)> {
+) -> Result<(Progress, Notes)> {
     let (plan, total) = job.plan(pool, claim, opts.estimate).await?;
     let mut progress = Progress {
         total,
         ..Progress::default()
     };
     on_progress(progress);
-    let mut held_ids = Vec::new();
+    let mut notes = Notes::new();
     let mut cursor = claim.resume;
+    let begin = format!("BEGIN; {}; {}", opts.guards.sql(), job.batch_settings());
+    let job_name = job.name();
     loop {
-        if lost.is_cancelled() {
+        if stops.lost.is_cancelled() {
             return Err(lease_lost(claim));
         }
-        if shutdown.is_cancelled() {
+        if stops.shutdown.is_cancelled() {
             return Err(JobError::Interrupted);
         }
+        if stops.paused.is_cancelled() {
+            let pause = super::pause::of(pool, job_name).await?;
+            if let Some(pause) = pause {
+                return Err(paused(pause));
+            }
+        }
         let batch = answered(opts.answer_within(), async {
-            let mut tx = conn.begin_with(job.begin_batch()).await?;
+            let mut tx = conn.begin_with(begin.clone()).await?;
             let batch = job.run_batch(&mut tx, &plan, cursor).await?;
             if !claim::record_batch(&mut tx, claim, &batch).await? {
                 tx.rollback().await?;
@@ -387,25 +403,34 @@ async fn work<J: Job>(
         })
         .await?;
         let Some(batch) = batch else {
-            metrics::counter!("settlementd_fencing_rejections_total").increment(1);
+            metrics::counter!("settlementd_fencing_rejections_total", "job_name" => job_name)
+                .increment(1);
             events::fencing_rejected(pool, claim, "batch").await;
             return Err(lease_lost(claim));
         };
         progress.scanned += batch.scanned;
         progress.updated += batch.updated;
-        progress.odd += batch.odd;
-        progress.held += batch.held;
         progress.batches += 1;
-        let room = HELD_IDS.saturating_sub(held_ids.len());
-        held_ids.extend(batch.held_ids.iter().take(room));
-        metrics::counter!("settlementd_rows_scanned_total").increment(batch.scanned);
-        metrics::counter!("settlementd_rows_updated_total").increment(batch.updated);
-        metrics::counter!("settlementd_odd_rows_total").increment(batch.odd);
+        add_notes(&mut notes, &batch.notes);
+        metrics::counter!("settlementd_rows_scanned_total", "job_name" => job_name)
+            .increment(batch.scanned);
+        metrics::counter!("settlementd_rows_updated_total", "job_name" => job_name)
+            .increment(batch.updated);
         on_progress(progress);
         cursor = batch.cursor;
         if batch.done {
-            return Ok((progress, held_ids));
+            return Ok((progress, notes));
         }
+    }
+}
+
+/// The error of a run stopped, or not started, by `pause`.
+fn paused(pause: super::pause::Pause) -> JobError {
+    JobError::Paused {
+        job: pause.job_name,
+        by: pause.paused_by,
+        since: pause.paused_at,
+        reason: pause.reason,
     }
 }
 
@@ -426,9 +451,7 @@ fn skipped(key: JobKey, params: Params, reason: SkipReason, started: Instant) ->
         late: 0,
         scanned: 0,
         updated: 0,
-        odd: 0,
-        held: 0,
-        held_ids: Vec::new(),
+        notes: Notes::new(),
         batches: 0,
         elapsed: started.elapsed(),
     }

@@ -26,7 +26,7 @@
 use super::journal::{self, Repricer};
 use super::{describe_params, rule_params, FineSettlement, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
-use crate::jobs::{params, Batch, Claim, Cursor, Job, JobKey, Owner, Params, Reopen};
+use crate::jobs::{params, Batch, Claim, Cursor, Job, JobKey, Noted, Notes, Owner, Params, Reopen};
 use chrono::NaiveDate;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
 use std::borrow::Cow;
@@ -344,12 +344,20 @@ impl Job for FineCorrection {
         describe_params(params)
     }
 
-    fn held_means(&self) -> &'static str {
-        self.settlement.held_means()
+    fn name(&self) -> &'static str {
+        super::JOB_NAME
     }
 
-    fn begin_batch(&self) -> Cow<'static, str> {
-        self.settlement.begin_batch()
+    fn note_events(&self, notes: &Notes) -> Vec<(&'static str, String)> {
+        self.settlement.note_events(notes)
+    }
+
+    fn explain(&self, name: &str, noted: &Noted) -> String {
+        self.settlement.explain(name, noted)
+    }
+
+    fn batch_settings(&self) -> Cow<'static, str> {
+        self.settlement.batch_settings()
     }
 
     async fn plan(
@@ -450,9 +458,7 @@ impl Job for FineCorrection {
             },
             scanned: edits.loans + page.len() as u64,
             updated: edits.written() + done.written(),
-            odd: 0,
-            held: done.held,
-            held_ids: done.held_ids,
+            notes: super::notes(0, done.held, done.held_ids),
             done: start + page.len() >= plan.loans.len(),
         })
     }

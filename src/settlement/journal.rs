@@ -430,3 +430,41 @@ pub async fn unjournaled(db: &mut PgConnection) -> sqlx::Result<i64> {
     .fetch_one(db)
     .await
 }
+
+/// A month's settled loans as the journal and the loans say together: the loans whose last entry
+/// prices them in the month, settled and still returned in it — their count, fine sum and digest
+/// (`md5` of `id:fine_cents` in id order, as [`super::month_totals`] computes it over the table).
+/// Reads the month's journal rows and each loan by primary key (the plan is pinned to nested
+/// loops for the rest of the transaction), so it costs what the month holds.
+pub async fn totals(
+    db: &mut PgConnection,
+    month: crate::calendar::BusinessDate,
+) -> sqlx::Result<super::MonthTotals> {
+    sqlx::query(
+        "SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
+                set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true),
+                set_config('jit', 'off', true)",
+    )
+    .execute(&mut *db)
+    .await?;
+    let (settled_rows, sum, digest): (i64, String, String) = sqlx::query_as(
+        "SELECT count(*), COALESCE(sum(l.fine_cents), 0)::text,
+                md5(COALESCE(string_agg(l.id::text || ':' || l.fine_cents::text, ',' ORDER BY l.id),
+                             ''))
+           FROM (SELECT j.kind, x.loan_id, x.seq
+                   FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
+                  WHERE j.month = $1) e
+           JOIN loans l ON l.id = e.loan_id AND l.fine_seq = e.seq
+          WHERE e.kind NOT IN ('reversed', 'deleted') AND l.fine_settled_at IS NOT NULL
+            AND l.returned_on BETWEEN $1 AND $2",
+    )
+    .bind(month.first_day())
+    .bind(month.date())
+    .fetch_one(&mut *db)
+    .await?;
+    Ok(super::MonthTotals {
+        settled_rows,
+        fine_cents_sum: super::parse_sum(&sum)?,
+        digest,
+    })
+}

@@ -40,10 +40,12 @@ pub mod journal;
 pub mod verify;
 
 use crate::calendar::BusinessDate;
-use crate::config::{SessionGuards, ShardSpec};
+use crate::config::{SessionGuards, Settings, ShardSpec};
 use crate::fine::{DatedRule, FineRule, FineSchedule};
+use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
-    Batch, Claim, Cursor, Job, JobKey, Params, Pending, PendingReport, Reopen, HELD_IDS,
+    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Noted, Notes, Params, Pending,
+    PendingReport, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use sqlx::pool::PoolConnection;
@@ -52,6 +54,20 @@ use std::borrow::Cow;
 use std::sync::{Mutex, OnceLock};
 
 pub const JOB_NAME: &str = "fine-settlement";
+
+/// The fine settlement in the binary's registry (`crate::registry::JOBS`).
+pub const REGISTRATION: Registration<Settings> = Registration {
+    name: JOB_NAME,
+    default_cron: "0 30 2 1 * *",
+    enabled_by_default: true,
+    reads_schedule_cron: true,
+    build: |settings, schedule| {
+        std::sync::Arc::new(Entry {
+            job: FineSettlement::of(settings),
+            schedule,
+        })
+    },
+};
 
 /// The job key of one shard's settlement of one month.
 pub fn key(business_date: BusinessDate, shard: ShardSpec) -> JobKey {
@@ -294,7 +310,8 @@ const MONTH_KEY: &str = "date_trunc('month', returned_on::timestamp)";
 ///   its fenced progress (same transaction), so the next attempt resumes before it and settles
 ///   those rows again; the SUCCESS write commits synchronously and flushes every batch before it.
 ///
-/// [`FineSettlement`] opens its batches with [`begin_batch_sql`]: this, plus the lease's guards.
+/// The job layer opens every batch with `BEGIN`, the lease's guards and these settings
+/// ([`Job::batch_settings`]); [`begin_batch_sql`] opens the settlement's own reads the same way.
 pub const BEGIN_BATCH: &str = "BEGIN;
     SET LOCAL enable_seqscan = off;
     SET LOCAL enable_bitmapscan = off;
@@ -324,9 +341,24 @@ pub fn begin_batch_sql(guards: &SessionGuards) -> String {
 }
 
 impl FineSettlement {
+    /// The settlement `settings` configure.
+    pub fn of(settings: &Settings) -> Self {
+        FineSettlement {
+            rules: settings.fine.clone(),
+            batch_size: settings.batch.size,
+            guards: settings.lease.guards(),
+        }
+    }
+
     /// The rule of `key`'s month, or why there is none.
     pub fn rule_of(&self, business_date: NaiveDate) -> Result<DatedRule, String> {
         rule_of(&self.rules, business_date)
+    }
+
+    /// What opens a batch transaction of this job, the lease's guards included: the job layer's
+    /// `BEGIN` for its runs, and the settlement's own reads of the month index.
+    pub fn begin_batch(&self) -> String {
+        begin_batch_sql(&self.guards)
     }
 }
 
@@ -374,6 +406,10 @@ pub fn describe_params(params: &Params) -> String {
 
 impl Job for FineSettlement {
     type Plan = MonthPlan;
+
+    fn name(&self) -> &'static str {
+        JOB_NAME
+    }
 
     fn params(&self, key: &JobKey) -> Result<Params, String> {
         Ok(rule_params(&self.rule_of(key.business_date)?.rule))
@@ -463,12 +499,118 @@ impl Job for FineSettlement {
         Ok(PendingReport { by_period, before })
     }
 
-    fn held_means(&self) -> &'static str {
-        "rows held (bad dates: due_on missing or infinite, which the rule cannot price)"
+    fn note_events(&self, notes: &Notes) -> Vec<(&'static str, String)> {
+        notes
+            .get(HELD)
+            .filter(|held| held.count > 0)
+            .map(|held| {
+                vec![(
+                    "held_rows",
+                    format!(
+                        "{} rows held (bad dates: due_on missing or infinite, which the rule \
+                         cannot price), left as they were: ids {:?}",
+                        held.count,
+                        held.ids.as_deref().unwrap_or_default()
+                    ),
+                )]
+            })
+            .unwrap_or_default()
     }
 
-    fn begin_batch(&self) -> Cow<'static, str> {
-        Cow::Owned(begin_batch_sql(&self.guards))
+    fn explain(&self, name: &str, noted: &Noted) -> String {
+        match name {
+            ODD_ROWS => format!(
+                "{} with contradictory dates, settled all the same",
+                noted.count
+            ),
+            HELD => format!(
+                "{} rows held (bad dates), left unsettled: ids {:?}",
+                noted.count,
+                noted.ids.as_deref().unwrap_or_default()
+            ),
+            _ => format!("{} {name}", noted.count),
+        }
+    }
+
+    fn batch_settings(&self) -> Cow<'static, str> {
+        Cow::Borrowed(BEGIN_BATCH.trim_start_matches("BEGIN;"))
+    }
+
+    /// Opening journal entries for settled loans that have none ([`journal::open_unjournaled`]):
+    /// loans settled by an older binary during a rolling upgrade, or not reached yet by
+    /// `settlementd migrate`. Batches until `until`.
+    async fn upkeep(&self, pool: &PgPool, until: std::time::Instant) -> sqlx::Result<u64> {
+        let mut conn = pool.acquire().await?;
+        if !journal::any_unjournaled(&mut conn).await? {
+            return Ok(0);
+        }
+        let batch = i64::from(self.batch_size.max(1));
+        let mut opened = 0;
+        loop {
+            let n = journal::open_unjournaled(&mut conn, batch).await?;
+            opened += n;
+            if (n as i64) < batch || std::time::Instant::now() >= until {
+                return Ok(opened);
+            }
+        }
+    }
+
+    async fn remaining(
+        &self,
+        db: &mut PgConnection,
+        key: &JobKey,
+        cursor: Cursor,
+    ) -> sqlx::Result<Option<u64>> {
+        Ok(Some(unsettled_after(db, key, cursor).await?))
+    }
+
+    fn describe_metrics(&self) {
+        metrics::describe_counter!(
+            "settlementd_odd_rows_total",
+            "Loans settled whose dates contradict each other (returned or due before borrowed)"
+        );
+        metrics::counter!("settlementd_odd_rows_total", "job_name" => JOB_NAME).increment(0);
+    }
+
+    fn words(&self) -> Words {
+        Words {
+            waiting: "late returns or edits waiting",
+            held: "rows held (bad dates)",
+            done: "settled",
+            runs: "settles",
+        }
+    }
+
+    /// The month's settled rows, fine sum and digest, from its journal and the loans by primary
+    /// key ([`journal::totals`]).
+    async fn facts(
+        &self,
+        db: &mut PgConnection,
+        business_date: NaiveDate,
+    ) -> sqlx::Result<Vec<Fact>> {
+        let month =
+            BusinessDate::new(business_date).map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+        let totals = journal::totals(db, month).await?;
+        Ok(vec![
+            Fact {
+                name: "settled_rows",
+                label: "rows",
+                kind: FactKind::Count,
+                value: totals.settled_rows.into(),
+            },
+            Fact {
+                name: "fine_cents_sum",
+                label: "fines",
+                kind: FactKind::Cents,
+                value: serde_json::to_value(totals.fine_cents_sum).unwrap_or_default(),
+            },
+            Fact {
+                name: "digest",
+                label: "digest",
+                kind: FactKind::Digest,
+                value: totals.digest.into(),
+            },
+        ])
     }
 
     async fn plan(
@@ -653,16 +795,41 @@ impl FineSettlement {
         let next = if done { None } else { cursor.remaining() };
         let (settled, ()) = tokio::join!(settle, plan.ahead.read(bounds, next, limit));
         let (odd, rest, held, held_ids) = settled?;
+        metrics::counter!("settlementd_odd_rows_total", "job_name" => JOB_NAME).increment(odd);
         Ok(Batch {
             cursor,
             scanned: page.scanned as u64,
             updated: odd + rest,
-            odd,
-            held,
-            held_ids,
+            notes: notes(odd, held, held_ids),
             done,
         })
     }
+}
+
+/// What a run reports besides rows read and written: `odd_rows`, loans settled whose dates
+/// contradict each other ([`ODD_ROW`]); `held`, loans left unsettled because the rule cannot price
+/// them ([`HELD_ROW`]), named by id.
+pub const ODD_ROWS: &str = "odd_rows";
+pub const HELD: &str = "held";
+
+/// A batch's notes.
+pub fn notes(odd: u64, held: u64, held_ids: Vec<i64>) -> Notes {
+    Notes::from([
+        (
+            ODD_ROWS,
+            Noted {
+                count: odd,
+                ids: None,
+            },
+        ),
+        (
+            HELD,
+            Noted {
+                count: held,
+                ids: Some(held_ids),
+            },
+        ),
+    ])
 }
 
 /// Whether the month of `key` was closed before this run: its shard's key was SUCCESS before, or

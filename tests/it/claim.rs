@@ -230,7 +230,7 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
     assert_eq!(heir.attempt, 2);
 
     assert!(!record(&db, &zombie, (Some(7), Some(9)), 1).await);
-    assert!(!claim::heartbeat(&db.pool, &zombie).await.unwrap());
+    assert_eq!(claim::heartbeat(&db.pool, &zombie).await.unwrap(), None);
     assert!(!claim::mark_success(&db.pool, &zombie, &[]).await.unwrap());
     assert!(!claim::mark_failed(&db.pool, &zombie, "zombie says hi")
         .await

@@ -50,6 +50,7 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
             "elapsed_ms",
             "held",
             "held_ids",
+            "job",
             "late_returns",
             "odd_rows",
             "rule",

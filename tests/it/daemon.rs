@@ -394,7 +394,7 @@ async fn serve_catches_up_at_start_up_answers_probes_and_exits_cleanly_on_shutdo
     let s = settings(&[("SHUTDOWN__GRACE_SECS", "5")]);
     // What is due right now on the real clock: serve must settle it without any cron fire.
     let due = Slot::new(
-        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
+        latest_slot_at_or_before(&settlement_cron(&s), s.schedule.timezone, Utc::now()).unwrap(),
     );
     seed_month_alone(&db.pool, due.business_date, 200, 1).await;
 
@@ -423,13 +423,13 @@ async fn serve_catches_up_at_start_up_answers_probes_and_exits_cleanly_on_shutdo
     let (code, body) = get(addr, "/metrics").await.unwrap();
     assert_eq!(code, 200);
     for needle in [
-        "settlementd_runs_total{outcome=\"settled\"}",
-        "settlementd_runs_total{outcome=\"lease_lost\"}",
+        "settlementd_runs_total{job_name=\"fine-settlement\",outcome=\"settled\"}",
+        "settlementd_runs_total{job_name=\"fine-settlement\",outcome=\"lease_lost\"}",
         "settlementd_run_duration_seconds_bucket",
         "settlementd_last_success_timestamp_seconds",
         "settlementd_next_fire_timestamp_seconds",
         "settlementd_last_run_lateness_seconds",
-        "settlementd_claims_total{result=\"won\"}",
+        "settlementd_claims_total{job_name=\"fine-settlement\",result=\"won\"}",
         "settlementd_takeovers_total",
         "settlementd_fencing_rejections_total",
         "settlementd_rows_scanned_total",
@@ -439,7 +439,11 @@ async fn serve_catches_up_at_start_up_answers_probes_and_exits_cleanly_on_shutdo
     }
     let settled_count: f64 = body
         .lines()
-        .find(|l| l.starts_with("settlementd_runs_total{outcome=\"settled\"}"))
+        .find(|l| {
+            l.starts_with(
+                "settlementd_runs_total{job_name=\"fine-settlement\",outcome=\"settled\"}",
+            )
+        })
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap();
@@ -639,7 +643,7 @@ async fn the_binary_settles_the_due_month_logs_json_with_run_fields_and_exits_0_
     let db = test_db().await;
     let s = settings(&[]);
     let due = Slot::new(
-        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
+        latest_slot_at_or_before(&settlement_cron(&s), s.schedule.timezone, Utc::now()).unwrap(),
     );
     seed_month_alone(&db.pool, due.business_date, 100, 1).await;
     let child = settlementd(Some(&db.url))
@@ -683,7 +687,7 @@ async fn serve_exits_within_the_grace_period_even_when_a_batch_does_not_stop() {
     let db = test_db().await;
     let s = settings(&[("SHUTDOWN__GRACE_SECS", "1")]);
     let due = Slot::new(
-        latest_slot_at_or_before(&s.schedule.cron, s.schedule.timezone, Utc::now()).unwrap(),
+        latest_slot_at_or_before(&settlement_cron(&s), s.schedule.timezone, Utc::now()).unwrap(),
     );
     seed_month_alone(&db.pool, due.business_date, 50, 1).await;
     // A batch that would take a minute: shutdown cannot wait for it.
@@ -703,15 +707,22 @@ async fn serve_exits_within_the_grace_period_even_when_a_batch_does_not_stop() {
         Arc::new(SystemClock),
         stop.clone(),
     ));
-    let mut claimed = false;
+    // Wait until the run's first batch is inside the stuck trigger.
+    let mut stuck = false;
     for _ in 0..400 {
-        claimed = !runs(&db.pool).await.is_empty();
-        if claimed {
+        stuck = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                             WHERE query LIKE '%UPDATE loans%' AND wait_event = 'PgSleep')",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if stuck {
             break;
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    assert!(claimed, "the run never claimed");
+    assert!(stuck, "the run's batch never started");
     let started = std::time::Instant::now();
     stop.cancel();
     tokio::time::timeout(Duration::from_secs(4), server)

@@ -586,7 +586,7 @@ fn the_shard_wiring_is_present_in_both_kubernetes_forms_compose_and_systemd() {
     );
     assert_eq!(
         format!("0 {}", str_of(&cron["spec"]["schedule"], "schedule")),
-        p.settings.schedule.cron.pattern.to_string(),
+        settlement_cron(&p.settings).pattern.to_string(),
         "the CronJob fires at the instant of schedule.cron"
     );
     let args = &container(pod_spec(cron), "settlementd")["args"];

@@ -246,6 +246,7 @@ pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions
         request: None,
         reopen: None,
         correction: None,
+        guards: settlementd::app::guards(&settings(&[])),
     }
 }
 
@@ -379,10 +380,11 @@ pub fn http_state(
     settlementd::daemon::http::HttpState {
         pool: pool.clone(),
         metrics: settlementd::daemon::metrics::handle(),
-        settings: std::sync::Arc::new(settings),
+        settings: std::sync::Arc::new(settings.clone()),
         clock: std::sync::Arc::new(settlementd::clock::SystemClock),
         owner: "test-replica".into(),
         overview: std::sync::Arc::new(settlementd::overview::Reader::new(pool)),
+        registry: settlementd::registry::build(&settings),
     }
 }
 
@@ -471,14 +473,30 @@ impl ServeProcess {
         Self { child, addr }
     }
 
-    /// The value of an unlabelled counter or gauge on `/metrics` (0 when absent).
+    /// The value of a counter or gauge on `/metrics` for the fine settlement: its series without
+    /// labels or labelled `job_name="fine-settlement"`, summed over their other labels (0 when
+    /// absent).
     pub async fn metric(&self, name: &str) -> f64 {
+        self.metric_of(name, settlementd::settlement::JOB_NAME)
+            .await
+    }
+
+    /// [`ServeProcess::metric`] of the job `job`.
+    pub async fn metric_of(&self, name: &str, job: &str) -> f64 {
         let (_, body) = get(self.addr, "/metrics").await.unwrap_or_default();
+        let this_job = format!("job_name=\"{job}\"");
         body.lines()
-            .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0.0)
+            .filter(|l| l.starts_with(name))
+            .filter(|l| match &l[name.len()..] {
+                rest if rest.starts_with(' ') => true,
+                rest if rest.starts_with('{') => {
+                    let labels = &rest[..rest.find('}').unwrap_or(rest.len())];
+                    !labels.contains("job_name=") || labels.contains(&this_job)
+                }
+                _ => false,
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
     }
 
     /// Sends `signal` to the process.
@@ -656,7 +674,21 @@ pub fn settings(overrides: &[(&str, &str)]) -> settlementd::config::Settings {
     let env = overrides
         .iter()
         .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
-    settlementd::config::Settings::load_from(None, env).expect("valid test settings")
+    let settings =
+        settlementd::config::Settings::load_from(None, env).expect("valid test settings");
+    settlementd::registry::check(&settings).expect("valid test job sections");
+    settings
+}
+
+/// The cron of the fine settlement as `s` configure it (its section, `schedule.cron`, or its
+/// default).
+pub fn settlement_cron(s: &settlementd::config::Settings) -> croner::Cron {
+    settlementd::registry::build(s)
+        .get(settlementd::settlement::JOB_NAME)
+        .expect("the registry has the fine settlement")
+        .schedule()
+        .cron
+        .clone()
 }
 
 /// Instant of a wall-clock time in Shanghai (the default zone).
@@ -673,7 +705,7 @@ pub fn due_month() -> BusinessDate {
     let s = settings(&[]);
     settlementd::schedule::Slot::new(
         settlementd::schedule::latest_slot_at_or_before(
-            &s.schedule.cron,
+            &settlement_cron(&s),
             s.schedule.timezone,
             chrono::Utc::now(),
         )

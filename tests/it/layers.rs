@@ -9,6 +9,7 @@ const LAYERS: &[&[&str]] = &[
     &["cli"],
     &["commands", "daemon", "demo"],
     &["app", "overview"],
+    &["registry"],
     &["settlement", "seed", "db", "embedded_pg"],
     &["jobs", "config"],
     &["calendar", "fine", "clock", "schedule"],

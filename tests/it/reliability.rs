@@ -354,7 +354,10 @@ async fn odd_rows_are_settled_by_the_rule_counted_and_reported_never_skipped() {
     )
     .await
     .unwrap();
-    assert_eq!((report.updated, report.odd), (1, 0));
+    assert_eq!(
+        (report.updated, report.notes[settlement::ODD_ROWS].count),
+        (1, 0)
+    );
 }
 
 #[tokio::test]
@@ -841,6 +844,9 @@ struct StopBeforeFirstBatch {
 
 impl Job for StopBeforeFirstBatch {
     type Plan = MonthPlan;
+    fn name(&self) -> &'static str {
+        settlement::JOB_NAME
+    }
     fn params(&self, key: &JobKey) -> Result<settlementd::jobs::Params, String> {
         self.inner.params(key)
     }

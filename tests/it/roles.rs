@@ -125,11 +125,19 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         None,
         "the three settlement columns are writable"
     );
-    // The edit queue: read and emptied by the runtime role, filled only by the triggers.
-    assert_eq!(
-        sqlstate(&mut app, "DELETE FROM loan_changes WHERE false").await,
-        None
-    );
+    // The edit queue: read and emptied by the runtime role, filled only by the triggers. The
+    // audit trail, requests and claims: deleted by retention; pauses: set and lifted.
+    for table in [
+        "loan_changes",
+        "job_runs",
+        "job_events",
+        "run_requests",
+        "run_request_shards",
+        "job_pauses",
+    ] {
+        let delete = format!("DELETE FROM {table} WHERE false");
+        assert_eq!(sqlstate(&mut app, &delete).await, None, "{delete}");
+    }
     let denied = [
         "UPDATE loans SET returned_on = returned_on WHERE id = 1",
         "UPDATE loans SET due_on = due_on WHERE id = 1",
@@ -139,7 +147,6 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "TRUNCATE loans",
         "ALTER TABLE loans ADD COLUMN note text",
         "CREATE INDEX ON loans (member_id)",
-        "DELETE FROM job_runs",
         "TRUNCATE job_runs",
         "DROP TABLE job_runs",
         "ALTER TABLE job_runs ADD COLUMN note text",
@@ -147,9 +154,6 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "UPDATE _sqlx_migrations SET success = success",
         "DELETE FROM _sqlx_migrations",
         "CREATE TABLE mine (id int)",
-        "DELETE FROM job_events",
-        "DELETE FROM run_requests",
-        "DELETE FROM run_request_shards",
         "DELETE FROM job_params",
         "DELETE FROM fine_corrections",
         "DELETE FROM fine_adjustments",
@@ -159,6 +163,7 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "TRUNCATE fine_journal",
         "INSERT INTO loan_changes (loan_id, month, deleted) VALUES (1, '2026-10-01', false)",
         "UPDATE loan_changes SET deleted = deleted",
+        "UPDATE job_pauses SET reason = reason",
     ];
     for sql in denied {
         assert_eq!(

@@ -240,7 +240,7 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
     assert_eq!(settled_rows(&db.pool).await, before);
     let page = stale.wait_for("/status", 200).await;
     let cell_start = page
-        .find(&format!("id=\"cell-{month}-1\""))
+        .find(&format!("id=\"fine-settlement-cell-{month}-1\""))
         .expect("shard 1's cell");
     let cell = &page[cell_start..cell_start + page[cell_start..].find("</td>").unwrap()];
     assert!(
@@ -324,7 +324,7 @@ async fn a_run_of_a_closed_month_settles_its_late_returns_under_the_pinned_rule(
         ],
     ));
     assert_eq!(status["closed"], false, "{status}");
-    assert_eq!(status["verdict"], "closed, 1 late returns waiting");
+    assert_eq!(status["verdict"], "closed, 1 late returns or edits waiting");
     assert_eq!(status["late_returns"], 1);
     let out = cli(
         &db.url,

@@ -200,6 +200,7 @@ async fn an_accepted_request_answers_with_its_contract_keys_and_replays_byte_for
             "created_at",
             "force",
             "idempotency_key",
+            "job",
             "request_id",
             "shard",
             "shards",
@@ -620,6 +621,7 @@ fn ticking_replica(pool: &sqlx::PgPool) -> settlementd::daemon::replica::Replica
 
 async fn store(pool: &sqlx::PgPool, key: &str, force: bool) -> String {
     let request = requests::NewRequest {
+        to: None,
         idempotency_key: key.into(),
         job_name: settlement::JOB_NAME.into(),
         business_date: bd(OCT).date(),

@@ -272,6 +272,9 @@ struct PausedFirstBatch {
 
 impl Job for PausedFirstBatch {
     type Plan = MonthPlan;
+    fn name(&self) -> &'static str {
+        settlement::JOB_NAME
+    }
     fn params(&self, key: &JobKey) -> Result<settlementd::jobs::Params, String> {
         self.inner.params(key)
     }

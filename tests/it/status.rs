@@ -32,9 +32,11 @@ struct Replica {
 
 impl Replica {
     async fn start(pool: &PgPool, overrides: &[(&str, &str)], now: DateTime<Utc>) -> Self {
+        // The page of a replica that schedules nothing: the months stay as each test leaves them.
         let mut env = vec![
             ("SETTLEMENTD__SCHEDULE__CATCH_UP", "false"),
             ("SETTLEMENTD__DATABASE__MIGRATE_ON_START", "false"),
+            ("SETTLEMENTD__JOBS__FINE_SETTLEMENT__ENABLED", "false"),
         ];
         env.extend_from_slice(overrides);
         let env: Vec<(String, String)> = env
@@ -151,7 +153,7 @@ const INLINE: &[&str] = &["a", "span", "code", "strong", "b", "em", "small"];
 /// entities decoded, white space folded.
 fn text_of(html: &str, id: &str) -> String {
     let at = html
-        .find(&format!("id=\"{id}\""))
+        .find(&format!("id=\"fine-settlement-{id}\""))
         .unwrap_or_else(|| panic!("no element #{id} in the page:\n{html}"));
     let open = html[..at].rfind('<').unwrap();
     let tag: String = html[open + 1..]
@@ -319,7 +321,8 @@ impl FourMonths {
         // The month the latest fire settles and the three before it, whenever the test runs.
         let now = Utc::now();
         let settings = Settings::load_from(None, []).unwrap();
-        let (cron, tz) = (&settings.schedule.cron, settings.schedule.timezone);
+        let cron = &settlement_cron(&settings);
+        let tz = settings.schedule.timezone;
         let latest = Slot::new(schedule::latest_slot_at_or_before(cron, tz, now).unwrap());
         let next = Slot::new(schedule::next_slot_after(cron, tz, now).unwrap());
         let running = latest.business_date;
@@ -343,6 +346,7 @@ impl FourMonths {
         assert!(claim::mark_failed(pool, &claim, FAILURE).await.unwrap());
         let rerun_key = format!("rerun-{failed}-shard-1");
         let request = NewRequest {
+            to: None,
             idempotency_key: rerun_key.clone(),
             job_name: settlement::JOB_NAME.into(),
             business_date: failed.date(),
@@ -405,7 +409,7 @@ impl FourMonths {
         let rows: Vec<usize> = [running, failed, missing, closed]
             .iter()
             .map(|m| {
-                dom.find(&format!("id=\"month-{m}\""))
+                dom.find(&format!("id=\"fine-settlement-month-{m}\""))
                     .unwrap_or_else(|| panic!("no row for {m} in the page:\n{dom}"))
             })
             .collect();
@@ -548,7 +552,7 @@ impl FourMonths {
         let closed_totals = totals_of(pool, closed).await;
         assert!(!closed_page.contains("http-equiv=\"refresh\""));
         assert!(text_of(closed_page, &format!("totals-{closed}")).contains(&closed_totals.digest));
-        assert!(!closed_page.contains(&format!("id=\"month-{}\"", self.missing)));
+        assert!(!closed_page.contains(&format!("id=\"fine-settlement-month-{}\"", self.missing)));
         assert!(running_page.contains(r#"<meta http-equiv="refresh" content="10">"#));
         assert!(text_of(running_page, &format!("cell-{running}-1"))
             .contains("read 150 · resumes before id"));

@@ -3,6 +3,8 @@
 //! - [`probes`]: `GET /healthz`, `GET /readyz`, `GET /metrics` (no token);
 //! - [`runs`]: `POST /v1/runs`, `GET /v1/runs/{id}` — manual runs, applied once however often a
 //!   request is retried (bearer token, idempotency key);
+//! - [`pause`]: `POST /v1/pause`, `POST /v1/resume` — a job, or every job, paused everywhere
+//!   (bearer token);
 //! - [`status`]: `GET /status` — the months and shards at a glance, an HTML page (no token;
 //!   `http.status_page = false` turns it off).
 //!
@@ -10,6 +12,7 @@
 //! [`HttpState`]. What bounds a client's hold on the port (timeouts, the connection cap) is
 //! [`server`].
 
+pub mod pause;
 pub mod probes;
 pub mod runs;
 pub mod server;
@@ -37,6 +40,8 @@ pub struct HttpState {
     pub owner: String,
     /// Reads the status page's data, on its own small pool, and keeps closed months' totals.
     pub overview: Arc<crate::overview::Reader>,
+    /// The jobs of the binary: the runs API and the page serve each.
+    pub registry: crate::jobs::registry::Registry,
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -46,6 +51,8 @@ pub fn router(state: HttpState) -> Router {
         .route("/metrics", get(probes::render_metrics))
         .route("/v1/runs", post(runs::create))
         .route("/v1/runs/{id}", get(runs::show))
+        .route("/v1/pause", post(pause::pause))
+        .route("/v1/resume", post(pause::resume))
         .route("/status", get(status::page))
         .with_state(state)
 }

@@ -1,9 +1,11 @@
 //! The runs API: manual runs over HTTP, applied once however often the request is retried.
 //!
 //! `POST /v1/runs` with `Authorization: Bearer <http.admin_token>`, `Idempotency-Key: <key>` and
-//! `{"business_date": "YYYY-MM-DD", "shards": M, "shard": N, "force": true}` stores the request
-//! under the key ([`jobs::requests::store`]) before answering `202`; replicas serving the targeted
-//! shards run it ([`crate::daemon::replica`]). The key comes from the client's business request
+//! `{"job": "fine-settlement", "business_date": "YYYY-MM-DD", "shards": M, "shard": N, "force":
+//! true}` — or `"from": "YYYY-MM", "to": "YYYY-MM"` instead of `business_date`, a range run month
+//! by month — stores the request under the key ([`jobs::requests::store`]) before answering
+//! `202`; replicas serving the targeted shards run it ([`crate::daemon::replica`]). `job` defaults
+//! to the registry's first job. The key comes from the client's business request
 //! (a retry sends the same key): the same key with the same body, at once or days later, to any
 //! replica, gets the first answer byte for byte with `Idempotent-Replayed: true`; with another
 //! body, `422`. `GET /v1/runs/{id}` shows the request and each targeted shard's state.
@@ -17,7 +19,7 @@ use crate::app::ensure_month_is_over;
 use crate::calendar::BusinessDate;
 use crate::daemon::metrics as m;
 use crate::jobs::requests::{self, NewRequest, Stored, StoredRequest};
-use crate::settlement;
+use crate::jobs::JobKey;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -35,7 +37,10 @@ pub const MAX_KEY_LEN: usize = 200;
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Body {
-    business_date: String,
+    job: Option<String>,
+    business_date: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
     shards: Option<u32>,
     shard: Option<u32>,
     force: Option<bool>,
@@ -63,7 +68,9 @@ pub async fn create(State(state): State<HttpState>, headers: HeaderMap, body: By
             metrics::counter!(m::REQUESTS_ACCEPTED_TOTAL).increment(1);
             tracing::info!(
                 request_id = %stored.request_id,
+                job = %stored.job_name,
                 business_date = %stored.business_date,
+                range_to = ?stored.range_to,
                 shards = stored.shards,
                 shard = ?stored.shard,
                 force = stored.force,
@@ -97,14 +104,25 @@ pub async fn show(
             return Ok(None);
         };
         let targets = requests::targets(&state.pool, &stored.request_id).await?;
-        Ok(Some((stored, targets)))
+        let mut months = Vec::new();
+        for (month, child) in requests::months_of(&state.pool, &stored.request_id).await? {
+            months.push(serde_json::json!({
+                "business_date": month.to_string(),
+                "request_id": child,
+                "shards": requests::targets(&state.pool, &child).await?,
+            }));
+        }
+        Ok(Some((stored, targets, months)))
     }
     .await;
     match found {
-        Ok(Some((stored, targets))) => {
+        Ok(Some((stored, targets, months))) => {
             let request: serde_json::Value =
                 serde_json::from_str(&stored.response).unwrap_or(serde_json::Value::Null);
-            let body = serde_json::json!({ "request": request, "shards": targets });
+            let body = match stored.range_to {
+                None => serde_json::json!({ "request": request, "shards": targets }),
+                Some(_) => serde_json::json!({ "request": request, "months": months }),
+            };
             json(StatusCode::OK, body.to_string())
         }
         Ok(None) => error(StatusCode::NOT_FOUND, format!("no run request {id:?}")),
@@ -115,7 +133,7 @@ pub async fn show(
 /// `Ok` when a token is configured and the request carries it. The comparison takes the same time
 /// whatever the bytes (`subtle`), so the token cannot be guessed byte by byte; it is never logged.
 #[allow(clippy::result_large_err)]
-fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
+pub(super) fn authorize(state: &HttpState, headers: &HeaderMap) -> Result<(), Response> {
     let Some(token) = &state.settings.http.admin_token else {
         return Err(error(
             StatusCode::FORBIDDEN,
@@ -161,16 +179,39 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, String> {
     Ok(String::from_utf8_lossy(bytes).into_owned())
 }
 
-/// Checks the body as the command line checks `run`: a month end whose month is over, a shard
-/// count and shard in range. Nothing is stored when this fails.
+/// Checks the body as the command line checks `run`: a job of the registry, a month end (or a
+/// range of months) whose months are over and covered by the job's configuration, a shard count
+/// and shard in range. Nothing is stored when this fails.
 fn parse(state: &HttpState, idempotency_key: String, body: &[u8]) -> Result<NewRequest, String> {
     let body: Body =
         serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
-    let business_date = BusinessDate::parse(&body.business_date).map_err(|e| e.to_string())?;
-    ensure_month_is_over(business_date, &state.settings, state.clock.as_ref())
-        .map_err(|e| e.to_string())?;
-    settlement::rule_of(&state.settings.fine, business_date.date())
-        .map_err(|why| format!("{business_date}: {why}"))?;
+    let job_name = body
+        .job
+        .as_deref()
+        .unwrap_or(crate::registry::default_job());
+    let job = state
+        .registry
+        .get(job_name)
+        .map_err(|why| format!("job: {why}"))?;
+    let (first, last) = match (&body.business_date, &body.from, &body.to) {
+        (Some(date), None, None) => {
+            let date = BusinessDate::parse(date).map_err(|e| e.to_string())?;
+            (date, None)
+        }
+        (None, Some(from), Some(to)) => {
+            let from = BusinessDate::from_month(from).map_err(|e| format!("from: {e}"))?;
+            let to = BusinessDate::from_month(to).map_err(|e| format!("to: {e}"))?;
+            if to < from {
+                return Err(format!("to {to} is before from {from}"));
+            }
+            (from, Some(to))
+        }
+        _ => {
+            return Err(
+                "give either business_date (YYYY-MM-DD) or from and to (YYYY-MM), not both".into(),
+            )
+        }
+    };
     let shards = body.shards.unwrap_or(state.settings.shard.count);
     if !(1..=MAX_SHARDS).contains(&shards) {
         return Err(format!(
@@ -184,10 +225,27 @@ fn parse(state: &HttpState, idempotency_key: String, body: &[u8]) -> Result<NewR
             ));
         }
     }
+    let months = match last {
+        None => vec![first.date()],
+        Some(last) => crate::calendar::months_between(first, last),
+    };
+    for month in &months {
+        let month = BusinessDate::new(*month).map_err(|e| e.to_string())?;
+        ensure_month_is_over(month, &state.settings, state.clock.as_ref())
+            .map_err(|e| e.to_string())?;
+        let key = JobKey {
+            job_name: job.name().to_string(),
+            business_date: month.date(),
+            shards,
+            shard: body.shard.unwrap_or(0),
+        };
+        job.params(&key).map_err(|why| format!("{month}: {why}"))?;
+    }
     Ok(NewRequest {
         idempotency_key,
-        job_name: settlement::JOB_NAME.to_string(),
-        business_date: business_date.date(),
+        job_name: job.name().to_string(),
+        business_date: first.date(),
+        to: last.map(|l| l.date()),
         shards,
         shard: body.shard,
         force: body.force.unwrap_or(false),
@@ -196,17 +254,23 @@ fn parse(state: &HttpState, idempotency_key: String, body: &[u8]) -> Result<NewR
 
 /// The `202` body, built once and stored with the request.
 fn response_body(stored: &StoredRequest) -> String {
-    serde_json::json!({
+    let mut body = serde_json::json!({
         "request_id": stored.request_id,
         "idempotency_key": stored.idempotency_key,
+        "job": stored.job_name,
         "business_date": stored.business_date.to_string(),
         "shards": stored.shards,
         "shard": stored.shard,
         "force": stored.force,
         "created_at": stored.created_at.to_rfc3339_opts(SecondsFormat::Micros, true),
         "status_url": status_url(&stored.request_id),
-    })
-    .to_string()
+    });
+    if let Some(to) = stored.range_to {
+        // A range: the first and last months, instead of one business date.
+        body["from"] = stored.business_date.format("%Y-%m").to_string().into();
+        body["to"] = to.format("%Y-%m").to_string().into();
+    }
+    body.to_string()
 }
 
 fn status_url(request_id: &str) -> String {
@@ -225,7 +289,7 @@ fn accepted(stored: &StoredRequest, replayed: bool) -> Response {
     response
 }
 
-fn unavailable(e: crate::jobs::JobError) -> Response {
+pub(super) fn unavailable(e: crate::jobs::JobError) -> Response {
     tracing::warn!(error = %e, "runs API: database error");
     error(
         StatusCode::SERVICE_UNAVAILABLE,
@@ -233,11 +297,11 @@ fn unavailable(e: crate::jobs::JobError) -> Response {
     )
 }
 
-fn error(status: StatusCode, message: String) -> Response {
+pub(super) fn error(status: StatusCode, message: String) -> Response {
     json(status, serde_json::json!({ "error": message }).to_string())
 }
 
-fn json(status: StatusCode, body: String) -> Response {
+pub(super) fn json(status: StatusCode, body: String) -> Response {
     (
         status,
         [(

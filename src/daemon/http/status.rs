@@ -1,8 +1,11 @@
-//! `GET /status`: the months and shards at a glance, as an HTML page a person opens in a browser.
+//! `GET /status`: the jobs' months and shards at a glance, as an HTML page a person opens in a
+//! browser, one section per job of the registry.
 //!
-//! `GET /status` shows the latest business dates with any claim under the replica's shard count
-//! (`?shards=M` for another count); `GET /status?business_date=YYYY-MM-DD&shards=M` shows one
-//! month in detail. The page is read-only and needs no token; `http.status_page = false` answers
+//! `GET /status` shows, for each job, the latest business dates with any claim under the replica's
+//! shard count (`?shards=M` for another count; `?job=NAME` for one job), what its replicas watch
+//! (a pause, months of the lookback not closed, items waiting before it); `GET
+//! /status?business_date=YYYY-MM-DD&shards=M` shows one month in detail. Element ids are prefixed
+//! with the job's name (`fine-settlement-verdict-2026-10-31`). The page is read-only and needs no token; `http.status_page = false` answers
 //! 404. It has no external assets and no JavaScript (clusters are often offline): the CSS is
 //! inline, links are relative to the page (so a path prefix added by a proxy keeps working), and a
 //! page showing a RUNNING shard refreshes itself with `<meta http-equiv="refresh">`.
@@ -35,7 +38,9 @@ const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none
 /// A query string the page cannot show.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum QueryError {
-    #[error("unknown parameter {0:?}: /status takes business_date=YYYY-MM-DD and shards=M")]
+    #[error(
+        "unknown parameter {0:?}: /status takes business_date=YYYY-MM-DD, shards=M and job=NAME"
+    )]
     Unknown(String),
     #[error("the parameter {0} is given more than once")]
     Repeated(&'static str),
@@ -46,21 +51,24 @@ pub enum QueryError {
 }
 
 /// What the query string asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageQuery {
     pub scope: Scope,
     pub shards: u32,
+    /// One job only (`job=NAME`; checked against the registry by the handler).
+    pub job: Option<String>,
 }
 
 impl PageQuery {
     /// Parses `business_date` and `shards` (default `default_shards`); an empty value counts as
     /// absent, anything else unknown or malformed is refused.
     pub fn parse(query: &str, default_shards: u32) -> Result<Self, QueryError> {
-        let (mut business_date, mut shards) = (None, None);
+        let (mut business_date, mut shards, mut job) = (None, None, None);
         for (name, value) in url::form_urlencoded::parse(query.as_bytes()) {
             let (slot, name) = match name.as_ref() {
                 "business_date" => (&mut business_date, "business_date"),
                 "shards" => (&mut shards, "shards"),
+                "job" => (&mut job, "job"),
                 other => return Err(QueryError::Unknown(other.to_string())),
             };
             if slot.replace(value.into_owned()).is_some() {
@@ -79,7 +87,11 @@ impl PageQuery {
                 .filter(|n| (1..=MAX_SHARDS).contains(n))
                 .ok_or(QueryError::Shards(text))?,
         };
-        Ok(Self { scope, shards })
+        Ok(Self {
+            scope,
+            shards,
+            job: job.filter(|j| !j.is_empty()),
+        })
     }
 }
 
@@ -102,19 +114,40 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
             )
         }
     };
+    let jobs: Vec<_> = match &query.job {
+        None => state.registry.iter().cloned().collect(),
+        Some(name) => match state.registry.get(name) {
+            Ok(job) => vec![job.clone()],
+            Err(why) => {
+                return respond(
+                    StatusCode::BAD_REQUEST,
+                    notice("Bad request", &format!("job: {why}")),
+                )
+            }
+        },
+    };
     let now = state.clock.now();
-    let read = state
-        .overview
-        .read(&state.settings, now, query.scope, query.shards)
-        .await;
+    let read = async {
+        let mut views = Vec::new();
+        for job in &jobs {
+            views.push(
+                state
+                    .overview
+                    .read(&state.settings, job, now, query.scope, query.shards)
+                    .await?,
+            );
+        }
+        Ok::<_, crate::overview::OverviewError>(views)
+    }
+    .await;
     match read {
-        Ok(view) => {
+        Ok(views) => {
             let replica = Replica {
                 owner: &state.owner,
                 shard: state.settings.shard.index,
                 shards: state.settings.shard.count,
             };
-            respond(StatusCode::OK, render(&view, &replica, now))
+            respond(StatusCode::OK, render(&views, &query, &replica, now))
         }
         Err(e) => {
             tracing::warn!(error = %e, "status page: cannot read the database");
@@ -167,12 +200,15 @@ progress{width:100%;height:.8em}code{font-family:ui-monospace,monospace}dt{font-
 th a,code,.nowrap{white-space:nowrap}
 ";
 
-/// The whole page.
-fn render(view: &Overview, replica: &Replica, now: DateTime<Utc>) -> Markup {
-    let tz = view.schedule.timezone;
-    let title = match view.scope {
-        Scope::Latest => format!("settlementd status: {} shards", view.shards),
-        Scope::Month(month) => format!("settlementd status: {month}, {} shards", view.shards),
+/// The whole page: a section per job.
+fn render(views: &[Overview], query: &PageQuery, replica: &Replica, now: DateTime<Utc>) -> Markup {
+    let tz = views
+        .first()
+        .map_or(chrono_tz::UTC, |v| v.schedule.timezone);
+    let running = views.iter().any(Overview::is_running);
+    let title = match query.scope {
+        Scope::Latest => format!("settlementd status: {} shards", query.shards),
+        Scope::Month(month) => format!("settlementd status: {month}, {} shards", query.shards),
     };
     html! {
         (DOCTYPE)
@@ -180,7 +216,7 @@ fn render(view: &Overview, replica: &Replica, now: DateTime<Utc>) -> Markup {
             head {
                 meta charset="utf-8";
                 meta name="viewport" content="width=device-width, initial-scale=1";
-                @if view.is_running() {
+                @if running {
                     meta http-equiv="refresh" content=(REFRESH_SECS);
                 }
                 title { (title) }
@@ -190,24 +226,27 @@ fn render(view: &Overview, replica: &Replica, now: DateTime<Utc>) -> Markup {
                 header {
                     h1 { (title) }
                     p.note {
-                        (crate::settlement::JOB_NAME) " · served by replica " code { (replica.owner) }
+                        "jobs: "
+                        @for (i, view) in views.iter().enumerate() {
+                            @if i > 0 { ", " }
+                            a href=(format!("#{}", view.job)) { (view.job) }
+                        }
+                        " · served by replica " code { (replica.owner) }
                         " (shard " (replica.shard) " of " (replica.shards) ") · as of " (local(now, tz))
-                        @if view.is_running() {
+                        @if running {
                             " · reloads every " (REFRESH_SECS) " s while a shard is RUNNING"
                         }
                     }
-                    @if let Scope::Month(_) = view.scope {
-                        p { a href=(format!("?shards={}", view.shards)) { "← every month" } }
+                    @if let Scope::Month(_) = query.scope {
+                        p { a href=(format!("?shards={}", query.shards)) { "← every month" } }
                     }
                 }
-                (schedule(view))
-                (months(view))
-                (history(view))
+                @for view in views { (job_section(view)) }
                 footer.note {
                     p {
-                        "Read-only. A month is closed when every shard of the count is SUCCESS and none of its returns waits to be settled; "
-                        "rows held for bad dates stay unsettled, named, until their dates are fixed. "
-                        "Totals are the month's settled loans, whatever the shard count that settled them: "
+                        "Read-only. A month is closed when every shard of the count is SUCCESS, nothing waits to be run in it and no correction holds it; "
+                        "rows held (for the settlement: bad dates) stay as they are, named, until they are fixed. "
+                        "Totals are the month's, whatever the shard count that ran it: "
                         "computed once for a closed month, at each view for an open one, "
                         "within " (VIEW_BUDGET.as_secs()) " s of database time per view. "
                         "Heartbeat ages are on the database clock; times are in " (tz.name()) "."
@@ -218,17 +257,68 @@ fn render(view: &Overview, replica: &Replica, now: DateTime<Utc>) -> Markup {
     }
 }
 
+/// One job: what its replicas watch, its schedule, its months, its history.
+fn job_section(view: &Overview) -> Markup {
+    html! {
+        section.job #(view.job) {
+            h2 { "Job " code { (view.job) } }
+            (watch(view))
+            (schedule(view))
+            (months(view))
+            (history(view))
+        }
+    }
+}
+
+/// The pause, the months of the lookback not closed, what waits before it.
+fn watch(view: &Overview) -> Markup {
+    let id = |what: &str| format!("{}-{what}", view.job);
+    html! {
+        div.watch #(id("watch")) {
+            @match &view.watch {
+                None => p.note { "What the replicas watch could not be read within this view's database time." }
+                Some(w) => {
+                    @if let Some(p) = &w.paused {
+                        p.open #(id("paused")) {
+                            "PAUSED since " (p.paused_at.format("%Y-%m-%d %H:%M:%S UTC")) " by " code { (p.paused_by) } ": " (p.reason)
+                            br; span.small { "nothing new is claimed; `settlementd resume` (or POST /v1/resume) lets it go on" }
+                        }
+                    }
+                    p #(id("not-closed")) {
+                        @if w.not_closed.is_empty() {
+                            span.closed { "every month of the lookback (" (w.lookback_months) " months) is closed" }
+                        } @else {
+                            span.open { (w.not_closed.len()) " months of the lookback not closed: " }
+                            @for (i, n) in w.not_closed.iter().enumerate() {
+                                @if i > 0 { "; " }
+                                a href=(month_link_date(n.business_date, view.shards)) { (n.business_date) }
+                                " (" (crate::overview::not_closed_words(n, view.words)) ")"
+                            }
+                        }
+                    }
+                    @if w.before_lookback > 0 {
+                        p.late #(id("before-lookback")) {
+                            (w.before_lookback) " " (view.words.waiting) " in months before the lookback: no replica runs them by itself"
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 fn schedule(view: &Overview) -> Markup {
     let tz = view.schedule.timezone;
+    let id = |what: &str| format!("{}-{what}", view.job);
     html! {
-        section #schedule {
-            h2 { "Schedule" }
+        div.schedule #(id("schedule")) {
+            h3 { "Schedule" }
             dl {
                 dt { "Next fire" }
-                dd #next-fire {
+                dd #(id("next-fire")) {
                     @match &view.schedule.next {
                         Some(slot) => {
-                            (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) " (" (tz.name()) "), settles "
+                            (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) " (" (tz.name()) "), " (view.words.runs) " "
                             a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) }
                         }
                         None => "none: the cron never fires again",
@@ -236,11 +326,11 @@ fn schedule(view: &Overview) -> Markup {
                 }
                 @if let (Scope::Latest, Some(slot)) = (view.scope, &view.schedule.latest) {
                     dt { "Latest fire" }
-                    dd #latest-fire {
-                        (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", settles "
+                    dd #(id("latest-fire")) {
+                        (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", " (view.words.runs) " "
                         a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) } ": "
                         @match view.month(slot.business_date.date()) {
-                            Some(month) if month.all_success() => (verdict(month)),
+                            Some(month) if month.all_success() => (verdict(month, view.words)),
                             Some(month) => { span.open { "not closed" } " (" (open_shards(month)) ")" }
                             None => { span.open { "not closed" } " (no shard of " (view.shards) " has claimed it)" }
                         }
@@ -254,8 +344,8 @@ fn schedule(view: &Overview) -> Markup {
 fn months(view: &Overview) -> Markup {
     let detail = matches!(view.scope, Scope::Month(_));
     html! {
-        section #months {
-            h2 {
+        div.months #{ (view.job) "-months" } {
+            h3 {
                 @match view.scope {
                     Scope::Latest => { "Months (the latest " (MONTHS) " with any claim under " (view.shards) " shards, newest first)" }
                     Scope::Month(month) => { "Month " (month) " under " (view.shards) " shards" }
@@ -273,7 +363,7 @@ fn months(view: &Overview) -> Markup {
                     table.grid {
                         thead {
                             tr {
-                                th { "Month" } th { "Closed" } th { "Settled totals" } th { "Fine rule (pinned)" }
+                                th { "Month" } th { "Closed" } th { "Totals" } th { "Parameters (pinned)" }
                                 @for shard in 0..view.shards { th { "shard " (shard) } }
                             }
                         }
@@ -289,60 +379,72 @@ fn months(view: &Overview) -> Markup {
 
 fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
     let date = month.business_date;
+    let job = view.job;
     html! {
-        tr #{ "month-" (date) } {
+        tr #{ (job) "-month-" (date) } {
             th { a href=(month_link_date(date, view.shards)) { (date) } }
-            td.verdict #{ "verdict-" (date) } { (verdict(month)) }
-            td.totals #{ "totals-" (date) } { (totals(&month.totals, detail)) }
-            td.rule.small #{ "rule-" (date) } {
-                @match &month.rule {
-                    Some(rule) => (crate::settlement::describe_params(rule)),
+            td.verdict #{ (job) "-verdict-" (date) } { (verdict(month, view.words)) }
+            td.totals #{ (job) "-totals-" (date) } { (totals(&month.totals, view.words, detail)) }
+            td.rule.small #{ (job) "-rule-" (date) } {
+                @match &month.rule_text {
+                    Some(rule) => (rule),
                     None => "none pinned yet",
                 }
             }
-            @for shard in &month.shards { (cell(date, shard, view.lease_ttl_secs, detail)) }
+            @for shard in &month.shards { (cell(job, date, shard, view.lease_ttl_secs, detail)) }
         }
     }
 }
 
-/// Closed; closed but for late returns waiting; or not closed and why. Held rows are named either
-/// way: they are what the month's own data keeps from being settled.
-fn verdict(month: &Month) -> Markup {
+/// Closed; being corrected; closed but for items waiting; or not closed and why. Held rows are
+/// named either way: they are what the month's own data keeps from being done.
+fn verdict(month: &Month, words: crate::jobs::Words) -> Markup {
     html! {
-        @if month.closed() {
+        @if let Some((key, since)) = &month.correction {
+            span.open { "being corrected under key " code { (key) } " since " (since.format("%Y-%m-%d %H:%M:%S UTC")) }
+            br; span.small { "never closed until that correction completes (`settlementd correct` with the same key finishes it)" }
+        } @else if month.closed() {
             span.closed { "closed" }
         } @else if month.all_success() && month.unsettled.is_none() {
-            span.late { "every shard SUCCESS; late returns not counted" }
+            span.late { "every shard SUCCESS; " (words.waiting) " not counted" }
             br; span.small { "(the count did not fit in this view's database time)" }
         } @else if month.all_success() {
-            span.late { "closed, " (month.late_returns()) " late returns waiting" }
-            br; span.small { "a replica of their shard settles them within a heartbeat" }
+            span.late { "closed, " (month.late_returns()) " " (words.waiting) }
+            br; span.small { "a replica of their shard runs them within a heartbeat" }
         } @else {
             span.open { "not closed" } br; span.small { (open_shards(month)) }
         }
         @if month.held() > 0 {
-            br; span.late.held { (month.held()) " rows held (bad dates)" }
+            br; span.late.held { (month.held()) " " (words.held) }
         }
     }
 }
 
-fn totals(totals: &Totals, detail: bool) -> Markup {
-    let settled = |t: &crate::settlement::MonthTotals, label: &str| {
-        let digest = if detail || t.digest.len() <= 12 {
-            t.digest.clone()
-        } else {
-            format!("{}…", &t.digest[..12])
-        };
+/// A month's facts: counts as numbers, sums of cents as money, a digest as code.
+fn totals(totals: &Totals, words: crate::jobs::Words, detail: bool) -> Markup {
+    use crate::jobs::FactKind;
+    let facts = |facts: &[crate::jobs::Fact], label: String| {
         html! {
             div.small { (label) }
-            div { (count(t.settled_rows)) " rows" }
-            div { "fines " (money(t.fine_cents_sum)) }
-            div.small { "digest " code title=(t.digest) { (digest) } }
+            @for fact in facts {
+                @let text = match &fact.value {
+                    serde_json::Value::String(s) => s.clone(),
+                    other => other.to_string(),
+                };
+                @match fact.kind {
+                    FactKind::Count => div { (text.parse::<i128>().map_or(text.clone(), count)) " " (fact.label) },
+                    FactKind::Cents => div { (fact.label) " " (text.parse::<i128>().map_or(text.clone(), money)) },
+                    FactKind::Digest => {
+                        @let short = if detail || text.len() <= 12 { text.clone() } else { format!("{}…", &text[..12]) };
+                        div.small { (fact.label) " " code title=(text) { (short) } }
+                    }
+                }
+            }
         }
     };
     match totals {
-        Totals::Closed(t) => settled(t, "settled"),
-        Totals::SoFar(t) => settled(t, "settled so far"),
+        Totals::Closed(t) => facts(t, words.done.to_string()),
+        Totals::SoFar(t) => facts(t, format!("{} so far", words.done)),
         Totals::Computing => html! {
             span.small { "totals being computed in the background (a closed month: once); reload in a moment" }
         },
@@ -350,11 +452,11 @@ fn totals(totals: &Totals, detail: bool) -> Markup {
     }
 }
 
-fn cell(date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail: bool) -> Markup {
+fn cell(job: &str, date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail: bool) -> Markup {
     let state = shard.state();
     let class = format!("cell s-{}", state.word().to_ascii_lowercase());
     html! {
-        td class=(class) #{ "cell-" (date) "-" (shard.index) } data-status=(state.word()) {
+        td class=(class) #{ (job) "-cell-" (date) "-" (shard.index) } data-status=(state.word()) {
             div.status { (state.word()) }
             @match &shard.run {
                 None => div.small { "no claim: no replica of this shard has started the month" },
@@ -400,15 +502,15 @@ fn bar(progress: Progress) -> Markup {
 fn history(view: &Overview) -> Markup {
     let tz = view.schedule.timezone;
     html! {
-        section #history {
-            h2 {
+        div.history #{ (view.job) "-history" } {
+            h3 {
                 @match view.scope {
                     Scope::Latest => { "Recent history (the audit trail: each shard's latest " (HISTORY_LATEST) " events, newest first)" }
                     Scope::Month(_) => { "History (each shard's latest " (HISTORY_MONTH) " events of the month, newest first)" }
                 }
             }
             @for shard in 0..view.shards as i32 {
-                div.shard-history #{ "history-" (shard) } {
+                div.shard-history #{ (view.job) "-history-" (shard) } {
                     h3 { "shard " (shard) }
                     @let events: Vec<_> = view.history.iter().filter(|e| e.event.shard == shard).collect();
                     @if events.is_empty() {
@@ -457,7 +559,7 @@ fn notice(title: &str, message: &str) -> Markup {
             body {
                 h1 { (title) }
                 p { (message) }
-                p.note { "GET /status shows the latest months; GET /status?business_date=YYYY-MM-DD&shards=M one month." }
+                p.note { "GET /status shows the latest months of every job; GET /status?business_date=YYYY-MM-DD&shards=M one month; job=NAME one job." }
             }
         }
     }
@@ -553,7 +655,8 @@ mod tests {
             PageQuery::parse("", 3),
             Ok(PageQuery {
                 scope: Scope::Latest,
-                shards: 3
+                shards: 3,
+                job: None,
             })
         );
         assert_eq!(

@@ -1,0 +1,101 @@
+//! `settlementd jobs`: the jobs this binary has, as configured, with their next fire and the last
+//! month each closed.
+
+use crate::app::{Database, Result};
+use crate::clock::Clock;
+use crate::config::Settings;
+use crate::jobs::{due, pause};
+use crate::schedule::{next_slot_after, Slot};
+use chrono::{NaiveDate, SecondsFormat};
+
+/// One job as `settlementd jobs` lists it.
+#[derive(Debug, Clone)]
+pub struct JobLine {
+    pub name: &'static str,
+    pub enabled: bool,
+    pub cron: String,
+    pub timezone: String,
+    /// The job it follows.
+    pub after: Option<&'static str>,
+    pub next: Option<Slot>,
+    /// The latest month SUCCESS on every shard of `shard.count` and held by no correction.
+    pub last_closed: Option<NaiveDate>,
+    pub paused: Option<pause::Pause>,
+}
+
+/// Every job of the registry, in its order.
+pub async fn jobs(
+    settings: &Settings,
+    clock: &dyn Clock,
+    embedded_db: bool,
+) -> Result<Vec<JobLine>> {
+    let registry = crate::registry::build(settings);
+    let database = Database::open(settings, embedded_db).await?;
+    let result = async {
+        let mut lines = Vec::new();
+        for job in registry.iter() {
+            let tz = settings.schedule.timezone;
+            lines.push(JobLine {
+                name: job.name(),
+                enabled: job.schedule().enabled,
+                cron: job.schedule().cron.pattern.to_string(),
+                timezone: tz.to_string(),
+                after: job.after(),
+                next: next_slot_after(&job.schedule().cron, tz, clock.now()).map(Slot::new),
+                last_closed: due::last_closed(&database.pool, job.name(), settings.shard.count)
+                    .await?,
+                paused: pause::of(&database.pool, job.name()).await?,
+            });
+        }
+        Ok(lines)
+    }
+    .await;
+    database.close().await;
+    result
+}
+
+impl JobLine {
+    /// One JSON object.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "name": self.name,
+            "enabled": self.enabled,
+            "cron": self.cron,
+            "timezone": self.timezone,
+            "after": self.after,
+            "next_fire": self.next.map(|s| s.fire_at.to_rfc3339_opts(SecondsFormat::Secs, false)),
+            "next_business_date": self.next.map(|s| s.business_date.to_string()),
+            "last_closed": self.last_closed.map(|d| d.to_string()),
+            "paused": self.paused,
+        })
+    }
+
+    /// One line of text.
+    pub fn to_text(&self) -> String {
+        format!(
+            "{:<20} {:<8} {:<16} {:<16} next {} (month {})  last closed {}{}{}",
+            self.name,
+            if self.enabled { "enabled" } else { "disabled" },
+            self.cron,
+            self.timezone,
+            self.next.map_or("-".into(), |s| s
+                .fire_at
+                .to_rfc3339_opts(SecondsFormat::Secs, false)),
+            self.next
+                .map_or("-".into(), |s| s.business_date.to_string()),
+            self.last_closed.map_or("none".into(), |d| d.to_string()),
+            self.after
+                .map(|a| format!("  after {a}"))
+                .unwrap_or_default(),
+            self.paused
+                .as_ref()
+                .map(|p| format!(
+                    "  PAUSED since {} by {}: {}",
+                    p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                    p.paused_by,
+                    p.reason
+                ))
+                .unwrap_or_default(),
+        )
+    }
+}

@@ -1,0 +1,100 @@
+//! `settlementd pause` and `settlementd resume`: stop a job (or every job) everywhere now, without
+//! undeploying, and let it go on ([`crate::jobs::pause`]).
+
+use crate::app::{AppError, Database, Result};
+use crate::config::Settings;
+use crate::jobs::pause::{self, Pause};
+
+/// The jobs a `--job` names: that one, or every job of the registry.
+pub fn targets(settings: &Settings, job: Option<&str>) -> Result<Vec<&'static str>> {
+    let registry = crate::registry::build(settings);
+    match job {
+        Some(name) => Ok(vec![registry
+            .get(name)
+            .map_err(|why| AppError::Invalid(format!("--job: {why}")))?
+            .name()]),
+        None => Ok(registry.names()),
+    }
+}
+
+/// Checks a pause's reason: it is what the next operator reads.
+pub fn check_reason(reason: &str) -> Result<&str> {
+    pause::check_reason(reason).map_err(|why| AppError::Invalid(format!("--{why}")))
+}
+
+/// Pauses `jobs`, as `by`; returns each pause in force (one already in place is kept).
+pub async fn pause_jobs(
+    database: &Database,
+    jobs: &[&str],
+    by: &str,
+    reason: &str,
+) -> Result<Vec<Pause>> {
+    let mut paused = Vec::new();
+    for job in jobs {
+        paused.push(pause::pause(&database.pool, job, by, reason).await?);
+    }
+    Ok(paused)
+}
+
+/// Resumes `jobs`; returns, per job, the pause it ended (`None`: it was not paused).
+pub async fn resume_jobs(
+    database: &Database,
+    jobs: &[&'static str],
+) -> Result<Vec<(&'static str, Option<Pause>)>> {
+    let mut resumed = Vec::new();
+    for job in jobs {
+        resumed.push((*job, pause::resume(&database.pool, job).await?));
+    }
+    Ok(resumed)
+}
+
+/// Who pauses from the command line: the OS user at the host.
+pub fn operator() -> String {
+    let user = std::env::var("USER")
+        .or_else(|_| std::env::var("LOGNAME"))
+        .unwrap_or_else(|_| "unknown".into());
+    let host = hostname::get()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "unknown-host".into());
+    format!("{user}@{host} (settlementd pause)")
+}
+
+/// `settlementd pause`.
+pub async fn pause_command(
+    settings: &Settings,
+    job: Option<&str>,
+    reason: &str,
+    embedded_db: bool,
+) -> Result<Vec<Pause>> {
+    let jobs = targets(settings, job)?;
+    let reason = check_reason(reason)?;
+    let database = Database::open(settings, embedded_db).await?;
+    let result = pause_jobs(&database, &jobs, &operator(), reason).await;
+    database.close().await;
+    result
+}
+
+/// `settlementd resume`.
+pub async fn resume_command(
+    settings: &Settings,
+    job: Option<&str>,
+    embedded_db: bool,
+) -> Result<Vec<(&'static str, Option<Pause>)>> {
+    let jobs = targets(settings, job)?;
+    let database = Database::open(settings, embedded_db).await?;
+    let result = resume_jobs(&database, &jobs).await;
+    database.close().await;
+    result
+}
+
+/// A pause in one line.
+pub fn pause_line(p: &Pause) -> String {
+    format!(
+        "{} paused since {} by {}: {}",
+        p.job_name,
+        p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+        p.paused_by,
+        p.reason
+    )
+}
