@@ -46,3 +46,4 @@ pub mod registry;
 pub mod schedule;
 pub mod seed;
 pub mod settlement;
+pub mod statements;

@@ -546,12 +546,15 @@ impl Reader {
             },
             _ => Vec::new(),
         };
-        // At most half of what is left: the facts still get their share.
-        let pending =
-            tokio::time::timeout(left(deadline) / 2, job.pending(&self.pool, shards, &asked))
-                .await
-                .ok()
-                .and_then(|found| found.ok());
+        // In the view's snapshot, within what is left of its budget.
+        let pending = {
+            let job = job.clone();
+            costly(&mut tx, (deadline, self.budget), move |c| {
+                Box::pin(async move { job.pending(c, shards, &asked).await })
+            })
+            .await?
+            .ok()
+        };
         let watch = match (&pending, latest) {
             (Some(pending), Some(_)) => {
                 let mut window = pending.clone();

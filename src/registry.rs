@@ -10,7 +10,10 @@ use crate::jobs::registry::{section_of, Registration, Registry, Schedule};
 
 /// Every job this binary has, in the order they are listed, scheduled and shown. The first is the
 /// default of `--job` and of the runs API's `job`.
-pub const JOBS: &[Registration<Settings>] = &[crate::settlement::REGISTRATION];
+pub const JOBS: &[Registration<Settings>] = &[
+    crate::settlement::REGISTRATION,
+    crate::statements::REGISTRATION,
+];
 
 /// The job `--job` and the runs API mean when they name none.
 pub fn default_job() -> &'static str {

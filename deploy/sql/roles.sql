@@ -19,6 +19,8 @@
 --   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state), DELETE (retention)
 --   job_events       SELECT, INSERT (the audit trail: never updated), DELETE (retention)
 --   job_pauses       SELECT, INSERT, DELETE (pause and resume)
+--   member_fine_statements SELECT, INSERT, UPDATE, DELETE (the member-statements job's output)
+--   member_statement_marks SELECT, INSERT, UPDATE (how far each shard's statements follow)
 --   job_params       SELECT, INSERT, UPDATE (each month's pinned fine rule; UPDATE for `correct`)
 --   fine_corrections SELECT, INSERT, UPDATE (corrections by key; UPDATE marks one complete)
 --   fine_adjustments SELECT, INSERT (every fine a correction changed: append-only)
@@ -69,6 +71,7 @@ BEGIN
     FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
                                 'job_params', 'fine_corrections', 'fine_adjustments',
                                 'fine_journal', 'loan_changes', 'job_pauses',
+                                'member_fine_statements', 'member_statement_marks',
                                 '_sqlx_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
@@ -133,6 +136,8 @@ BEGIN
                               ('run_request_shards', 'SELECT, INSERT, UPDATE, DELETE'),
                               ('job_events', 'SELECT, INSERT, DELETE'),
                               ('job_pauses', 'SELECT, INSERT, DELETE'),
+                              ('member_fine_statements', 'SELECT, INSERT, UPDATE, DELETE'),
+                              ('member_statement_marks', 'SELECT, INSERT, UPDATE'),
                               ('job_params', 'SELECT, INSERT, UPDATE'),
                               ('fine_corrections', 'SELECT, INSERT, UPDATE'),
                               ('fine_adjustments', 'SELECT, INSERT'),

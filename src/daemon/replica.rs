@@ -372,7 +372,7 @@ impl Replica {
             .await?;
             let pending = self
                 .job
-                .pending(&self.pool, self.shard.count, &window)
+                .pending(&mut *self.pool.acquire().await?, self.shard.count, &window)
                 .await?;
             let corrections = due::corrections_unfinished(&self.pool).await?;
             Ok::<_, JobError>((periods, pending, corrections))

@@ -360,10 +360,12 @@ pub trait Job: Sync {
     /// The items waiting in each of `periods` (business dates, oldest first) under `shards`, by
     /// shard, whatever `job_runs` says of them, and what waits before the first of them
     /// ([`PendingReport`]). The scheduler runs a period of its shard that has some, the status
-    /// page and the gauges count them. Default: nothing ever waits outside a run.
+    /// page and the gauges count them. On `db`, inside whatever transaction it is in (the status
+    /// page's snapshot, under its statement timeout): settings the job sets are undone before it
+    /// returns. Default: nothing ever waits outside a run.
     fn pending(
         &self,
-        _pool: &PgPool,
+        _db: &mut PgConnection,
         _shards: u32,
         _periods: &[NaiveDate],
     ) -> impl Future<Output = sqlx::Result<PendingReport>> + Send {

@@ -53,7 +53,7 @@ pub trait Registered: Send + Sync {
     ) -> Boxed<'a, Result<RunReport>>;
     fn pending<'a>(
         &'a self,
-        pool: &'a PgPool,
+        db: &'a mut PgConnection,
         shards: u32,
         periods: &'a [NaiveDate],
     ) -> Boxed<'a, sqlx::Result<PendingReport>>;
@@ -127,11 +127,11 @@ where
 
     fn pending<'a>(
         &'a self,
-        pool: &'a PgPool,
+        db: &'a mut PgConnection,
         shards: u32,
         periods: &'a [NaiveDate],
     ) -> Boxed<'a, sqlx::Result<PendingReport>> {
-        Box::pin(self.job.pending(pool, shards, periods))
+        Box::pin(self.job.pending(db, shards, periods))
     }
 
     fn upkeep<'a>(&'a self, pool: &'a PgPool, until: Instant) -> Boxed<'a, sqlx::Result<u64>> {

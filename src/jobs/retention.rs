@@ -77,8 +77,9 @@ impl Retention {
                 if watched {
                     continue;
                 }
+                let mut conn = pool.acquire().await?;
                 let waiting = job
-                    .pending(pool, self.shards, std::slice::from_ref(&business_date))
+                    .pending(&mut conn, self.shards, std::slice::from_ref(&business_date))
                     .await?;
                 if waiting
                     .by_period

@@ -449,7 +449,7 @@ impl Job for FineSettlement {
     /// where they are); and the unsettled returns the rule can price in months before the first.
     async fn pending(
         &self,
-        pool: &PgPool,
+        db: &mut PgConnection,
         shards: u32,
         periods: &[NaiveDate],
     ) -> sqlx::Result<PendingReport> {
@@ -459,7 +459,9 @@ impl Job for FineSettlement {
             .map(|d| d.first_day().and_time(NaiveTime::MIN))
             .collect();
         let shards = i64::from(shards.max(1));
-        let mut tx = pool.begin_with(begin_batch_sql(&self.guards)).await?;
+        // A transaction, or a savepoint inside the caller's: the plan settings end with it.
+        let mut tx = db.begin().await?;
+        sqlx::query(PIN_MONTH_INDEX).execute(&mut *tx).await?;
         let mut by_period: Vec<Pending> = unsettled_by_month_and_shard(&mut tx, &months, shards)
             .await?
             .into_iter()

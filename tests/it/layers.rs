@@ -10,7 +10,7 @@ const LAYERS: &[&[&str]] = &[
     &["commands", "daemon", "demo"],
     &["app", "overview"],
     &["registry"],
-    &["settlement", "seed", "db", "embedded_pg"],
+    &["settlement", "statements", "seed", "db", "embedded_pg"],
     &["jobs", "config"],
     &["calendar", "fine", "clock", "schedule"],
 ];

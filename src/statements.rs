@@ -1,0 +1,416 @@
+//! The member-statements job: each member's settled fines of a month (how many, and their sum), in
+//! `member_fine_statements`, sharded by member id, after the fine settlement.
+//!
+//! It follows the settlement (`after`): a month runs only once the settlement has closed it on
+//! every shard. It reads the month's money through the settlement's journal (`fine_journal`) and
+//! the loans by primary key, so it costs what the month holds. Each shard keeps a mark per month:
+//! the last journal row its statements were computed from (`member_statement_marks`). A journal
+//! row after it — a late return, a re-pricing of libraryd's edit, a correction — is a late item
+//! ([`Job::late_items`]): the job layer re-opens the month's statements, and the run recomputes
+//! only the members whose loans those rows touch (all of the shard's members when a row is a
+//! deletion, whose loan, and member, are gone).
+//!
+//! A run plans everything in one read: the members to compute and their statements, as of a mark
+//! read first; its batches write them (upsert, or delete the statement of a member left without a
+//! fine) and the last one moves the mark, each under the claim's fence. A journal row written
+//! after the mark was read is found again as a late item: computing a member twice writes the same
+//! statement.
+
+use crate::calendar::BusinessDate;
+use crate::config::Settings;
+use crate::jobs::registry::{Entry, Registration};
+use crate::jobs::{
+    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Params, Pending, PendingReport, Reopen,
+    Words,
+};
+use chrono::NaiveDate;
+use sqlx::{PgConnection, PgPool};
+use std::collections::BTreeMap;
+
+pub const JOB_NAME: &str = "member-statements";
+
+/// The job it follows: its months' money.
+const FOLLOWS: &str = "fine-settlement";
+
+/// The member statements in the binary's registry (`crate::registry::JOBS`).
+pub const REGISTRATION: Registration<Settings> = Registration {
+    name: JOB_NAME,
+    // 04:00 on the 1st, after the settlement's 02:30; it waits for the settlement in any case.
+    default_cron: "0 0 4 1 * *",
+    enabled_by_default: true,
+    reads_schedule_cron: false,
+    build: |settings, schedule| {
+        std::sync::Arc::new(Entry {
+            job: MemberStatements {
+                batch_size: settings.batch.size,
+            },
+            schedule,
+        })
+    },
+};
+
+pub struct MemberStatements {
+    /// Members written per batch transaction.
+    pub batch_size: u32,
+}
+
+/// A member's statement of a month: fines (loans settled with a fine above 0) and their sum.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Statement {
+    pub fines: i64,
+    pub fine_cents: i128,
+}
+
+/// A run: its month, the mark it moves to, and the statements it writes, by member id (a member
+/// without a statement is one whose row is deleted).
+pub struct StatementsPlan {
+    month: BusinessDate,
+    shards: i64,
+    shard: i64,
+    mark: i64,
+    members: Vec<(i64, Option<Statement>)>,
+}
+
+impl Job for MemberStatements {
+    type Plan = StatementsPlan;
+
+    fn name(&self) -> &'static str {
+        JOB_NAME
+    }
+
+    fn after(&self) -> Option<&'static str> {
+        Some(FOLLOWS)
+    }
+
+    /// No identifying parameters: a statement is what the month's money is.
+    fn params(&self, key: &JobKey) -> Result<Params, String> {
+        BusinessDate::new(key.business_date).map_err(|e| e.to_string())?;
+        Ok(Params(serde_json::json!({})))
+    }
+
+    fn describe(&self, _params: &Params) -> String {
+        "each member's settled fines of the month".into()
+    }
+
+    /// Journal rows of the month written after the shard's mark.
+    async fn late_items(&self, pool: &PgPool, key: &JobKey) -> sqlx::Result<u64> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM fine_journal j
+              WHERE j.month = $1 AND j.id > COALESCE(
+                    (SELECT journal_id FROM member_statement_marks
+                      WHERE business_date = $2 AND shards = $3 AND shard = $4), 0)",
+        )
+        .bind(first_day(key.business_date)?)
+        .bind(key.business_date)
+        .bind(key.shards as i32)
+        .bind(key.shard as i32)
+        .fetch_one(pool)
+        .await?;
+        Ok(n as u64)
+    }
+
+    fn reopen(&self, late: u64) -> Reopen {
+        Reopen {
+            event: "month_changed",
+            message: format!(
+                "{late} journal rows of the month after the statements' mark: late returns, \
+                 re-pricings or corrections"
+            ),
+        }
+    }
+
+    /// Per month and shard: the journal rows after the shard's mark (all of the month's, when
+    /// the shard has never computed it).
+    async fn pending(
+        &self,
+        db: &mut PgConnection,
+        shards: u32,
+        periods: &[NaiveDate],
+    ) -> sqlx::Result<PendingReport> {
+        let months: Vec<NaiveDate> = periods
+            .iter()
+            .filter_map(|d| BusinessDate::new(*d).ok())
+            .map(|d| d.first_day())
+            .collect();
+        let rows: Vec<(NaiveDate, i32, i64)> = sqlx::query_as(
+            "SELECT m.first_day, s.shard,
+                    (SELECT count(*) FROM fine_journal j
+                      WHERE j.month = m.first_day AND j.id > COALESCE(k.journal_id, 0))
+               FROM unnest($1::date[]) AS m(first_day)
+              CROSS JOIN generate_series(0, $2 - 1) AS s(shard)
+               LEFT JOIN member_statement_marks k
+                 ON k.business_date = (m.first_day + interval '1 month' - interval '1 day')::date
+                AND k.shards = $2 AND k.shard = s.shard",
+        )
+        .bind(&months)
+        .bind(shards as i32)
+        .fetch_all(db)
+        .await?;
+        let by_period = rows
+            .into_iter()
+            .filter(|(_, _, late)| *late > 0)
+            .filter_map(|(first, shard, late)| {
+                Some(Pending {
+                    business_date: BusinessDate::of_month_of(first)?.date(),
+                    shard: shard as u32,
+                    late: late as u64,
+                    held: 0,
+                })
+            })
+            .collect();
+        Ok(PendingReport {
+            by_period,
+            before: 0,
+        })
+    }
+
+    fn words(&self) -> Words {
+        Words {
+            waiting: "journal rows waiting",
+            held: "members held",
+            done: "statements",
+            runs: "states",
+        }
+    }
+
+    async fn facts(
+        &self,
+        db: &mut PgConnection,
+        business_date: NaiveDate,
+    ) -> sqlx::Result<Vec<Fact>> {
+        let (members, fines, cents): (i64, i64, String) = sqlx::query_as(
+            "SELECT count(*), COALESCE(sum(fines), 0)::bigint, COALESCE(sum(fine_cents), 0)::text
+               FROM member_fine_statements WHERE business_date = $1",
+        )
+        .bind(business_date)
+        .fetch_one(db)
+        .await?;
+        Ok(vec![
+            Fact {
+                name: "members",
+                label: "members with fines",
+                kind: FactKind::Count,
+                value: members.into(),
+            },
+            Fact {
+                name: "fines",
+                label: "fines",
+                kind: FactKind::Count,
+                value: fines.into(),
+            },
+            Fact {
+                name: "fine_cents",
+                label: "total",
+                kind: FactKind::Cents,
+                value: serde_json::to_value(cents.parse::<i128>().unwrap_or_default())
+                    .unwrap_or_default(),
+            },
+        ])
+    }
+
+    /// Reads the mark to move to (the month's last journal row), then the members to compute —
+    /// every member of the shard with a fine or a statement in the month for a first run or a
+    /// takeover; for a re-opened month, the members of the loans that journal rows after the
+    /// shard's mark touch (all of them when one is a deletion) — and their statements, in one
+    /// read of the month's journal and loans.
+    async fn plan(
+        &self,
+        pool: &PgPool,
+        claim: &Claim,
+        _estimate: bool,
+    ) -> sqlx::Result<(StatementsPlan, Option<u64>)> {
+        let key = &claim.key;
+        let month = BusinessDate::new(key.business_date)
+            .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
+        let (shards, shard) = (i64::from(key.shards), i64::from(key.shard));
+        let mut tx = pool
+            .begin_with(
+                "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY;
+                 SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off;
+                 SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;
+                 SET LOCAL jit = off",
+            )
+            .await?;
+        let (mark, old_mark): (i64, Option<i64>) = sqlx::query_as(
+            "SELECT COALESCE((SELECT max(id) FROM fine_journal WHERE month = $1), 0),
+                    (SELECT journal_id FROM member_statement_marks
+                      WHERE business_date = $2 AND shards = $3 AND shard = $4)",
+        )
+        .bind(month.first_day())
+        .bind(month.date())
+        .bind(shards as i32)
+        .bind(shard as i32)
+        .fetch_one(&mut *tx)
+        .await?;
+        // Only the members concerned when re-opened for rows after a mark (a takeover of such a
+        // run recomputes all: it does not know what its predecessor wrote).
+        let only: Option<Vec<i64>> = match (claim.reopened, old_mark) {
+            (true, Some(old)) => {
+                let (members, deletion): (Vec<i64>, bool) = sqlx::query_as(
+                    "SELECT COALESCE(array_agg(DISTINCT l.member_id::bigint)
+                                       FILTER (WHERE l.member_id IS NOT NULL), '{}'),
+                            bool_or(e.kind = 'deleted')
+                       FROM (SELECT j.kind, x.loan_id
+                               FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)
+                              WHERE j.month = $1 AND j.id > $2 AND j.id <= $3) e
+                       LEFT JOIN loans l ON l.id = e.loan_id",
+                )
+                .bind(month.first_day())
+                .bind(old)
+                .bind(mark)
+                .fetch_one(&mut *tx)
+                .await?;
+                (!deletion).then_some(members)
+            }
+            _ => None,
+        };
+        // The statements of the month as its journal and loans say now, for the shard's members
+        // (or those concerned).
+        let computed: Vec<(i64, i64, String)> = sqlx::query_as(
+            "SELECT l.member_id::bigint, count(*) FILTER (WHERE l.fine_cents > 0),
+                    COALESCE(sum(l.fine_cents), 0)::text
+               FROM (SELECT j.kind, x.loan_id, x.seq
+                       FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
+                      WHERE j.month = $1) e
+               JOIN loans l ON l.id = e.loan_id AND l.fine_seq = e.seq
+              WHERE e.kind NOT IN ('reversed', 'deleted') AND l.fine_settled_at IS NOT NULL
+                AND l.returned_on BETWEEN $1 AND $2
+                AND ($3 = 1 OR (l.member_id % $3 + $3) % $3 = $4)
+                AND ($5::bigint[] IS NULL OR l.member_id = ANY ($5))
+              GROUP BY l.member_id",
+        )
+        .bind(month.first_day())
+        .bind(month.date())
+        .bind(shards)
+        .bind(shard)
+        .bind(only.as_deref())
+        .fetch_all(&mut *tx)
+        .await?;
+        // Members with a statement already: those left without a fine lose it.
+        let stated: Vec<i64> = sqlx::query_scalar(
+            "SELECT member_id FROM member_fine_statements
+              WHERE business_date = $1 AND ($2 = 1 OR (member_id % $2 + $2) % $2 = $3)
+                AND ($4::bigint[] IS NULL OR member_id = ANY ($4))",
+        )
+        .bind(month.date())
+        .bind(shards)
+        .bind(shard)
+        .bind(only.as_deref())
+        .fetch_all(&mut *tx)
+        .await?;
+        tx.rollback().await?;
+        let mut members: BTreeMap<i64, Option<Statement>> =
+            stated.into_iter().map(|m| (m, None)).collect();
+        for (member, fines, cents) in computed {
+            let fine_cents: i128 = cents
+                .parse()
+                .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {cents:?}: {e}")))?;
+            let statement = (fines > 0).then_some(Statement { fines, fine_cents });
+            members.insert(member, statement);
+        }
+        if let Some(only) = &only {
+            for member in only {
+                members.entry(*member).or_insert(None);
+            }
+        }
+        let after = claim.resume.last_id.unwrap_or(i64::MIN);
+        let members: Vec<(i64, Option<Statement>)> =
+            members.into_iter().filter(|(m, _)| *m > after).collect();
+        let total = members.len() as u64;
+        Ok((
+            StatementsPlan {
+                month,
+                shards,
+                shard,
+                mark,
+                members,
+            },
+            Some(total),
+        ))
+    }
+
+    /// The next `batch.size` members after the cursor: their statements written, or deleted for a
+    /// member left without a fine; the last batch moves the shard's mark.
+    async fn run_batch(
+        &self,
+        tx: &mut PgConnection,
+        plan: &StatementsPlan,
+        cursor: Cursor,
+    ) -> sqlx::Result<Batch> {
+        let after = cursor.last_id.unwrap_or(i64::MIN);
+        let start = plan.members.partition_point(|(m, _)| *m <= after);
+        let limit = self.batch_size.max(1) as usize;
+        let page = &plan.members[start..plan.members.len().min(start + limit)];
+        let done = start + page.len() >= plan.members.len();
+        let (stated, dropped): (Vec<_>, Vec<_>) = page.iter().partition(|(_, s)| s.is_some());
+        let ids: Vec<i64> = stated.iter().map(|(m, _)| *m).collect();
+        let fines: Vec<i64> = stated
+            .iter()
+            .filter_map(|(_, s)| s.map(|s| s.fines))
+            .collect();
+        let cents: Vec<String> = stated
+            .iter()
+            .filter_map(|(_, s)| s.map(|s| s.fine_cents.to_string()))
+            .collect();
+        let dropped: Vec<i64> = dropped.iter().map(|(m, _)| *m).collect();
+        let written: i64 = sqlx::query_scalar(
+            "WITH upserted AS (
+                 INSERT INTO member_fine_statements (business_date, member_id, fines, fine_cents)
+                 SELECT $1, m, f, c::numeric
+                   FROM unnest($2::bigint[], $3::bigint[], $4::text[]) AS s(m, f, c)
+                 ON CONFLICT (business_date, member_id) DO UPDATE
+                    SET fines = EXCLUDED.fines, fine_cents = EXCLUDED.fine_cents,
+                        computed_at = now()
+                  WHERE (member_fine_statements.fines, member_fine_statements.fine_cents)
+                        IS DISTINCT FROM (EXCLUDED.fines, EXCLUDED.fine_cents)
+                 RETURNING 1
+             ), deleted AS (
+                 DELETE FROM member_fine_statements
+                  WHERE business_date = $1 AND member_id = ANY ($5)
+                 RETURNING 1
+             )
+             SELECT (SELECT count(*) FROM upserted) + (SELECT count(*) FROM deleted)",
+        )
+        .bind(plan.month.date())
+        .bind(&ids)
+        .bind(&fines)
+        .bind(&cents)
+        .bind(&dropped)
+        .fetch_one(&mut *tx)
+        .await?;
+        if done {
+            sqlx::query(
+                "INSERT INTO member_statement_marks (business_date, shards, shard, journal_id)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (business_date, shards, shard) DO UPDATE
+                    SET journal_id = GREATEST(member_statement_marks.journal_id, EXCLUDED.journal_id)",
+            )
+            .bind(plan.month.date())
+            .bind(plan.shards as i32)
+            .bind(plan.shard as i32)
+            .bind(plan.mark)
+            .execute(&mut *tx)
+            .await?;
+        }
+        Ok(Batch {
+            cursor: match page.last() {
+                Some((last, _)) => Cursor {
+                    last_id: Some(*last),
+                    ..cursor
+                },
+                None => cursor,
+            },
+            scanned: page.len() as u64,
+            updated: written as u64,
+            notes: Default::default(),
+            done,
+        })
+    }
+}
+
+/// The first day of the month of `business_date`.
+fn first_day(business_date: NaiveDate) -> sqlx::Result<NaiveDate> {
+    BusinessDate::new(business_date)
+        .map(|d| d.first_day())
+        .map_err(|e| sqlx::Error::Protocol(e.to_string()))
+}
