@@ -421,7 +421,7 @@ async fn a_late_return_after_a_reshard_is_settled_within_a_tick_under_the_new_sh
         .await
         .unwrap();
     let pending = settlementd::app::settlement_job(&s1)
-        .pending(&mut *db.pool.acquire().await.unwrap(), 3, &window)
+        .pending(&mut db.pool.acquire().await.unwrap(), 3, &window)
         .await
         .unwrap();
     let waiting = Pending {
