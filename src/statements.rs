@@ -308,10 +308,11 @@ impl Job for MemberStatements {
             let statement = (fines > 0).then_some(Statement { fines, fine_cents });
             members.insert(member, statement);
         }
-        if let Some(only) = &only {
-            for member in only {
-                members.entry(*member).or_insert(None);
-            }
+        // A member concerned whose statement the month no longer has (its only fine reversed):
+        // deleted, if it is this shard's.
+        let ours = |member: i64| shards == 1 || (member % shards + shards) % shards == shard;
+        for member in only.iter().flatten().filter(|m| ours(**m)) {
+            members.entry(*member).or_insert(None);
         }
         let after = claim.resume.last_id.unwrap_or(i64::MIN);
         let members: Vec<(i64, Option<Statement>)> =

@@ -8,7 +8,11 @@
 //! 3. the real thing — three replicas (shards 0..2 of 3) at once, then two duplicates of every shard,
 //!    then a forced re-run, with the month's settled digest after each round: identical every time;
 //!    then two returns keyed into the closed month, settled by the next run of their shards under
-//!    the month's pinned rule, and a replica on a stale fine rule, refused (exit 3).
+//!    the month's pinned rule, and a replica on a stale fine rule, refused (exit 3);
+//! 4. the second job, member statements: each member's fines of the month, computed after the
+//!    settlement closed it and changed for the one member a late return concerns; a return date
+//!    libraryd corrects after settlement, re-priced by the next run; the money journal that
+//!    records every cent, and `verify` proving the month from it.
 //!
 //! Everything but the `ms` column is reproducible: the month, the seed and the data are fixed.
 
@@ -23,6 +27,7 @@ use crate::fine::FineSchedule;
 use crate::jobs::{self, claim, ClaimOutcome, JobError, JobKey, Owner, RunReport, SkipReason};
 use crate::seed::{self, SeedSpec};
 use crate::settlement::{self, FineSettlement, MonthTotals};
+use crate::statements::MemberStatements;
 use sqlx::PgPool;
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -220,7 +225,8 @@ async fn chapters(
             "the re-runs changed the month: settlement is not idempotent".into(),
         ));
     }
-    late_returns_and_a_stale_rule(settings, pool, &job, month, out, shutdown).await
+    late_returns_and_a_stale_rule(settings, pool, &job, month, out, shutdown).await?;
+    statements_and_the_journal(settings, pool, &job, month, out, shutdown).await
 }
 
 /// Rounds 4 and 5: what "settled" guarantees besides "ran once" — returns keyed into a closed month
@@ -300,6 +306,204 @@ async fn late_returns_and_a_stale_rule(
         ));
     }
     Ok(())
+}
+
+/// Round 6: the second job. Member statements of the month, computed after the settlement closed
+/// it; a late return for one member, and that member's statement alone changes; a return date
+/// libraryd corrects after settlement, re-priced by the next run; the journal's entries by kind,
+/// and `verify` proving the month from them.
+async fn statements_and_the_journal(
+    settings: &Settings,
+    pool: &PgPool,
+    job: &FineSettlement,
+    month: BusinessDate,
+    out: &mut (dyn Write + Send),
+    shutdown: &CancellationToken,
+) -> Result<()> {
+    let statements = MemberStatements {
+        batch_size: settings.batch.size,
+    };
+    let all: Vec<u32> = (0..SHARDS).collect();
+    say!(
+        out,
+        "\nround 6: the second job, member statements (it follows the settlement: a month runs once\n\
+         the settlement has closed it), then a late return for member {MEMBER}"
+    );
+    statements_round(settings, pool, &statements, month, &all, shutdown).await?;
+    let (members, cents) = statement_totals(pool, month).await?;
+    let before = member_statement(pool, month, MEMBER).await?;
+    say!(
+        out,
+        "  statements of {MONTH}: members={members} fine_cents_sum={cents}; member {MEMBER}: {}",
+        before.as_ref().map_or("no fine".into(), |(f, c)| format!(
+            "fines={f} fine_cents={c}"
+        ))
+    );
+    let late_id = LOANS as i64 + 3;
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES ($1, $2, 1, $3::date - 30, $3::date - 10, $3::date)",
+    )
+    .bind(late_id)
+    .bind(MEMBER)
+    .bind(month.date())
+    .execute(pool)
+    .await?;
+    round(settings, pool, job, month, &all, false, shutdown).await?;
+    let stamps = computed_at(pool, month).await?;
+    let rerun = statements_round(settings, pool, &statements, month, &all, shutdown).await?;
+    let after = member_statement(pool, month, MEMBER).await?;
+    let changed = computed_at(pool, month)
+        .await?
+        .iter()
+        .filter(|(m, at)| stamps.iter().any(|(m2, at2)| m == m2 && at != at2))
+        .count();
+    say!(
+        out,
+        "  a late return for member {MEMBER} settled; statements re-opened for {} shard(s): member \
+         {MEMBER}: {}; other statements rewritten={changed}",
+        rerun.iter().filter(|r| r.late > 0).count(),
+        after.as_ref().map_or("no fine".into(), |(f, c)| format!("fines={f} fine_cents={c}"))
+    );
+
+    say!(
+        out,
+        "\nround 7: libraryd corrects the return date of a settled loan (3 days later); the next run\n\
+         of its shard re-prices it under the month's pinned rule, on the record"
+    );
+    let edited: i64 = sqlx::query_scalar(
+        "UPDATE loans SET returned_on = returned_on + 3
+          WHERE id = (SELECT id FROM loans
+                       WHERE returned_on BETWEEN $1 AND $2 - 3 AND fine_settled_at IS NOT NULL
+                         AND due_on < returned_on
+                       ORDER BY id LIMIT 1)
+         RETURNING id",
+    )
+    .bind(month.first_day())
+    .bind(month.date())
+    .fetch_one(pool)
+    .await?;
+    round(settings, pool, job, month, &all, false, shutdown).await?;
+    let (kinds, before_cents, after_cents): (Vec<String>, Vec<i64>, Vec<i64>) = sqlx::query_as(
+        "SELECT array_agg(kind ORDER BY seq), array_agg(COALESCE(before_cents, 0) ORDER BY seq),
+                array_agg(after_cents ORDER BY seq)
+           FROM fine_journal_entries WHERE loan_id = $1",
+    )
+    .bind(edited)
+    .fetch_one(pool)
+    .await?;
+    say!(
+        out,
+        "  loan {edited}: journal {} (cents {} -> {} -> {})",
+        kinds.join(", "),
+        before_cents.first().copied().unwrap_or_default(),
+        after_cents.first().copied().unwrap_or_default(),
+        after_cents.last().copied().unwrap_or_default()
+    );
+    let by_kind: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT kind, count(*) FROM fine_journal_entries WHERE month = $1 GROUP BY kind ORDER BY kind",
+    )
+    .bind(month.first_day())
+    .fetch_all(pool)
+    .await?;
+    say!(
+        out,
+        "  journal of {MONTH}: {}",
+        by_kind
+            .iter()
+            .map(|(k, n)| format!("{k}={n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let mut conn = pool.acquire().await?;
+    let proved = settlement::verify::verify(&mut conn, month, &settings.fine)
+        .await
+        .map_err(|e| match e {
+            Ok(why) => AppError::Invalid(why),
+            Err(e) => AppError::from(e),
+        })?;
+    say!(
+        out,
+        "verify {MONTH}: {} (every settled fine is its journal entry's and the pinned rule's)",
+        if proved.is_right() {
+            "right"
+        } else {
+            "NOT RIGHT"
+        }
+    );
+    if !proved.is_right() || after == before {
+        return Err(AppError::Failed(format!(
+            "the month is not right, or the late return left the member's statement as it was: {:?}",
+            proved.problems()
+        )));
+    }
+    Ok(())
+}
+
+/// The member whose statement round 6 follows.
+const MEMBER: i64 = 7;
+
+/// Runs the member statements of `month` for `shards` (of [`SHARDS`]) concurrently.
+async fn statements_round(
+    settings: &Settings,
+    pool: &PgPool,
+    statements: &MemberStatements,
+    month: BusinessDate,
+    shards: &[u32],
+    shutdown: &CancellationToken,
+) -> Result<Vec<RunReport>> {
+    let mut reports = Vec::new();
+    for &shard in shards {
+        let key = JobKey {
+            job_name: crate::statements::JOB_NAME.into(),
+            business_date: month.date(),
+            shards: SHARDS,
+            shard,
+        };
+        let opts = app::run_options(settings, false, false);
+        reports.push(jobs::run_once(pool, statements, key, &opts, shutdown, &|_| {}).await?);
+    }
+    Ok(reports)
+}
+
+/// Members with a statement of `month`, and their fines' sum.
+async fn statement_totals(pool: &PgPool, month: BusinessDate) -> Result<(i64, String)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*), COALESCE(sum(fine_cents), 0)::text FROM member_fine_statements
+          WHERE business_date = $1",
+    )
+    .bind(month.date())
+    .fetch_one(pool)
+    .await?)
+}
+
+/// One member's statement of `month`: (fines, cents).
+async fn member_statement(
+    pool: &PgPool,
+    month: BusinessDate,
+    member: i64,
+) -> Result<Option<(i64, String)>> {
+    Ok(sqlx::query_as(
+        "SELECT fines, fine_cents::text FROM member_fine_statements
+          WHERE business_date = $1 AND member_id = $2",
+    )
+    .bind(month.date())
+    .bind(member)
+    .fetch_optional(pool)
+    .await?)
+}
+
+/// When each statement of `month` was written.
+async fn computed_at(
+    pool: &PgPool,
+    month: BusinessDate,
+) -> Result<Vec<(i64, chrono::DateTime<chrono::Utc>)>> {
+    Ok(sqlx::query_as(
+        "SELECT member_id, computed_at FROM member_fine_statements WHERE business_date = $1",
+    )
+    .bind(month.date())
+    .fetch_all(pool)
+    .await?)
 }
 
 /// Returns of `month` not settled.

@@ -88,6 +88,25 @@ fn demo_tells_the_story_exits_0_and_removes_its_cluster() {
         ),
         "{stdout}"
     );
+    // Round 6: the statements follow the late return for the one member it concerns; round 7: an
+    // edit of a settled loan is re-priced on the record, and the month proves right.
+    assert!(
+        stdout.contains(
+            "statements re-opened for 3 shard(s): member 7: fines=1 fine_cents=500; other \
+             statements rewritten=0"
+        ),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("journal settled, repriced (cents 0 -> 750 -> 900)"),
+        "{stdout}"
+    );
+    assert!(
+        lines.contains(
+            &"verify 2026-10: right (every settled fine is its journal entry's and the pinned rule's)"
+        ),
+        "{stdout}"
+    );
     // On a machine without a server, the process that fetches PostgreSQL says so in one line.
     let noise = stderr
         .lines()
