@@ -20,9 +20,16 @@
 //!   NULL` pipelined 500 at a time, one transaction per 500 (what JDBC `executeBatch` does);
 //! - `S1`, `S2`, `S3`: real `settlementd run` processes, 1, 2 or 3 shards in parallel; wall time
 //!   from the first spawn to the last exit, peak RSS of each process (`VmHWM`);
+//! - `S1U`: `S1` with the binary built without the money journal (`--features
+//!   bench-unjournaled`, built by this benchmark into `target/bench-bin/`): `S1 ÷ S1U` is what
+//!   the journal costs a run;
+//! - `J`: one set-based statement that updates the month and journals it (a row per 10,000 loans,
+//!   as the engine's batches write them): the limit of a journaled run;
 //! - `R`: `settlementd run --force` of the settled month right after `S1`, and again after VACUUM;
-//! - `V`: `settlementd verify` of the month right after `S1` (before `R`): every loan returned in
-//!   the month recomputed from its rule, one read-only pass; must answer "right".
+//! - `V`: `settlementd verify` of the month right after `S1` (before `R`): the month proved from
+//!   its journal and the loans by primary key; must answer "right";
+//! - `C`: `settlementd correct` of the month right after `R`, to a rate 10 cents higher: every late
+//!   loan's fine changes, each on the record (journal, `fine_adjustments`).
 //!
 //! Shapes (`SETTLE_BENCH_SHAPE`, comma-separated; sizes scale with `SETTLE_BENCH_LOANS`, default
 //! 1,000,000 = `B`):
@@ -55,6 +62,7 @@ use settlementd::seed::{self, SeedSpec};
 use settlementd::settlement::{self, MonthTotals};
 use sqlx::{Connection, PgConnection};
 use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -191,6 +199,8 @@ fn main() -> Result<(), BoxError> {
         .map(|name| shape(name, base))
         .collect::<Result<_, _>>()?;
     let started = Instant::now();
+    let wants = |c: &str| cases.as_ref().map_or(true, |cs| cs.iter().any(|x| x == c));
+    let binaries = Binaries::prepare(wants("S1U"))?;
     let mut pg = EmbeddedPg::start(EmbeddedOptions::default())?;
     let url = pg.url("postgres");
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -201,12 +211,21 @@ fn main() -> Result<(), BoxError> {
     let result = runtime.block_on(async {
         let mut all = Vec::new();
         for shape in &shapes {
-            let rows = bench(&pg, &url, shape, reps, &batches, cases.as_deref()).await?;
+            let rows = bench(
+                &pg,
+                &url,
+                shape,
+                reps,
+                &batches,
+                cases.as_deref(),
+                &binaries,
+            )
+            .await?;
             all.push((shape.name, rows));
         }
         let batch = batches.first().copied().flatten();
         let doubled = match with_doubling {
-            true => Some(doubling(&url, base, 3 * reps, batch).await?),
+            true => Some(doubling(&url, base, 3 * reps, batch, &binaries).await?),
             false => None,
         };
         Ok::<_, BoxError>((all, doubled))
@@ -275,6 +294,60 @@ fn huge_pages_in_use(pg: &EmbeddedPg) -> &'static str {
     }
 }
 
+/// The binaries the process cases run: the one cargo built for this benchmark, copied aside, and
+/// (for `S1U`) the same code built with `--features bench-unjournaled`. Both are built in this
+/// crate's target directory with the bench profile; the feature build replaces cargo's
+/// `settlementd` there (cargo rebuilds it at its next build), so each is copied to
+/// `target/bench-bin/` first and run from there.
+struct Binaries {
+    settlementd: PathBuf,
+    unjournaled: Option<PathBuf>,
+}
+
+impl Binaries {
+    fn prepare(unjournaled: bool) -> Result<Self, BoxError> {
+        let built = PathBuf::from(env!("CARGO_BIN_EXE_settlementd"));
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-bin");
+        std::fs::create_dir_all(&dir)?;
+        let settlementd = dir.join("settlementd");
+        std::fs::copy(&built, &settlementd)?;
+        if !unjournaled {
+            return Ok(Self {
+                settlementd,
+                unjournaled: None,
+            });
+        }
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        println!("building the unjournaled baseline (cargo build --profile bench --features bench-unjournaled)");
+        let t = Instant::now();
+        let status = Command::new(cargo)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args([
+                "build",
+                "--quiet",
+                "--profile",
+                "bench",
+                "--features",
+                "bench-unjournaled",
+                "--bin",
+                "settlementd",
+            ])
+            .status()?;
+        if !status.success() {
+            return Err(format!("building the unjournaled baseline failed: {status}").into());
+        }
+        let unjournaled = dir.join("settlementd-unjournaled");
+        std::fs::copy(&built, &unjournaled)?;
+        // Cargo's own copy is the baseline now: put the benchmark's back.
+        std::fs::copy(&settlementd, &built)?;
+        println!("built in {:.0} s", t.elapsed().as_secs_f64());
+        Ok(Self {
+            settlementd,
+            unjournaled: Some(unjournaled),
+        })
+    }
+}
+
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
     std::env::var(name)
         .ok()
@@ -316,6 +389,7 @@ async fn bench(
     reps: usize,
     batches: &[Option<u32>],
     only: Option<&[String]>,
+    binaries: &Binaries,
 ) -> Result<Vec<Row>, BoxError> {
     let mut db = PgConnection::connect(url).await?;
     settlementd::db::MIGRATOR.run(&mut db).await?;
@@ -347,21 +421,27 @@ async fn bench(
         |c: &str| shape.cases.contains(&c) && only.map_or(true, |o| o.iter().any(|x| x == c));
     let want_rerun = only.map_or(true, |o| o.iter().any(|x| x == "R"));
     let want_verify = only.map_or(true, |o| o.iter().any(|x| x == "V"));
+    let want_correct = only.map_or(true, |o| o.iter().any(|x| x == "C"));
+    let want_journal = only.map_or(true, |o| o.iter().any(|x| x == "J"));
+    let want_unjournaled =
+        binaries.unjournaled.is_some() && only.map_or(true, |o| o.iter().any(|x| x == "S1U"));
     // Case names in table order; a case with several batch sizes gets one row per size.
     let label = |case: &str, b: Option<u32>| match (batches.len() > 1, b) {
         (true, Some(b)) => format!("{case}@{b}"),
         _ => case.to_string(),
     };
     let mut samples: Vec<(String, Vec<Sample>)> = Vec::new();
-    for case in ["L", "L2", "N"] {
+    for case in ["L", "J", "L2", "N"] {
         samples.push((case.to_string(), Vec::new()));
     }
     for (i, &b) in batches.iter().enumerate() {
         samples.push((label("S1", b), Vec::new()));
         if i == 0 {
+            samples.push(("S1U".into(), Vec::new()));
             samples.push(("V-after-run".into(), Vec::new()));
             samples.push(("R-after-run".into(), Vec::new()));
             samples.push(("R-after-vacuum".into(), Vec::new()));
+            samples.push(("C-after-run".into(), Vec::new()));
         }
         samples.push((label("S2", b), Vec::new()));
         samples.push((label("S3", b), Vec::new()));
@@ -371,10 +451,17 @@ async fn bench(
             v.push(s);
         }
     };
-    let mut runs: Vec<(&str, Option<u32>, bool)> =
-        vec![("L", None, false), ("L2", None, false), ("N", None, false)];
+    let mut runs: Vec<(&str, Option<u32>, bool)> = vec![
+        ("L", None, false),
+        ("J", None, false),
+        ("L2", None, false),
+        ("N", None, false),
+    ];
     for (i, &b) in batches.iter().enumerate() {
-        for case in ["S1", "S2", "S3"] {
+        for case in ["S1", "S1U", "S2", "S3"] {
+            if case == "S1U" && (i > 0 || !want_unjournaled) {
+                continue;
+            }
             runs.push((case, b, i == 0 && case == "S1"));
         }
     }
@@ -382,18 +469,35 @@ async fn bench(
     let mut sizes = Vec::new();
     for rep in 1..=reps {
         for &(case, batch, with_rerun) in &runs {
-            if !want(case) {
+            let wanted = match case {
+                "J" => want_journal,
+                "S1U" => want_unjournaled,
+                _ => want(case),
+            };
+            if !wanted {
                 continue;
             }
             let name = label(case, batch);
             reset(&mut db, shape.analyzed, "loans_pristine").await?;
             let sample = match case {
                 "L" => set_based(&mut db, month, None).await?,
+                "J" => set_based_journaled(&mut db, month).await?,
                 "L2" => set_based_by_shard(url, month).await?,
                 "N" => per_row_pipelined(url, month).await?,
-                "S1" => processes(url, month, 1, batch, false)?,
-                "S2" => processes(url, month, 2, batch, false)?,
-                _ => processes(url, month, 3, batch, false)?,
+                "S1" => processes(&binaries.settlementd, url, month, 1, batch, false)?,
+                "S1U" => processes(
+                    binaries
+                        .unjournaled
+                        .as_deref()
+                        .ok_or("no unjournaled build")?,
+                    url,
+                    month,
+                    1,
+                    batch,
+                    false,
+                )?,
+                "S2" => processes(&binaries.settlementd, url, month, 2, batch, false)?,
+                _ => processes(&binaries.settlementd, url, month, 3, batch, false)?,
             };
             // Every case must leave the month exactly as the set-based UPDATE (the first) does.
             let totals =
@@ -412,7 +516,7 @@ async fn bench(
             }
             push(&name, sample);
             if with_rerun && want_verify {
-                let verified = verify_process(url, month, expected)?;
+                let verified = verify_process(&binaries.settlementd, url, month, expected)?;
                 println!(
                     "rep {rep} V         {:>8.1} ms right after the run",
                     verified.wall_ms
@@ -420,7 +524,7 @@ async fn bench(
                 push("V-after-run", verified);
             }
             if with_rerun && want_rerun {
-                let again = processes(url, month, 1, batch, true)?;
+                let again = processes(&binaries.settlementd, url, month, 1, batch, true)?;
                 check_noop(&again)?;
                 println!(
                     "rep {rep} R         {:>8.1} ms right after the run",
@@ -428,10 +532,18 @@ async fn bench(
                 );
                 push("R-after-run", again);
                 sqlx::query("VACUUM loans").execute(&mut db).await?;
-                let again = processes(url, month, 1, batch, true)?;
+                let again = processes(&binaries.settlementd, url, month, 1, batch, true)?;
                 check_noop(&again)?;
                 println!("rep {rep} R         {:>8.1} ms after VACUUM", again.wall_ms);
                 push("R-after-vacuum", again);
+            }
+            if with_rerun && want_correct {
+                let corrected = correct_process(&binaries.settlementd, url, month, rep)?;
+                println!(
+                    "rep {rep} C         {:>8.1} ms, {} fines changed",
+                    corrected.wall_ms, corrected.updated
+                );
+                push("C-after-run", corrected);
             }
         }
     }
@@ -490,7 +602,8 @@ async fn generate(
 ) -> Result<(u64, u64), BoxError> {
     for sql in [
         "DROP TABLE IF EXISTS loans_pristine, loans_definition",
-        "TRUNCATE loans, job_runs",
+        "TRUNCATE loans, job_runs, fine_journal, loan_changes, job_params, job_events,
+                  fine_adjustments, fine_corrections",
         "CREATE TABLE loans_definition (LIKE loans INCLUDING ALL)",
     ] {
         sqlx::query(sql).execute(&mut *db).await?;
@@ -502,9 +615,16 @@ async fn generate(
     }
     pool.close().await;
     settle_before(&mut *db, month).await?;
-    sqlx::query("CREATE TABLE loans_pristine AS SELECT * FROM loans ORDER BY id")
-        .execute(&mut *db)
-        .await?;
+    // The earlier months on the record, as `settlementd migrate` leaves a database settled before
+    // the journal: every settled loan with its opening entry.
+    while settlementd::settlement::journal::open_unjournaled(&mut *db, 100_000).await? > 0 {}
+    for sql in [
+        "CREATE TABLE loans_pristine AS SELECT * FROM loans ORDER BY id",
+        "DROP TABLE IF EXISTS journal_pristine",
+        "CREATE TABLE journal_pristine AS SELECT * FROM fine_journal ORDER BY id",
+    ] {
+        sqlx::query(sql).execute(&mut *db).await?;
+    }
     let n: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM loans_pristine
           WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NULL",
@@ -541,7 +661,19 @@ async fn settle_before(db: &mut PgConnection, month: BusinessDate) -> Result<(),
 /// either way, so every case starts with nothing dirty in shared buffers or in the kernel's page
 /// cache.
 async fn reset(db: &mut PgConnection, analyzed: bool, pristine: &str) -> Result<(), BoxError> {
-    sqlx::query("TRUNCATE job_runs").execute(&mut *db).await?;
+    // Everything a case writes besides the loans: claims, pins, the trail, the journal (back to
+    // the earlier months' entries), corrections.
+    for sql in [
+        "TRUNCATE job_runs, job_params, job_events, loan_changes, fine_adjustments, fine_corrections",
+        "TRUNCATE fine_journal",
+        &format!(
+            "INSERT INTO fine_journal OVERRIDING SYSTEM VALUE SELECT * FROM {}",
+            journal_of(pristine)
+        ),
+        "VACUUM ANALYZE fine_journal",
+    ] {
+        sqlx::query(sql).execute(&mut *db).await?;
+    }
     let refill = format!("INSERT INTO loans SELECT * FROM {pristine} ORDER BY id");
     if analyzed {
         for sql in [
@@ -581,6 +713,14 @@ async fn reset(db: &mut PgConnection, analyzed: bool, pristine: &str) -> Result<
     // SAFETY: sync(2) takes no arguments and cannot fail.
     unsafe { libc::sync() };
     Ok(())
+}
+
+/// The pristine journal kept with the pristine loans table `pristine`.
+fn journal_of(pristine: &str) -> String {
+    match pristine {
+        "loans_pristine" => "journal_pristine".into(),
+        other => format!("{other}_journal"),
+    }
 }
 
 async fn relation_sizes(db: &mut PgConnection) -> Result<String, BoxError> {
@@ -631,6 +771,50 @@ async fn set_based(
         wall_ms: ms(t.elapsed()),
         scanned: n,
         updated: n,
+        ..Sample::default()
+    })
+}
+
+/// J: the month updated and journaled in one statement — the set-based UPDATE of `L`, returning
+/// what the journal records, written as the engine writes it (a row per 10,000 loans, arrays of
+/// ids, seqs, dates and cents): what a journaled run can reach at best.
+async fn set_based_journaled(
+    db: &mut PgConnection,
+    month: BusinessDate,
+) -> Result<Sample, BoxError> {
+    let rule = FineRule::default();
+    let sql = format!(
+        "WITH settled AS (
+             UPDATE loans l SET fine_cents = {}, fine_settled_at = now(),
+                               fine_seq = COALESCE(l.fine_seq, 0) + 1
+              WHERE date_trunc('month', l.returned_on::timestamp) = $1
+                AND l.returned_on IS NOT NULL AND l.fine_settled_at IS NULL
+             RETURNING l.id, l.fine_seq, l.due_on, l.returned_on, l.fine_cents
+         ), numbered AS (
+             SELECT *, row_number() OVER () / 10000 AS part FROM settled
+         ), journal AS (
+             INSERT INTO fine_journal (month, kind, rule, shards, attempt, loan_ids, seqs, due_on,
+                                       returned_on, before_cents, after_cents)
+             SELECT $1::date, 'settled', '{{}}'::jsonb, 1, 1, array_agg(id), array_agg(fine_seq),
+                    array_agg(due_on), array_agg(returned_on), array_agg(0::bigint),
+                    array_agg(fine_cents)
+               FROM numbered GROUP BY part
+         )
+         SELECT count(*) FROM settled",
+        FineRule::sql_params(2)
+    );
+    let t = Instant::now();
+    let n: i64 = sqlx::query_scalar(&sql)
+        .bind(month.first_day().and_time(chrono::NaiveTime::MIN))
+        .bind(rule.grace_days)
+        .bind(rule.daily_rate_cents)
+        .bind(rule.max_cents)
+        .fetch_one(&mut *db)
+        .await?;
+    Ok(Sample {
+        wall_ms: ms(t.elapsed()),
+        scanned: n as u64,
+        updated: n as u64,
         ..Sample::default()
     })
 }
@@ -725,6 +909,7 @@ async fn per_row_pipelined(url: &str, month: BusinessDate) -> Result<Sample, Box
 /// `shards` `settlementd run` processes in parallel; wall time from the first spawn to the last
 /// exit; each process's peak RSS from its `VmHWM`.
 fn processes(
+    binary: &Path,
     url: &str,
     month: BusinessDate,
     shards: u32,
@@ -734,7 +919,8 @@ fn processes(
     let t = Instant::now();
     let mut children = Vec::new();
     for shard in 0..shards {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_settlementd"));
+        let mut cmd = Command::new(binary);
+        cmd.env("SETTLEMENTD_BENCH_UNJOURNALED", "1");
         for (key, _) in std::env::vars() {
             if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
                 cmd.env_remove(key);
@@ -814,8 +1000,13 @@ fn processes(
 /// benchmark process, into the child's maximum.)
 /// `settlementd verify --json` of `month`, timed from spawn to exit; it must find the month right
 /// with `expected` rows settled.
-fn verify_process(url: &str, month: BusinessDate, expected: u64) -> Result<Sample, BoxError> {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_settlementd"));
+fn verify_process(
+    binary: &Path,
+    url: &str,
+    month: BusinessDate,
+    expected: u64,
+) -> Result<Sample, BoxError> {
+    let mut cmd = Command::new(binary);
     for (key, _) in std::env::vars() {
         if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
             cmd.env_remove(key);
@@ -845,6 +1036,49 @@ fn verify_process(url: &str, month: BusinessDate, expected: u64) -> Result<Sampl
     Ok(Sample {
         wall_ms,
         scanned: v["returned"].as_u64().unwrap_or(0),
+        ..Sample::default()
+    })
+}
+
+/// `settlementd correct --json` of `month` to a rate 10 cents higher than the default (every late
+/// loan's fine changes), under a key of its own; timed from spawn to exit.
+fn correct_process(
+    binary: &Path,
+    url: &str,
+    month: BusinessDate,
+    rep: usize,
+) -> Result<Sample, BoxError> {
+    let mut cmd = Command::new(binary);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
+            cmd.env_remove(key);
+        }
+    }
+    let rate = FineRule::default().daily_rate_cents + 10;
+    let t = Instant::now();
+    let out = cmd
+        .env("SETTLEMENTD__DATABASE__URL", url)
+        .env("SETTLEMENTD__FINE__DAILY_RATE_CENTS", rate.to_string())
+        .args(["correct", "--json", "--business-date"])
+        .arg(month.to_string())
+        .args(["--reason", "benchmark: a higher rate", "--key"])
+        .arg(format!("bench-{rep}-{}", std::process::id()))
+        .stdin(Stdio::null())
+        .output()?;
+    let wall_ms = ms(t.elapsed());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "correct printed {:?} ({e}): {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    if !out.status.success() || v["replayed"] != false {
+        return Err(format!("correct failed: {v}").into());
+    }
+    Ok(Sample {
+        wall_ms,
+        updated: v["changed"].as_u64().unwrap_or(0),
         ..Sample::default()
     })
 }
@@ -925,6 +1159,9 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
         "S3" => "settlementd run, 3 shards in parallel (processes)",
         "R-after-run" => "settlementd run --force of the settled month, right after S1",
         "V-after-run" => "settlementd verify of the month (read-only), right after S1",
+        "C-after-run" => "settlementd correct of the month to another rate, after R",
+        "S1U" => "settlementd run, 1 shard, built without the money journal (baseline)",
+        "J" => "one set-based UPDATE of the month that also journals it",
         _ => "settlementd run --force of the settled month, after VACUUM",
     };
     let l_rate = samples
@@ -939,7 +1176,7 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
             let wall = median(v.iter().map(|s| s.wall_ms).collect());
             // A re-run or a verify settles nothing: no rate, no ratio to L (the summary compares
             // verify's time with L's).
-            let rerun = case.starts_with('R') || case.starts_with('V');
+            let rerun = case.starts_with('R') || case.starts_with('V') || case.starts_with('C');
             let rows = if rerun { 0 } else { expected };
             let rate = rows as f64 / (wall / 1000.0);
             Row {
@@ -1063,7 +1300,7 @@ fn write_results(
     Ok(())
 }
 
-/// What doubling the history costs one shard: [`doubling`].
+/// What doubling the history costs one shard, `verify` and `correct`: [`doubling`].
 #[derive(Debug, serde::Serialize)]
 struct Doubled {
     /// S1 wall times on `history`, then on `history2x`, in repetition order.
@@ -1071,6 +1308,9 @@ struct Doubled {
     history2x_ms: Vec<f64>,
     /// Median over repetitions of `history2x` time / `history` time.
     ratio: f64,
+    /// The same for `verify` right after the run, and for `correct` after it.
+    verify_ratio: f64,
+    correct_ratio: f64,
 }
 
 /// The doubling target in one interleaved set: `history` and `history2x` are generated and kept
@@ -1086,6 +1326,7 @@ async fn doubling(
     base: u64,
     reps: usize,
     batch: Option<u32>,
+    binaries: &Binaries,
 ) -> Result<Doubled, BoxError> {
     let mut db = PgConnection::connect(url).await?;
     settlementd::db::MIGRATOR.run(&mut db).await?;
@@ -1095,8 +1336,9 @@ async fn doubling(
         let shape = shape(name, base)?;
         let (loans, expected) = generate(&mut db, url, &shape, month).await?;
         for sql in [
-            format!("DROP TABLE IF EXISTS {table}"),
+            format!("DROP TABLE IF EXISTS {table}, {table}_journal"),
             format!("ALTER TABLE loans_pristine RENAME TO {table}"),
+            format!("ALTER TABLE journal_pristine RENAME TO {table}_journal"),
         ] {
             sqlx::query(&sql).execute(&mut db).await?;
         }
@@ -1108,33 +1350,51 @@ async fn doubling(
         println!("doubling: {name}, {loans} loans, {expected} to settle, kept as {table}");
     }
     let mut times = [Vec::new(), Vec::new()];
+    let mut verifies = [Vec::new(), Vec::new()];
+    let mut corrects = [Vec::new(), Vec::new()];
     for rep in 0..reps {
         let order = if rep % 2 == 0 { [0, 1] } else { [1, 0] };
         for i in order {
             let (name, table, analyzed, expected, reference) = &tables[i];
             reset(&mut db, *analyzed, table).await?;
-            let sample = processes(url, month, 1, batch, false)?;
+            let sample = processes(&binaries.settlementd, url, month, 1, batch, false)?;
             let case = format!("doubling, {name}");
             checked(&mut db, month, &case, &sample, *expected, Some(reference)).await?;
-            println!("rep {} S1 {name:<9} {:>8.0} ms", rep + 1, sample.wall_ms);
+            let verified = verify_process(&binaries.settlementd, url, month, *expected)?;
+            let corrected = correct_process(&binaries.settlementd, url, month, rep)?;
+            println!(
+                "rep {} S1 {name:<9} {:>8.0} ms  V {:>7.0} ms  C {:>7.0} ms",
+                rep + 1,
+                sample.wall_ms,
+                verified.wall_ms,
+                corrected.wall_ms
+            );
             times[i].push(sample.wall_ms);
+            verifies[i].push(verified.wall_ms);
+            corrects[i].push(corrected.wall_ms);
         }
     }
-    sqlx::query("DROP TABLE doubling_1x, doubling_2x")
+    sqlx::query("DROP TABLE doubling_1x, doubling_2x, doubling_1x_journal, doubling_2x_journal")
         .execute(&mut db)
         .await?;
+    let ratio_of = |pairs: &[Vec<f64>; 2]| {
+        median(
+            pairs[0]
+                .iter()
+                .zip(&pairs[1])
+                .map(|(one, two)| two / one)
+                .collect(),
+        )
+    };
+    let (verify_ratio, correct_ratio) = (ratio_of(&verifies), ratio_of(&corrects));
+    let ratio = ratio_of(&times);
     let [history_ms, history2x_ms] = times;
-    let ratio = median(
-        history_ms
-            .iter()
-            .zip(&history2x_ms)
-            .map(|(one, two)| two / one)
-            .collect(),
-    );
     let doubled = Doubled {
         history_ms,
         history2x_ms,
         ratio,
+        verify_ratio,
+        correct_ratio,
     };
     let dir = results_dir()?;
     std::fs::write(
@@ -1159,8 +1419,20 @@ fn print_summary(all: &[(&str, Vec<Row>)], doubled: Option<&Doubled>) {
 summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; R in ms)"
     );
     println!(
-        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>10} {:>10} {:>9}",
-        "shape", "S1", "S2", "S3", "best", "L2", "V÷L", "S1 ms", "R ms", "RSS MiB"
+        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
+        "shape",
+        "S1",
+        "S2",
+        "S3",
+        "best",
+        "L2",
+        "J÷L",
+        "S1÷S1U",
+        "V÷L",
+        "C÷L",
+        "S1 ms",
+        "R ms",
+        "RSS MiB"
     );
     for (shape, rows) in all {
         let best = ["S2", "S3"]
@@ -1171,19 +1443,25 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
             .iter()
             .filter_map(|r| r.peak_rss_mib)
             .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
-        // verify's time against L's (lower is better; the target is at most 1).
-        let verify_over_l = get(shape, "V-after-run")
-            .zip(get(shape, "L"))
-            .map(|(v, l)| v.wall_ms / l.wall_ms);
+        // Times against L's (lower is better): verify's (target ≤ 1), correct's (≤ 3), the
+        // journaled statement's; and the run's against the run without the journal (≤ 1.4).
+        let over = |case: &str, base: &str| {
+            get(shape, case)
+                .zip(get(shape, base))
+                .map(|(v, l)| v.wall_ms / l.wall_ms)
+        };
         println!(
-            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>10} {:>10} {:>9}",
+            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
             shape,
             fmt(ratio(shape, "S1")),
             fmt(ratio(shape, "S2")),
             fmt(ratio(shape, "S3")),
             fmt(best),
             fmt(ratio(shape, "L2")),
-            fmt(verify_over_l),
+            fmt(over("J", "L")),
+            fmt(over("S1", "S1U")),
+            fmt(over("V-after-run", "L")),
+            fmt(over("C-after-run", "L")),
             get(shape, "S1").map_or("-".into(), |r| format!("{:.0}", r.wall_ms)),
             get(shape, "R-after-run").map_or("-".into(), |r| format!("{:.1}", r.wall_ms)),
             rss.map_or("-".into(), |m| format!("{m:.1}")),
@@ -1192,11 +1470,14 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
     if let Some(d) = doubled {
         println!(
             "doubling the history, one shard, interleaved: {:.2} × the time (median of {} \
-             repetitions' ratios; medians {:.0} ms against {:.0} ms)",
+             repetitions' ratios; medians {:.0} ms against {:.0} ms); verify {:.2} ×, correct \
+             {:.2} ×",
             d.ratio,
             d.history_ms.len(),
             median(d.history2x_ms.clone()),
-            median(d.history_ms.clone())
+            median(d.history_ms.clone()),
+            d.verify_ratio,
+            d.correct_ratio
         );
     } else if let (Some(one), Some(two)) = (get("history", "S1"), get("history2x", "S1")) {
         println!(

@@ -5,6 +5,14 @@ use settlementd::cli::{self, Command};
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    #[cfg(feature = "bench-unjournaled")]
+    if std::env::var("SETTLEMENTD_BENCH_UNJOURNALED").as_deref() != Ok("1") {
+        eprintln!(
+            "settlementd: this build settles without writing the money journal (the benchmark's \
+             baseline, feature bench-unjournaled): it refuses to run outside the benchmark"
+        );
+        return ExitCode::from(2);
+    }
     let cli = match cli::parse() {
         Ok(cli) => cli,
         Err(code) => return code,

@@ -995,8 +995,24 @@ impl BatchSql {
              SELECT count(*) FROM settled",
             journal_settled = journal("settled"),
         );
+        #[cfg(feature = "bench-unjournaled")]
+        let settle = unjournaled(&settle);
         BatchSql { page, odd, settle }
     }
+}
+
+/// The bench's baseline build (`--features bench-unjournaled`, never a release build): the settle
+/// statement as it was before the journal — the same update, no entry written — so that
+/// `cargo bench --bench settle` measures what the journal costs a run in one run. The binary
+/// refuses to start without `SETTLEMENTD_BENCH_UNJOURNALED=1` (src/main.rs).
+#[cfg(feature = "bench-unjournaled")]
+fn unjournaled(settle: &str) -> String {
+    let update = settle
+        .split_once("WITH settled AS (")
+        .and_then(|(_, rest)| rest.split_once("RETURNING"))
+        .map(|(update, _)| update)
+        .unwrap_or(settle);
+    format!("WITH settled AS ({update} RETURNING 1) SELECT count(*) FROM settled")
 }
 
 /// One month's unsettled returns of one shard: `late` the rule can price, `held` it cannot.
