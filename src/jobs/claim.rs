@@ -111,6 +111,28 @@ pub async fn claim_for(
 ) -> Result<ClaimOutcome> {
     let request = opts.request;
     let mut tx = conn.begin().await?;
+    // Campaign mutant: a key already SUCCESS (re-opened for late returns) is claimed without
+    // comparing the claimer's rule with the month's pin.
+    #[cfg(feature = "mutant-late-under-config-rule")]
+    let opts = {
+        let done: Option<bool> = sqlx::query_scalar(
+            "SELECT status = 'SUCCESS' FROM job_runs
+              WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4",
+        )
+        .bind(&key.job_name)
+        .bind(key.business_date)
+        .bind(key.shards as i32)
+        .bind(key.shard as i32)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match done {
+            Some(true) if opts.correction.is_none() => ClaimOptions {
+                params: None,
+                ..opts
+            },
+            _ => opts,
+        }
+    };
     if let Some(request) = request {
         if !requests::lock_open(&mut tx, request, key.shard).await? {
             tx.commit().await?;
@@ -155,6 +177,23 @@ pub async fn claim_for(
     .bind(request)
     .fetch_optional(&mut *tx)
     .await?;
+    // Campaign mutant: the ON CONFLICT result is ignored; an existing row is taken as won.
+    #[cfg(feature = "mutant-claim-ignores-conflict")]
+    let inserted = match inserted {
+        Some(row) => Some(row),
+        None => {
+            sqlx::query_as(
+                "SELECT attempt, request_id::text FROM job_runs
+              WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4",
+            )
+            .bind(&key.job_name)
+            .bind(key.business_date)
+            .bind(key.shards as i32)
+            .bind(key.shard as i32)
+            .fetch_optional(&mut *tx)
+            .await?
+        }
+    };
     if let Some((attempt, lineage)) = inserted {
         let claim = Claim {
             key: key.clone(),
@@ -180,7 +219,7 @@ pub async fn claim_for(
     // The row exists. Take it over only if its holder is gone (or it is done and we force).
     // A forced re-run starts from the beginning and serves only its own request (none from the
     // CLI); a takeover resumes after committed progress and keeps serving the request it served.
-    let taken: Option<Taken> = sqlx::query_as(
+    let takeover = format!(
         "WITH prior AS (
              SELECT status FROM job_runs
               WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
@@ -201,22 +240,24 @@ pub async fn claim_for(
           WHERE j.job_name = $1 AND j.business_date = $2 AND j.shards = $3 AND j.shard = $4
             AND (j.status = 'FAILED'
                  OR (j.status = 'RUNNING'
-                     AND j.heartbeat_at < clock_timestamp() - make_interval(secs => $6))
+                     AND j.heartbeat_at < {LEASE_NOW} - make_interval(secs => $6))
                  OR (j.status = 'SUCCESS' AND $7))
          RETURNING j.attempt, j.last_id, j.last_id_desc, prior.status AS prior,
-                   j.request_id::text AS lineage",
-    )
-    .bind(&key.job_name)
-    .bind(key.business_date)
-    .bind(key.shards as i32)
-    .bind(key.shard as i32)
-    .bind(&owner.0)
-    .bind(ttl.as_secs_f64())
-    .bind(opts.force || opts.reopen.is_some())
-    .bind(request)
-    .bind(opts.reopen.is_some())
-    .fetch_optional(&mut *tx)
-    .await?;
+                   j.request_id::text AS lineage"
+    );
+    let taken = sqlx::query_as::<_, Taken>(&takeover)
+        .bind(&key.job_name)
+        .bind(key.business_date)
+        .bind(key.shards as i32)
+        .bind(key.shard as i32)
+        .bind(&owner.0)
+        .bind(ttl.as_secs_f64())
+        .bind(opts.force || opts.reopen.is_some())
+        .bind(request)
+        .bind(opts.reopen.is_some());
+    #[cfg(feature = "mutant-lease-local-clock")]
+    let taken = taken.bind(chrono::Utc::now());
+    let taken: Option<Taken> = taken.fetch_optional(&mut *tx).await?;
     if let Some(Taken {
         attempt,
         last_id,
@@ -270,6 +311,13 @@ pub async fn claim_for(
     tx.commit().await?;
     Ok(outcome)
 }
+
+/// "Now" for judging a lease: the database's clock.
+#[cfg(not(feature = "mutant-lease-local-clock"))]
+const LEASE_NOW: &str = "clock_timestamp()";
+/// Campaign mutant: the lease judged on the claimer's own clock (bound as `$10`).
+#[cfg(feature = "mutant-lease-local-clock")]
+const LEASE_NOW: &str = "$10::timestamptz";
 
 /// The row a takeover leaves: its new attempt, the progress it resumes, the status it replaced and
 /// the request it serves.

@@ -378,7 +378,15 @@ async fn work<J: Job>(
         let batch = answered(opts.answer_within(), async {
             let mut tx = conn.begin_with(job.begin_batch()).await?;
             let batch = job.run_batch(&mut tx, &plan, cursor).await?;
-            if !claim::record_batch(&mut tx, claim, &batch).await? {
+            let fenced = claim::record_batch(&mut tx, claim, &batch).await?;
+            // Campaign mutant: the fence's answer is ignored, so a batch commits its loans after
+            // its claim was taken over.
+            #[cfg(feature = "mutant-fence-off")]
+            let fenced = {
+                let _ = fenced;
+                true
+            };
+            if !fenced {
                 tx.rollback().await?;
                 return Ok(None);
             }

@@ -98,9 +98,16 @@ pub fn insert_from(
                 array_agg(id), array_agg(seq), array_agg(due_on), array_agg(returned_on),
                 array_agg(before), array_agg(after)
            FROM {from}
-         HAVING count(*) > 0"
+         HAVING count(*) >= {JOURNAL_AT_LEAST}"
     )
 }
+
+/// The fewest entries a journal row is written for: one.
+#[cfg(not(feature = "mutant-skip-journal"))]
+const JOURNAL_AT_LEAST: i64 = 1;
+/// Campaign mutant: a journal row of a single entry is skipped.
+#[cfg(feature = "mutant-skip-journal")]
+const JOURNAL_AT_LEAST: i64 = 2;
 
 /// Who writes a batch of re-pricings: the month, the rule it prices under, the run.
 #[derive(Debug, Clone)]
