@@ -227,6 +227,7 @@ impl Replica {
         };
         let slot = Slot::new(fire_at);
         self.open_unjournaled().await;
+        self.close_abandoned().await;
         let scheduled = (self.catch_up || fire_at.with_timezone(&Utc) >= self.started_at)
             .then_some(slot.business_date);
         let due = self.due(slot.business_date, scheduled).await;
@@ -381,6 +382,27 @@ impl Replica {
                 "settled loans without a journal entry given their opening entry"
             ),
             Err(e) => tracing::warn!(error = %e, "cannot write opening journal entries"),
+        }
+    }
+
+    /// Closes claims of another shard count left RUNNING by a holder that died before a reshard
+    /// ([`jobs::claim::close_abandoned`]): no replica of this count would ever take them over.
+    async fn close_abandoned(&self) {
+        let closed = jobs::claim::close_abandoned(
+            &self.pool,
+            settlement::JOB_NAME,
+            self.shard.count,
+            &self.opts.owner,
+            self.opts.lease_ttl,
+        )
+        .await;
+        match closed {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                closed = n,
+                "claims of another shard count left RUNNING by a dead holder closed as FAILED"
+            ),
+            Err(e) => tracing::debug!(error = %e, "cannot close abandoned claims"),
         }
     }
 

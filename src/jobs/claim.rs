@@ -319,6 +319,51 @@ const LEASE_NOW: &str = "clock_timestamp()";
 #[cfg(feature = "mutant-lease-local-clock")]
 const LEASE_NOW: &str = "$10::timestamptz";
 
+/// Closes the claims of `job_name` under a shard count other than `shards` that were left RUNNING
+/// and whose lease has expired (by the database's clock): their holder died (SIGKILL, a lost node)
+/// before the fleet moved to `shards`, and no replica of this count ever looks at another count's
+/// keys, so nobody would take them over. Each is closed as a takeover would start: a new attempt
+/// (so the old holder, should it wake, is fenced off), written FAILED at once with the reason and
+/// an `abandoned` event, in one statement. A replica of that count still alive, or a `run` with
+/// it, takes a FAILED row over as usual. Returns how many were closed. (Found by the fault
+/// campaign, seed 1002: a holder killed, then a reshard, left its month RUNNING under the old
+/// count for good.)
+pub async fn close_abandoned(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+    owner: &Owner,
+    ttl: Duration,
+) -> Result<u64> {
+    let closed: i64 = sqlx::query_scalar(
+        "WITH closed AS (
+             UPDATE job_runs
+                SET status = 'FAILED', attempt = attempt + 1, owner = $3,
+                    heartbeat_at = clock_timestamp(), finished_at = clock_timestamp(),
+                    last_error = format('abandoned: left RUNNING by its holder, whose lease expired, '
+                                        'while the fleet runs %s shards', $2::int)
+              WHERE job_name = $1 AND shards <> $2 AND status = 'RUNNING'
+                AND heartbeat_at < clock_timestamp() - make_interval(secs => $4)
+             RETURNING job_name, business_date, shards, shard, attempt, request_id, last_error
+         ), event AS (
+             INSERT INTO job_events
+                    (job_name, business_date, shards, shard, event, attempt, owner, request_id,
+                     message)
+             SELECT job_name, business_date, shards, shard, 'abandoned', attempt, $3, request_id,
+                    last_error
+               FROM closed
+         )
+         SELECT count(*) FROM closed",
+    )
+    .bind(job_name)
+    .bind(shards as i32)
+    .bind(&owner.0)
+    .bind(ttl.as_secs_f64())
+    .fetch_one(db)
+    .await?;
+    Ok(closed as u64)
+}
+
 /// The row a takeover leaves: its new attempt, the progress it resumes, the status it replaced and
 /// the request it serves.
 #[derive(sqlx::FromRow)]

@@ -90,6 +90,7 @@ pub struct Loan {
 pub struct LoanWrite {
     pub n: i64,
     pub txid: i64,
+    pub at: DateTime<Utc>,
     pub who: String,
     /// 'I', 'U' or 'D'.
     pub op: char,
@@ -276,6 +277,7 @@ pub async fn read(
     type WriteRow = (
         i64,
         i64,
+        DateTime<Utc>,
         String,
         String,
         i64,
@@ -291,7 +293,7 @@ pub async fn read(
         Option<String>,
     );
     let writes: Vec<WriteRow> = sqlx::query_as(
-        "SELECT n, txid, who, op, loan_id, old_settled, new_settled, old_settled_at, new_settled_at,
+        "SELECT n, txid, at, who, op, loan_id, old_settled, new_settled, old_settled_at, new_settled_at,
                 old_fine, new_fine, old_seq, new_seq, new_due, new_ret
            FROM campaign_loan_log ORDER BY n",
     )
@@ -302,19 +304,20 @@ pub async fn read(
         .map(|w| LoanWrite {
             n: w.0,
             txid: w.1,
-            who: w.2,
-            op: w.3.chars().next().unwrap_or('?'),
-            loan: w.4,
-            old_settled: w.5,
-            new_settled: w.6,
-            old_at: w.7,
-            new_at: w.8,
-            old_fine: w.9,
-            new_fine: w.10,
-            old_seq: w.11,
-            new_seq: w.12,
-            new_due: Day::parse(w.13.as_deref()),
-            new_returned: Day::parse(w.14.as_deref()),
+            at: w.2,
+            who: w.3,
+            op: w.4.chars().next().unwrap_or('?'),
+            loan: w.5,
+            old_settled: w.6,
+            new_settled: w.7,
+            old_at: w.8,
+            new_at: w.9,
+            old_fine: w.10,
+            new_fine: w.11,
+            old_seq: w.12,
+            new_seq: w.13,
+            new_due: Day::parse(w.14.as_deref()),
+            new_returned: Day::parse(w.15.as_deref()),
         })
         .collect();
     type JRow = (
@@ -586,7 +589,12 @@ fn verify_disagrees(f: &Facts, month: NaiveDate, code: i32, stdout: &str) -> Opt
         .filter(in_month)
         .filter(|l| l.due.day().is_none() && !l.settled)
         .count() as i64;
-    let settled: Vec<&Loan> = f.loans.values().filter(in_month).filter(|l| l.settled).collect();
+    let settled: Vec<&Loan> = f
+        .loans
+        .values()
+        .filter(in_month)
+        .filter(|l| l.settled)
+        .collect();
     let sum: i64 = settled.iter().map(|l| l.fine).sum();
     let mut wrong = Vec::new();
     for path in [
@@ -603,7 +611,10 @@ fn verify_disagrees(f: &Facts, month: NaiveDate, code: i32, stdout: &str) -> Opt
         }
     }
     if count(&["held", "count"]) != held {
-        wrong.push(format!("held {} where the checker finds {held}", count(&["held", "count"])));
+        wrong.push(format!(
+            "held {} where the checker finds {held}",
+            count(&["held", "count"])
+        ));
     }
     if count(&["totals", "settled_rows"]) != settled.len() as i64 {
         wrong.push(format!(
@@ -682,6 +693,7 @@ const CLAIM_EVENTS: &[&str] = &[
     "late_returns",
     "correcting",
     "reopened",
+    "abandoned",
 ];
 
 fn check_claims(f: &Facts, out: &mut Vec<Violation>) {
@@ -1415,6 +1427,7 @@ mod tests {
             loan_log: vec![LoanWrite {
                 n: 1,
                 txid: 77,
+                at: at(5),
                 who: "settlementd".into(),
                 op: 'U',
                 loan: 1,

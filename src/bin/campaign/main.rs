@@ -229,6 +229,28 @@ async fn play_schedule(
         ),
         Err(open) => println!("  NOT quiesced: {open}"),
     }
+    let writes: Vec<_> = facts
+        .loan_log
+        .iter()
+        .filter(|w| w.who == "settlementd")
+        .collect();
+    if let (Some(first), Some(last)) = (writes.first(), writes.last()) {
+        let span = (last.at - first.at).num_milliseconds() as f64 / 1000.0;
+        println!("  settlementd wrote fines for {span:.1} s");
+    }
+    for f in world
+        .faults
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+    {
+        println!(
+            "  fault at {:.1} s: {}{}",
+            (f.from - world.started).as_secs_f64(),
+            f.what,
+            f.target.map(|t| format!(" on p{t}")).unwrap_or_default()
+        );
+    }
     for note in world.notes.lock().unwrap_or_else(|p| p.into_inner()).iter() {
         println!("  note: {note}");
     }
@@ -256,9 +278,9 @@ async fn play_schedule(
             ));
         }
         println!("  replay: {replay}");
+        dump(&world, &dir).await;
         println!(
-            "  logs and the database ({}) kept: {}",
-            world.database,
+            "  logs, and the tables the checker read (JSON), kept in {}",
             dir.display()
         );
     } else {
@@ -274,6 +296,37 @@ async fn play_schedule(
         return Ok(violations.len().max(1));
     }
     Ok(violations.len())
+}
+
+/// The tables the checker read, as JSON files in `dir`, for a violation's post-mortem.
+async fn dump(world: &World, dir: &Path) {
+    let Ok(mut conn) = world.connect("campaign").await else {
+        return;
+    };
+    for table in [
+        "loans",
+        "fine_journal",
+        "job_runs",
+        "job_events",
+        "job_params",
+        "run_requests",
+        "run_request_shards",
+        "fine_corrections",
+        "fine_adjustments",
+        "loan_changes",
+        "campaign_loan_log",
+        "campaign_journal_log",
+        "campaign_run_log",
+    ] {
+        let sql = format!("SELECT COALESCE(json_agg(t), '[]')::text FROM {table} t");
+        if let Ok(text) = sqlx::query_scalar::<_, String>(&sql)
+            .fetch_one(&mut conn)
+            .await
+        {
+            let _ = std::fs::write(dir.join(format!("{table}.json")), text);
+        }
+    }
+    let _ = sqlx::Connection::close(conn).await;
 }
 
 async fn drop_database(cluster: &Cluster, database: &str) {
