@@ -88,7 +88,6 @@ pub struct Loan {
 /// One logged write of a loan.
 #[derive(Debug, Clone)]
 pub struct LoanWrite {
-    pub n: i64,
     pub txid: i64,
     pub at: DateTime<Utc>,
     pub who: String,
@@ -161,7 +160,6 @@ impl std::fmt::Display for Key {
 /// One logged write of `job_runs`.
 #[derive(Debug, Clone)]
 pub struct RunWrite {
-    pub n: i64,
     pub txid: i64,
     pub at: DateTime<Utc>,
     pub key: Key,
@@ -302,7 +300,6 @@ pub async fn read(
     facts.loan_log = writes
         .into_iter()
         .map(|w| LoanWrite {
-            n: w.0,
             txid: w.1,
             at: w.2,
             who: w.3,
@@ -395,7 +392,6 @@ pub async fn read(
     facts.run_log = runs
         .into_iter()
         .map(|r| RunWrite {
-            n: r.0,
             txid: r.1,
             at: r.2,
             key: Key {
@@ -1425,7 +1421,6 @@ mod tests {
             final_shards: 1,
             loans,
             loan_log: vec![LoanWrite {
-                n: 1,
                 txid: 77,
                 at: at(5),
                 who: "settlementd".into(),
@@ -1543,7 +1538,6 @@ mod tests {
     fn a_second_settlement_of_a_settled_loan_is_caught() {
         let mut f = tiny();
         let mut again = f.loan_log[0].clone();
-        again.n = 2;
         again.txid = 90;
         again.old_settled = Some(true);
         again.old_at = again.new_at;
@@ -1583,7 +1577,6 @@ mod tests {
     fn a_takeover_of_a_live_lease_is_caught() {
         let mut f = tiny();
         let mut stolen = f.run_log[1].clone();
-        stolen.n = 9;
         stolen.txid = 99;
         stolen.new_attempt = Some(2);
         stolen.at = stolen.old_heartbeat.unwrap() + chrono::TimeDelta::seconds(1);

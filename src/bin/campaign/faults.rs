@@ -39,6 +39,17 @@ pub async fn start_fleet(world: &World) -> Result<()> {
                 .await?;
         }
     }
+    if let (Some(secs), true) = (world.plan.skewed_at_start, world.faketime) {
+        let shard = (world.plan.seed % u64::from(shards)) as u32;
+        world
+            .spawn(
+                Role::Serve { shard, shards },
+                Rules::Fleet,
+                false,
+                Some(secs),
+            )
+            .await?;
+    }
     Ok(())
 }
 
@@ -94,12 +105,42 @@ pub async fn play(
             background.spawn(async move {
                 let from = Instant::now();
                 let landed = stop(&world, id, between).await;
-                tokio::time::sleep(ttl + extra).await;
+                let held = claims_of(&world, id).await;
+                let stopped = Instant::now();
+                let mut heir = None;
+                if landed && !held.is_empty() {
+                    // Woken the moment a peer has taken its claim over, with the heir paused for
+                    // a moment (it has not written yet): the fence alone must stop its next batch.
+                    let deadline = stopped + ttl * 4;
+                    while Instant::now() < deadline {
+                        if let Some(owner) = taken_over(&world, &held).await {
+                            heir = owner;
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    if let Some(heir) = heir {
+                        world.with_proc(heir, |p| p.signal(libc::SIGSTOP, "STOP"));
+                    }
+                } else {
+                    tokio::time::sleep(ttl + extra).await;
+                }
                 world.with_proc(id, |p| p.signal(libc::SIGCONT, "CONT"));
+                if let Some(heir) = heir {
+                    let paused = Instant::now();
+                    tokio::time::sleep(Duration::from_millis(300) + extra / 5).await;
+                    world.with_proc(heir, |p| p.signal(libc::SIGCONT, "CONT"));
+                    world.fault(
+                        "SIGSTOP while the holder it took over from wakes",
+                        Some(heir),
+                        paused,
+                        Instant::now() + ttl * 4,
+                    );
+                }
                 let what = format!(
                     "SIGSTOP {}for {:.1} s",
                     if landed { "between transactions " } else { "" },
-                    (ttl + extra).as_secs_f64()
+                    stopped.elapsed().as_secs_f64()
                 );
                 world.fault(what, Some(id), from, Instant::now() + ttl * 4);
             });
@@ -354,13 +395,69 @@ async fn holder_or_replica(world: &World, pick: impl Fn(usize) -> usize) -> Opti
         .holders()
         .await
         .into_iter()
-        .filter(|id| world.with_proc(*id, |p| !p.clean).unwrap_or(false))
+        .filter(|id| {
+            world
+                .with_proc(*id, |p| !p.clean && !p.stopped)
+                .unwrap_or(false)
+        })
         .collect();
     if !holders.is_empty() {
         return Some(holders[pick(holders.len())]);
     }
-    let any = world.running(|p| !p.clean && matches!(p.role, Role::Serve { .. }));
+    let any = world.running(|p| !p.clean && !p.stopped && matches!(p.role, Role::Serve { .. }));
     any.get(pick(any.len())).copied()
+}
+
+/// The RUNNING claims process `id` holds: (job, business date, shards, shard, attempt).
+async fn claims_of(world: &World, id: usize) -> Vec<(String, chrono::NaiveDate, i32, i32, i32)> {
+    let Ok(mut conn) = world.connect("campaign").await else {
+        return Vec::new();
+    };
+    let held = sqlx::query_as(
+        "SELECT job_name, business_date, shards, shard, attempt FROM job_runs
+          WHERE status = 'RUNNING' AND owner LIKE $1",
+    )
+    .bind(format!("camp-p{id}/%"))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap_or_default();
+    let _ = sqlx::Connection::close(conn).await;
+    held
+}
+
+/// Whether any of `held` has moved past its attempt (taken over, or ended): `Some` with the
+/// campaign process that holds it now, if one does.
+async fn taken_over(
+    world: &World,
+    held: &[(String, chrono::NaiveDate, i32, i32, i32)],
+) -> Option<Option<usize>> {
+    let Ok(mut conn) = world.connect("campaign").await else {
+        return None;
+    };
+    let mut moved = None;
+    for (job, date, shards, shard, attempt) in held {
+        let now: Option<(i32, String)> = sqlx::query_as(
+            "SELECT attempt, owner FROM job_runs
+              WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4",
+        )
+        .bind(job)
+        .bind(date)
+        .bind(shards)
+        .bind(shard)
+        .fetch_optional(&mut conn)
+        .await
+        .unwrap_or(None);
+        if let Some((now, owner)) = now.filter(|(now, _)| now > attempt) {
+            let _ = now;
+            let heir = owner
+                .strip_prefix("camp-p")
+                .and_then(|o| o.split('/').next())
+                .and_then(|n| n.parse().ok());
+            moved = Some(heir);
+        }
+    }
+    let _ = sqlx::Connection::close(conn).await;
+    moved
 }
 
 /// SIGSTOPs `id`; with `between`, only at a moment when none of its sessions has a transaction
@@ -370,21 +467,21 @@ async fn stop(world: &World, id: usize, between: bool) -> bool {
     let Some(proxy) = world.with_proc(id, |p| p.proxy.clone()) else {
         return false;
     };
-    for _ in 0..200 {
+    if !between {
         world.with_proc(id, |p| p.signal(libc::SIGSTOP, "STOP"));
-        if !between {
-            return false;
-        }
-        // Let what it sent before the stop reach the proxy.
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        if proxy.between_transactions() {
-            return true;
-        }
-        world.with_proc(id, |p| p.signal(libc::SIGCONT, "CONT"));
-        tokio::time::sleep(Duration::from_millis(3 + (id as u64 * 7) % 11)).await;
+        return false;
     }
-    world.with_proc(id, |p| p.signal(libc::SIGSTOP, "STOP"));
-    false
+    // Caught at the answer that ends a transaction (a batch's COMMIT, usually), held until the
+    // process is stopped: it wakes with the next batch still to begin.
+    let caught = proxy
+        .catch_between_transactions(Duration::from_secs(4), || {
+            world.with_proc(id, |p| p.signal(libc::SIGSTOP, "STOP"));
+        })
+        .await;
+    if !caught {
+        world.with_proc(id, |p| p.signal(libc::SIGSTOP, "STOP"));
+    }
+    caught
 }
 
 /// libraryd edits `n` settled loans, one transaction each.

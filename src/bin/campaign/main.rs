@@ -151,10 +151,13 @@ async fn play_schedule(
     };
     let plan = schedule::plan(seed, args.steps, last_month);
     println!(
-        "  {} shards x {} replicas (reshard to {}), batch {}, writes slowed {} ms, lease {} s, \
+        "  {} shards x {} replicas{} (reshard to {}), batch {}, writes slowed {} ms, lease {} s, \
          rule {}/{}/{} (other {}/{}/{}), {} loans a month over {}..{}, settlementd {}{}, PostgreSQL {}",
         plan.shards,
         plan.replicas,
+        plan.skewed_at_start
+            .map(|s| format!(" + 1 with its clock {s:+} s"))
+            .unwrap_or_default(),
         plan.reshard_to,
         plan.batch_size,
         plan.slow.as_millis(),
@@ -177,15 +180,9 @@ async fn play_schedule(
     );
     let dir = work.join(format!("seed-{seed}"));
     let steps = plan.steps.clone();
-    let world = World::create(
-        plan,
-        cluster.clone(),
-        bin.to_path_buf(),
-        dir.clone(),
-        args.mutant.is_some(),
-    )
-    .await
-    .context("setting up the world")?;
+    let world = World::create(plan, cluster.clone(), bin.to_path_buf(), dir.clone())
+        .await
+        .context("setting up the world")?;
     if !world.faketime {
         println!("  (libfaketime not installed: clock-skew actions are skipped; apt-get install faketime)");
     }

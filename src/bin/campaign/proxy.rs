@@ -7,10 +7,11 @@
 //! while before passing it on. New connections meet the fault in force as existing ones do.
 //!
 //! The proxy also reads the server's `ReadyForQuery` messages (the protocol's last word after
-//! every query, with the session's transaction status), so [`Proxy::between_transactions`] can
-//! tell that none of the process's sessions has a transaction open or a statement in flight: the
-//! moment at which a stopped process is a would-be zombie that the fence, not the server's
-//! `idle_in_transaction_session_timeout`, must stop.
+//! every query, with the session's transaction status), so
+//! [`Proxy::catch_between_transactions`] can hold the answer that leaves none of the process's
+//! sessions with a transaction open or a statement in flight (a batch's COMMIT) until the process
+//! is stopped: a would-be zombie that the fence, not the server's
+//! `idle_in_transaction_session_timeout`, must stop when it wakes.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -40,11 +41,18 @@ struct Conn {
     reset: CancellationToken,
 }
 
+/// An armed catch: told when the process comes between transactions, then waits to be released.
+type Catch = (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::sync::oneshot::Receiver<()>,
+);
+
 #[derive(Debug)]
 struct Shared {
     socket: PathBuf,
     net: Mutex<Net>,
     conns: Mutex<Vec<Arc<Conn>>>,
+    catch: Mutex<Option<Catch>>,
 }
 
 impl Shared {
@@ -70,6 +78,7 @@ impl Proxy {
             socket,
             net: Mutex::new(Net::Pass),
             conns: Mutex::new(Vec::new()),
+            catch: Mutex::new(None),
         });
         let stop = CancellationToken::new();
         let (accepting, halt) = (shared.clone(), stop.clone());
@@ -112,15 +121,29 @@ impl Proxy {
         }
     }
 
-    /// True when every open connection is idle outside a transaction with nothing in flight.
-    pub fn between_transactions(&self) -> bool {
+    /// Waits up to `within` for the moment a server answer brings the process between
+    /// transactions (that connection's `ReadyForQuery` says idle, and every other connection is
+    /// idle with nothing in flight), holds that answer, runs `then` (a SIGSTOP), and only then
+    /// passes the answer on. True when it was caught.
+    pub async fn catch_between_transactions(&self, within: Duration, then: impl FnOnce()) -> bool {
+        let (caught_tx, caught_rx) = tokio::sync::oneshot::channel();
+        let (release_tx, release_rx) = tokio::sync::oneshot::channel();
+        *self.shared.catch.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((caught_tx, release_rx));
+        let caught = tokio::time::timeout(within, caught_rx).await;
         self.shared
-            .conns
+            .catch
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|c| !c.closed.load(Ordering::SeqCst))
-            .all(|c| c.status.load(Ordering::SeqCst) == b'I' && !c.busy.load(Ordering::SeqCst))
+            .take();
+        match caught {
+            Ok(Ok(())) => {
+                then();
+                let _ = release_tx.send(());
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Stops accepting (open connections end with their process).
@@ -184,9 +207,14 @@ where
         match dir {
             Direction::Up => conn.busy.store(true, Ordering::SeqCst),
             Direction::Down => {
+                let mut idle_now = false;
                 for status in reader.feed(&buf[..read]) {
                     conn.status.store(status, Ordering::SeqCst);
                     conn.busy.store(false, Ordering::SeqCst);
+                    idle_now = status == b'I';
+                }
+                if idle_now && reader.at_boundary() {
+                    hold_if_caught(shared, conn).await;
                 }
             }
         }
@@ -207,6 +235,31 @@ where
         }
         if to.write_all(&buf[..read]).await.is_err() {
             return;
+        }
+    }
+}
+
+/// When a catch is armed and every other connection of the process is idle too, tells the
+/// catcher and waits (at most a second) for it to release this answer.
+async fn hold_if_caught(shared: &Shared, conn: &Conn) {
+    let others_idle = shared
+        .conns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|c| !c.closed.load(Ordering::SeqCst) && !std::ptr::eq(c.as_ref(), conn))
+        .all(|c| c.status.load(Ordering::SeqCst) == b'I' && !c.busy.load(Ordering::SeqCst));
+    if !others_idle {
+        return;
+    }
+    let armed = shared
+        .catch
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take();
+    if let Some((caught, release)) = armed {
+        if caught.send(()).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(1), release).await;
         }
     }
 }
@@ -238,6 +291,11 @@ struct MessageReader {
 }
 
 impl MessageReader {
+    /// Whether the bytes fed so far end exactly at a message's end.
+    fn at_boundary(&self) -> bool {
+        self.header_len == 0 && self.body_left == 0
+    }
+
     fn feed(&mut self, mut bytes: &[u8]) -> Vec<u8> {
         let mut statuses = Vec::new();
         while !bytes.is_empty() {

@@ -89,7 +89,7 @@ pub const CATALOG: &[(&str, u32)] = &[
     ("terminate", 5),
     ("restart_postgres", 4),
     ("network", 7),
-    ("skewed_replica", 4),
+    ("skewed_replica", 5),
     ("reshard", 3),
     ("late_returns", 10),
     ("edit_settled", 9),
@@ -120,6 +120,8 @@ pub struct Plan {
     pub reshard_to: u32,
     /// Replicas per shard at the start.
     pub replicas: u32,
+    /// One more replica at the start whose clock is off by this many seconds (libfaketime).
+    pub skewed_at_start: Option<i64>,
     pub batch_size: u32,
     /// Each `UPDATE` of `loans` sleeps this long (statement-level trigger).
     pub slow: Duration,
@@ -159,6 +161,7 @@ pub fn plan(seed: u64, steps: u32, last_month: chrono::NaiveDate) -> Plan {
         shards,
         reshard_to,
         replicas: 2,
+        skewed_at_start: None,
         batch_size: rng.random_range(15..=30),
         slow: Duration::from_millis(rng.random_range(150..=250)),
         ttl_secs: 3,
@@ -168,6 +171,7 @@ pub fn plan(seed: u64, steps: u32, last_month: chrono::NaiveDate) -> Plan {
         data_seed: rng.random(),
         steps: Vec::new(),
     };
+    plan.skewed_at_start = rng.random_bool(0.5).then(|| skew(&mut rng));
     let mut resharded = false;
     for _ in 0..steps {
         let mut action = draw(&mut rng);
@@ -228,12 +232,7 @@ pub fn draw(rng: &mut ChaCha8Rng) -> Action {
                 lasting: ms(rng, 1_000, 5_000),
             }
         }
-        "skewed_replica" => {
-            let secs = rng.random_range(10..=7_200);
-            Action::SkewedReplica {
-                secs: if rng.random_bool(0.5) { secs } else { -secs },
-            }
-        }
+        "skewed_replica" => Action::SkewedReplica { secs: skew(rng) },
         "reshard" => Action::Reshard,
         "late_returns" => Action::LateReturns {
             n: rng.random_range(1..=12),
@@ -248,6 +247,17 @@ pub fn draw(rng: &mut ChaCha8Rng) -> Action {
         _ => Action::DuplicatePost {
             force: rng.random_bool(0.5),
         },
+    }
+}
+
+/// A clock skew in seconds: 10 s to 2 h, ahead more often than behind (ahead is what tempts a
+/// replica to take over a live lease).
+fn skew(rng: &mut ChaCha8Rng) -> i64 {
+    let secs = rng.random_range(10..=7_200);
+    if rng.random_bool(0.7) {
+        secs
+    } else {
+        -secs
     }
 }
 

@@ -135,9 +135,6 @@ pub enum Role {
         month: NaiveDate,
         key: String,
     },
-    Verify {
-        month: NaiveDate,
-    },
 }
 
 /// Which fine rules a process is configured with.
@@ -167,6 +164,8 @@ pub struct Proc {
     pub exited: Option<(Instant, ExitStatus)>,
     /// Signals the campaign sent it, and when.
     pub signals: Vec<(Instant, &'static str)>,
+    /// Stopped (SIGSTOP) and not continued yet.
+    pub stopped: bool,
     pub log: PathBuf,
 }
 
@@ -185,7 +184,6 @@ impl Proc {
                 month_end(*month)
             ),
             Role::Correct { month, key } => format!("correct {} key {key}", month_end(*month)),
-            Role::Verify { month } => format!("verify {}", month_end(*month)),
         };
         let rules = match self.rules {
             Rules::Fleet => "",
@@ -213,6 +211,11 @@ impl Proc {
             libc::kill(self.pid as i32, signal);
         }
         self.signals.push((Instant::now(), name));
+        if signal == libc::SIGSTOP {
+            self.stopped = true;
+        } else if signal == libc::SIGCONT {
+            self.stopped = false;
+        }
     }
 
     fn reap(&mut self) -> bool {
@@ -267,7 +270,6 @@ pub struct World {
     pub url: String,
     pub bin: PathBuf,
     pub dir: PathBuf,
-    pub mutant: bool,
     pub faketime: bool,
     pub procs: Mutex<Vec<Proc>>,
     pub faults: Mutex<Vec<Fault>>,
@@ -295,7 +297,6 @@ impl World {
         cluster: Arc<Cluster>,
         bin: PathBuf,
         dir: PathBuf,
-        mutant: bool,
     ) -> Result<Arc<World>> {
         let database = format!("campaign_{}", plan.seed);
         let mut admin = PgConnection::connect(&cluster.url("postgres")).await?;
@@ -316,7 +317,6 @@ impl World {
             url,
             bin,
             dir,
-            mutant,
             faketime: Path::new(FAKETIME_LIB).exists(),
             procs: Mutex::new(Vec::new()),
             faults: Mutex::new(Vec::new()),
@@ -523,11 +523,6 @@ impl World {
                     .args(["--key", key, "--shards", &shards.to_string()]);
                 (0, shards)
             }
-            Role::Verify { month } => {
-                cmd.args(["verify", "--json", "--business-date"])
-                    .arg(month_end(*month).to_string());
-                (0, self.shards.load(Ordering::SeqCst))
-            }
         };
         let http = match role {
             Role::Serve { .. } => Some(free_port()?),
@@ -569,6 +564,7 @@ impl World {
             started: Instant::now(),
             exited: None,
             signals: Vec::new(),
+            stopped: false,
             log,
         };
         self.procs
