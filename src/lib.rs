@@ -41,6 +41,7 @@ pub mod demo;
 pub mod embedded_pg;
 pub mod fine;
 pub mod jobs;
+pub mod mutant;
 pub mod overview;
 pub mod registry;
 pub mod schedule;

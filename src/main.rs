@@ -13,6 +13,22 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(2);
     }
+    #[cfg(feature = "campaign-mutants")]
+    match settlementd::mutant::Mutant::from_env() {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            eprintln!(
+                "settlementd: this build carries the fault campaign's planted bugs (feature \
+                 campaign-mutants): it runs only under the campaign, with \
+                 SETTLEMENTD_CAMPAIGN_MUTANT naming one"
+            );
+            return ExitCode::from(2);
+        }
+        Err(e) => {
+            eprintln!("settlementd: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let cli = match cli::parse() {
         Ok(cli) => cli,
         Err(code) => return code,

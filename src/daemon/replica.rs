@@ -124,7 +124,7 @@ pub struct Replica {
     /// month is not tried again.
     retries: HashMap<BusinessDate, (u32, DateTime<Utc>)>,
     /// Run requests whose last run failed: consecutive failures and when to try again.
-    request_retries: HashMap<String, (u32, DateTime<Utc>)>,
+    request_retries: HashMap<(String, i32), (u32, DateTime<Utc>)>,
     /// `settle.lookback_months`: how many months, ending at the latest slot's, are looked at (0:
     /// only that month is run, the others are only counted).
     lookback_months: u32,
@@ -427,6 +427,24 @@ impl Replica {
             Ok(n) => tracing::info!(items = n, "upkeep done"),
             Err(e) => tracing::warn!(error = %e, "upkeep failed; trying again at the next tick"),
         }
+        // Claims of another shard count left RUNNING by a holder that died before a reshard: no
+        // replica of that count is left to take them over (found by the fault campaign, seed 1002).
+        let closed = jobs::claim::close_abandoned(
+            &self.pool,
+            self.job.name(),
+            self.shard.count,
+            &self.opts.owner,
+            self.opts.lease_ttl,
+        )
+        .await;
+        match closed {
+            Ok(0) => {}
+            Ok(n) => tracing::warn!(
+                closed = n,
+                "claims of another shard count left RUNNING by a dead holder closed as FAILED"
+            ),
+            Err(e) => tracing::debug!(error = %e, "cannot close abandoned claims"),
+        }
     }
 
     /// The gauges of what is not closed and what waits.
@@ -612,22 +630,20 @@ impl Replica {
                 return None;
             }
         };
-        self.request_retries
-            .retain(|id, _| open.iter().any(|o| &o.request_id == id));
+        self.request_retries.retain(|(id, shard), _| {
+            open.iter()
+                .any(|o| &o.request_id == id && o.shard == *shard)
+        });
         for request in open {
+            let retry_key = (request.request_id.clone(), request.shard);
             if self
                 .request_retries
-                .get(&request.request_id)
+                .get(&retry_key)
                 .is_some_and(|(_, not_before)| now < *not_before)
             {
                 continue;
             }
-            let key = jobs::requests::key_of(
-                self.job.name(),
-                &request,
-                self.shard.count,
-                self.shard.index,
-            );
+            let key = jobs::requests::key_of(self.job.name(), &request);
             let opts = RunOptions {
                 force: request.force,
                 request: Some(request.request_id.clone()),
@@ -642,7 +658,7 @@ impl Replica {
                 Ok(report) if report.skipped.is_none() => {
                     metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => "settled")
                         .increment(1);
-                    self.request_retries.remove(&id);
+                    self.request_retries.remove(&retry_key);
                     tracing::info!(request_id = %id, business_date = %request.business_date, "run request served");
                     return Some(TickOutcome::Served {
                         request_id: id,
@@ -662,10 +678,10 @@ impl Replica {
                 Err(e) => {
                     metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => "failed")
                         .increment(1);
-                    let failures = self.request_retries.get(&id).map_or(0, |r| r.0) + 1;
+                    let failures = self.request_retries.get(&retry_key).map_or(0, |r| r.0) + 1;
                     let (after, not_before) = self.retry_after(failures);
                     self.request_retries
-                        .insert(id.clone(), (failures, not_before));
+                        .insert(retry_key, (failures, not_before));
                     tracing::warn!(request_id = %id, error = %e, failures, retry_in_secs = after.as_secs_f64(), "run request failed; retrying with backoff");
                     return Some(TickOutcome::RequestFailed {
                         request_id: id,

@@ -7,6 +7,7 @@
 
 use super::params::{self, Params, Pin};
 use super::{events, requests, Batch, Cursor, JobKey, Owner, Reopen, Result};
+use crate::mutant::{self, Mutant};
 use sqlx::{Connection, PgConnection, PgExecutor};
 use std::time::Duration;
 
@@ -125,7 +126,11 @@ pub async fn claim_for(
             return Ok(ClaimOutcome::RequestServed);
         }
     }
-    if let Some((mine, describe)) = opts.params {
+    // Planted bug (the campaign only): a late-return sweep claims without the pin's comparison.
+    let compared = opts
+        .params
+        .filter(|_| !(opts.reopen.is_some() && mutant::planted(Mutant::LateUnderConfigRule)));
+    if let Some((mine, describe)) = compared {
         let pin = params::pin_or_compare(&mut tx, key, mine, owner, opts.correction).await?;
         if let Pin::Correcting { correction, since } = pin {
             tx.commit().await?;
@@ -163,6 +168,15 @@ pub async fn claim_for(
     .bind(request)
     .fetch_optional(&mut *tx)
     .await?;
+    let inserted = match inserted {
+        None if mutant::planted(Mutant::ClaimIgnoresConflict) => {
+            // Planted bug (the campaign only): the conflict is ignored, the existing row taken.
+            existing(&mut tx, key)
+                .await?
+                .map(|row| (row.attempt, row.request_id))
+        }
+        inserted => inserted,
+    };
     if let Some((attempt, lineage)) = inserted {
         let claim = Claim {
             key: key.clone(),
@@ -188,7 +202,7 @@ pub async fn claim_for(
     // The row exists. Take it over only if its holder is gone (or it is done and we force).
     // A forced re-run starts from the beginning and serves only its own request (none from the
     // CLI); a takeover resumes after committed progress and keeps serving the request it served.
-    let taken: Option<Taken> = sqlx::query_as(
+    let takeover = lease_now(
         "WITH prior AS (
              SELECT status FROM job_runs
               WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
@@ -213,18 +227,23 @@ pub async fn claim_for(
                  OR (j.status = 'SUCCESS' AND $7))
          RETURNING j.attempt, j.last_id, j.last_id_desc, prior.status AS prior,
                    j.request_id::text AS lineage",
-    )
-    .bind(&key.job_name)
-    .bind(key.business_date)
-    .bind(key.shards as i32)
-    .bind(key.shard as i32)
-    .bind(&owner.0)
-    .bind(ttl.as_secs_f64())
-    .bind(opts.force || opts.reopen.is_some())
-    .bind(request)
-    .bind(opts.reopen.is_some())
-    .fetch_optional(&mut *tx)
-    .await?;
+    );
+    let takeover = sqlx::query_as::<_, Taken>(&takeover)
+        .bind(&key.job_name)
+        .bind(key.business_date)
+        .bind(key.shards as i32)
+        .bind(key.shard as i32)
+        .bind(&owner.0)
+        .bind(ttl.as_secs_f64())
+        .bind(opts.force || opts.reopen.is_some())
+        .bind(request)
+        .bind(opts.reopen.is_some());
+    let takeover = if mutant::planted(Mutant::LeaseLocalClock) {
+        takeover.bind(chrono::Utc::now())
+    } else {
+        takeover
+    };
+    let taken = takeover.fetch_optional(&mut *tx).await?;
     if let Some(Taken {
         attempt,
         last_id,
@@ -257,16 +276,14 @@ pub async fn claim_for(
         return Ok(ClaimOutcome::Won(claim));
     }
 
-    let (status, attempt, holder): (String, i32, String) = sqlx::query_as(
-        "SELECT status, attempt, owner FROM job_runs
-          WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4",
-    )
-    .bind(&key.job_name)
-    .bind(key.business_date)
-    .bind(key.shards as i32)
-    .bind(key.shard as i32)
-    .fetch_one(&mut *tx)
-    .await?;
+    let Existing {
+        status,
+        attempt,
+        owner: holder,
+        ..
+    } = existing(&mut tx, key)
+        .await?
+        .ok_or(sqlx::Error::RowNotFound)?;
     let outcome = if status == "SUCCESS" {
         ClaimOutcome::AlreadyDone { attempt }
     } else {
@@ -277,6 +294,85 @@ pub async fn claim_for(
     };
     tx.commit().await?;
     Ok(outcome)
+}
+
+/// Closes the claims of `job_name` under a shard count other than `shards` that were left RUNNING
+/// and whose lease has expired (by the database's clock): their holder died (SIGKILL, a lost node)
+/// before the fleet moved to `shards`, and no replica of this count ever looks at another count's
+/// keys, so nobody would take them over. Each is closed as a takeover would start: a new attempt
+/// (so the old holder, should it wake, is fenced off), written FAILED at once with the reason and
+/// an `abandoned` event, in one statement. A replica of that count still alive, or a `run` with
+/// it, takes a FAILED row over as usual. Returns how many were closed. (Found by the fault
+/// campaign, seed 1002: a holder killed, then a reshard, left its month RUNNING under the old
+/// count for good.)
+pub async fn close_abandoned(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    shards: u32,
+    owner: &Owner,
+    ttl: Duration,
+) -> Result<u64> {
+    let closed: i64 = sqlx::query_scalar(
+        "WITH closed AS (
+             UPDATE job_runs
+                SET status = 'FAILED', attempt = attempt + 1, owner = $3,
+                    heartbeat_at = clock_timestamp(), finished_at = clock_timestamp(),
+                    last_error = format('abandoned: left RUNNING by its holder, whose lease expired, '
+                                        'while the fleet runs %s shards', $2::int)
+              WHERE job_name = $1 AND shards <> $2 AND status = 'RUNNING'
+                AND heartbeat_at < clock_timestamp() - make_interval(secs => $4)
+             RETURNING job_name, business_date, shards, shard, attempt, request_id, last_error
+         ), event AS (
+             INSERT INTO job_events
+                    (job_name, business_date, shards, shard, event, attempt, owner, request_id,
+                     message)
+             SELECT job_name, business_date, shards, shard, 'abandoned', attempt, $3, request_id,
+                    last_error
+               FROM closed
+         )
+         SELECT count(*) FROM closed",
+    )
+    .bind(job_name)
+    .bind(shards as i32)
+    .bind(&owner.0)
+    .bind(ttl.as_secs_f64())
+    .fetch_one(db)
+    .await?;
+    Ok(closed as u64)
+}
+
+/// The takeover statement `sql` judging leases on the database's clock, as written; or, with the
+/// campaign's planted bug, on the claimer's own clock (bound as `$10`).
+fn lease_now(sql: &str) -> std::borrow::Cow<'_, str> {
+    if mutant::planted(Mutant::LeaseLocalClock) {
+        let local = "$10::timestamptz - make_interval(secs => $6)";
+        sql.replace("clock_timestamp() - make_interval(secs => $6)", local)
+            .into()
+    } else {
+        sql.into()
+    }
+}
+
+/// A key's row as it stands.
+#[derive(sqlx::FromRow)]
+struct Existing {
+    status: String,
+    attempt: i32,
+    owner: String,
+    request_id: Option<String>,
+}
+
+async fn existing(tx: &mut PgConnection, key: &JobKey) -> Result<Option<Existing>> {
+    Ok(sqlx::query_as(
+        "SELECT status, attempt, owner, request_id::text AS request_id FROM job_runs
+          WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4",
+    )
+    .bind(&key.job_name)
+    .bind(key.business_date)
+    .bind(key.shards as i32)
+    .bind(key.shard as i32)
+    .fetch_optional(tx)
+    .await?)
 }
 
 /// The row a takeover leaves: its new attempt, the progress it resumes, the status it replaced and

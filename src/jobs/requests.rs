@@ -338,12 +338,20 @@ pub async fn targets(db: impl PgExecutor<'_>, request_id: &str) -> Result<Vec<Ta
 pub struct Open {
     pub request_id: String,
     pub business_date: NaiveDate,
+    /// The shard count the request was accepted under, and the shard of it to run.
+    pub shards: i32,
+    pub shard: i32,
     /// Force only a request that has not started yet: once it has an attempt, a retry resumes it.
     pub force: bool,
     pub state: String,
 }
 
-/// The open requests (not yet `succeeded`) for one shard of `job_name` under `shards`.
+/// The open requests (not yet `succeeded`) that shard `shard` of `shards` serves for `job_name`:
+/// its own shard's of requests accepted under `shards`, then the shards `s` with `s % shards ==
+/// shard` of requests accepted under another count (before a reshard), which no replica of that
+/// count is left to serve (found by the fault campaign, seed 1009). Such a request runs under its
+/// own key (its count, its shard): the loans it asked for, no others; a replica of the old count
+/// still alive competes for the same key, and the claim decides.
 pub async fn open_for(
     db: impl PgExecutor<'_>,
     job_name: &str,
@@ -351,11 +359,12 @@ pub async fn open_for(
     shard: u32,
 ) -> Result<Vec<Open>> {
     Ok(sqlx::query_as(
-        "SELECT r.request_id::text AS request_id, r.business_date,
+        "SELECT r.request_id::text AS request_id, r.business_date, r.shards, s.shard,
                 r.force AND s.state = 'pending' AS force, s.state
            FROM run_request_shards s JOIN run_requests r USING (request_id)
-          WHERE s.shard = $3 AND s.state <> 'succeeded' AND r.job_name = $1 AND r.shards = $2
-          ORDER BY r.created_at, r.request_id",
+          WHERE s.state <> 'succeeded' AND r.job_name = $1
+            AND CASE WHEN r.shards = $2 THEN s.shard = $3 ELSE s.shard % $2 = $3 END
+          ORDER BY r.shards <> $2, r.created_at, r.request_id, s.shard",
     )
     .bind(job_name)
     .bind(shards as i32)
@@ -364,13 +373,13 @@ pub async fn open_for(
     .await?)
 }
 
-/// The key a request's shard runs under.
-pub fn key_of(job_name: &str, open: &Open, shards: u32, shard: u32) -> JobKey {
+/// The key a request's shard runs under: the request's month, shard count and shard.
+pub fn key_of(job_name: &str, open: &Open) -> JobKey {
     JobKey {
         job_name: job_name.to_string(),
         business_date: open.business_date,
-        shards,
-        shard,
+        shards: open.shards as u32,
+        shard: open.shard as u32,
     }
 }
 

@@ -391,3 +391,69 @@ async fn concurrent_first_claims_with_two_parameter_sets_pin_one_and_refuse_the_
             .unwrap();
     assert_eq!(pinned, winners[0].0);
 }
+
+/// Fault campaign seed 1002 (`cargo run --release --bin campaign -- --seed 1002 --schedules 1`): a
+/// replica holding shard 0 of 2 was killed, then the fleet moved to 3 shards; nobody of the new
+/// count looks at the old count's keys, so the month stayed RUNNING under 2 shards for good. A
+/// replica of the new count now closes such a claim once its lease has expired: FAILED, as a new
+/// attempt (the dead holder's writes are fenced off), with an `abandoned` event.
+#[tokio::test]
+async fn a_claim_of_another_shard_count_left_running_by_a_dead_holder_is_closed_once_its_lease_expires(
+) {
+    let db = test_db().await;
+    let old = JobKey {
+        shards: 2,
+        shard: 0,
+        ..key()
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let dead = match claim::claim(&mut conn, &old, &owner("dead"), TTL, false)
+        .await
+        .unwrap()
+    {
+        ClaimOutcome::Won(c) => c,
+        other => panic!("expected to win the claim, got {other:?}"),
+    };
+    let close = |shards: u32| {
+        let pool = db.pool.clone();
+        async move {
+            claim::close_abandoned(&pool, "test-job", shards, &owner("new fleet"), TTL)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(close(3).await, 0, "a live lease is left alone");
+    age_heartbeat(&db.pool, bd("2026-10-31"), 2, 0, 61).await;
+    assert_eq!(
+        close(2).await,
+        0,
+        "a replica of the claim's own count takes it over instead"
+    );
+    assert_eq!(close(3).await, 1);
+    let (status, attempt): (String, i32) =
+        sqlx::query_as("SELECT status, attempt FROM job_runs WHERE shards = 2 AND shard = 0")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!((status.as_str(), attempt), ("FAILED", 2));
+    let events: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT event, attempt FROM job_events WHERE shards = 2 AND shard = 0 ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        events,
+        vec![("claimed".to_string(), 1), ("abandoned".to_string(), 2)]
+    );
+    assert!(
+        claim::heartbeat(&db.pool, &dead).await.unwrap().is_none(),
+        "the dead holder's attempt is fenced off"
+    );
+    assert!(matches!(
+        claim::claim(&mut conn, &old, &owner("old fleet"), TTL, false)
+            .await
+            .unwrap(),
+        ClaimOutcome::Won(claim::Claim { attempt: 3, .. })
+    ));
+}

@@ -1613,3 +1613,50 @@ async fn a_settled_due_date_made_infinite_is_reversed_held_and_settled_once_fixe
     assert_verified(&db.url, &[], month);
     assert_journal_whole(&db.pool).await;
 }
+
+/// Fault campaign seed 1018 (`cargo run --release --bin campaign -- --seed 1018 --schedules 1`):
+/// libraryd moved a settled loan's due date without changing its fine (returned before either
+/// date), then a correction of the month took the edit from the queue. A correction writes only
+/// the fines it changes, and this edit was dequeued without an entry: the journal kept the old
+/// dates, and verify called the month wrong for good. An edit is now always written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_that_leaves_the_fine_as_it_was_is_journaled_by_the_correction_that_takes_it() {
+    let db = test_db().await;
+    let month = "2026-10-31";
+    insert_loan(&db.pool, 1, "2026-10-20", Some("2026-10-10")).await;
+    insert_loan(&db.pool, 2, "2026-10-05", Some("2026-10-10")).await;
+    run_ok_json(&db.url, &[(RATE, "40")], month, 0, 1);
+    assert_eq!(loan(&db.pool, 1).await, (0, true, Some(1)));
+    sql(
+        &db.pool,
+        "UPDATE loans SET due_on = '2026-10-25' WHERE id = 1",
+    )
+    .await;
+
+    let out = correct(&db.url, &[], month, "RATE-50", "the rate is 50");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let dates: (NaiveDate, i64) = sqlx::query_as(
+        "SELECT due_on, after_cents FROM fine_journal_entries WHERE loan_id = 1
+          ORDER BY seq DESC LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        dates,
+        (day("2026-10-25"), 0),
+        "the journal follows the new due date"
+    );
+    assert_eq!(loan(&db.pool, 1).await, (0, true, Some(2)));
+    assert_eq!(
+        loan(&db.pool, 2).await,
+        (250, true, Some(2)),
+        "re-priced at 50"
+    );
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM loan_changes").await,
+        0
+    );
+    assert_verified(&db.url, &[], month);
+    assert_journal_whole(&db.pool).await;
+}

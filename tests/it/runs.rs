@@ -622,12 +622,17 @@ fn ticking_replica(pool: &sqlx::PgPool) -> settlementd::daemon::replica::Replica
 }
 
 async fn store(pool: &sqlx::PgPool, key: &str, force: bool) -> String {
+    store_under(pool, key, force, 1).await
+}
+
+/// A request for October accepted while the fleet ran `shards` shards.
+async fn store_under(pool: &sqlx::PgPool, key: &str, force: bool, shards: u32) -> String {
     let request = requests::NewRequest {
         to: None,
         idempotency_key: key.into(),
         job_name: settlement::JOB_NAME.into(),
         business_date: bd(OCT).date(),
-        shards: 1,
+        shards,
         shard: None,
         force,
     };
@@ -684,4 +689,64 @@ async fn without_force_a_request_reports_a_settled_month_as_done_and_starts_no_a
         .await
         .unwrap();
     assert_eq!(attempt, 3, "one new attempt per forced request");
+}
+
+/// Fault campaign seed 1009 (`cargo run --release --bin campaign -- --seed 1009 --schedules 1`): a
+/// request accepted under 2 shards, then the fleet moved to 1 (here) or 3: no replica of the old
+/// count was left to serve it, and it stayed open for good. A replica of the new count serves it
+/// under the request's own keys (its count, each of its shards), so its loans are settled once and
+/// the request is answered.
+#[tokio::test]
+async fn a_request_accepted_before_a_reshard_is_served_under_its_own_shard_count() {
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month_alone(&db.pool, oct, 500, 1).await;
+    let id = store_under(&db.pool, "before-the-reshard", false, 2).await;
+    let mut replica = ticking_replica(&db.pool);
+    for _ in 0..4 {
+        replica.tick().await;
+    }
+    let states: Vec<(i32, String)> = requests::targets(&db.pool, &id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| (t.shard, t.state))
+        .collect();
+    assert_eq!(
+        states,
+        vec![(0, "succeeded".to_string()), (1, "succeeded".to_string())]
+    );
+    let runs: Vec<(i32, i32, String)> = sqlx::query_as(
+        "SELECT shards, shard, status FROM job_runs WHERE request_id IS NOT NULL
+          ORDER BY shards, shard",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        runs,
+        vec![(2, 0, "SUCCESS".to_string()), (2, 1, "SUCCESS".to_string())],
+        "served under the request's own keys"
+    );
+    let (settled, journaled, loans): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL),
+                (SELECT count(*) FROM fine_journal_entries),
+                (SELECT count(DISTINCT loan_id) FROM fine_journal_entries)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM loans WHERE fine_settled_at IS NULL
+            AND returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+            AND due_on IS NOT NULL AND isfinite(due_on)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(
+        settled > 0 && waiting == 0,
+        "{settled} settled, {waiting} waiting"
+    );
+    assert_eq!((journaled, loans), (settled, settled), "each loan once");
 }

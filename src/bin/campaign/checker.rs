@@ -1,0 +1,1608 @@
+//! The offline checker: reads the quiesced database raw (loans, the journal, the claims, the
+//! audit trail, the requests and the campaign's own logs) into [`Facts`], then judges them in
+//! plain Rust, sharing no SQL with the product. Every fine is recomputed here from the month's
+//! pinned rule and the loan's final dates ([`fine_of`]).
+//!
+//! The invariants, one check each:
+//! - `open`: nothing RUNNING, no correction unfinished or holding a month, no edit queued;
+//! - `keys`: every month SUCCESS on every shard of the final shard count, one `job_runs` row per
+//!   key (the key is the table's primary key, so this is a row per month and shard);
+//! - `claims`: every attempt of a key won by exactly one claim (one claim event), and made SUCCESS
+//!   at most once;
+//! - `leases`: a RUNNING claim taken over only once its heartbeat was older than the lease by the
+//!   database's clock;
+//! - `fences`: every transaction that wrote a loan's fine also wrote its run's fenced progress
+//!   (`job_runs` of the same key and attempt, still RUNNING) — and its journal entries;
+//! - `transitions`: every write of a fine by settlementd is one step of the loan's journal: a
+//!   settlement only from unsettled (never settled twice), a re-pricing or correction of a settled
+//!   loan, a reversal to unsettled; nobody else changes a fine; a loan is settled only while it is
+//!   returned and its due date can be priced (held rows and loans still out never are);
+//! - `journal`: each loan's entries numbered 1, 2, … without a gap, each `before` the previous
+//!   `after`, the last one equal to the loan (`fine_seq`, `fine_cents`, settled or not, or gone);
+//!   no journal row changed or deleted; every correction's `fine_adjustments` on its journal;
+//! - `fines`: every returned loan of the months that the rule can price settled at the fine its
+//!   month's pinned rule gives its final dates; held rows and loans still out unsettled;
+//! - `requests`: every request answered, every answer to one key the same, stored once, each
+//!   targeted shard served (one new attempt at most) and not left open;
+//! - `verify`: `settlementd verify` right for every month;
+//! - `exits`: every process's end explained by what the campaign did to it;
+//! - `quiesce`: at rest within the bound.
+
+use crate::schedule::Rule;
+use crate::world::{month_end, Role, World};
+use anyhow::Result;
+use chrono::{DateTime, Datelike, NaiveDate, Utc};
+use sqlx::PgConnection;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+/// One broken invariant: which check, and the minimal facts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub check: &'static str,
+    pub facts: String,
+}
+
+fn violation(check: &'static str, facts: impl Into<String>) -> Violation {
+    Violation {
+        check,
+        facts: facts.into(),
+    }
+}
+
+/// A date column as written: a day, infinite, or none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Day {
+    None,
+    On(NaiveDate),
+    Infinite,
+}
+
+impl Day {
+    pub fn parse(text: Option<&str>) -> Day {
+        match text {
+            None => Day::None,
+            Some("infinity") | Some("-infinity") => Day::Infinite,
+            Some(t) => t.parse().map_or(Day::Infinite, Day::On),
+        }
+    }
+
+    fn day(self) -> Option<NaiveDate> {
+        match self {
+            Day::On(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+/// A loan as it ends.
+#[derive(Debug, Clone)]
+pub struct Loan {
+    pub id: i64,
+    pub due: Day,
+    pub returned: Day,
+    pub fine: i64,
+    pub settled: bool,
+    pub seq: Option<i32>,
+}
+
+/// One logged write of a loan.
+#[derive(Debug, Clone)]
+pub struct LoanWrite {
+    pub txid: i64,
+    pub at: DateTime<Utc>,
+    pub who: String,
+    /// 'I', 'U' or 'D'.
+    pub op: char,
+    pub loan: i64,
+    pub old_settled: Option<bool>,
+    pub new_settled: Option<bool>,
+    pub old_at: Option<DateTime<Utc>>,
+    pub new_at: Option<DateTime<Utc>>,
+    pub old_fine: Option<i64>,
+    pub new_fine: Option<i64>,
+    pub old_seq: Option<i32>,
+    pub new_seq: Option<i32>,
+    pub new_due: Day,
+    pub new_returned: Day,
+}
+
+impl LoanWrite {
+    /// The write changed what settlementd owns (fine, done-marker, journal seq).
+    fn touches_fine(&self) -> bool {
+        self.op == 'U'
+            && (self.old_fine != self.new_fine
+                || self.old_at != self.new_at
+                || self.old_seq != self.new_seq)
+    }
+}
+
+/// One journal entry.
+#[derive(Debug, Clone, Copy)]
+pub struct Entry {
+    pub loan: i64,
+    pub seq: i32,
+    pub before: Option<i64>,
+    pub after: i64,
+}
+
+/// One row of `fine_journal`, with the transaction that wrote it (from the campaign's log).
+#[derive(Debug, Clone)]
+pub struct JournalRow {
+    pub id: i64,
+    pub txid: Option<i64>,
+    pub month: NaiveDate,
+    pub kind: String,
+    pub shards: Option<i32>,
+    pub attempt: Option<i32>,
+    pub correction_key: Option<String>,
+    pub entries: Vec<Entry>,
+}
+
+/// A `job_runs` key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key {
+    pub job: String,
+    pub date: NaiveDate,
+    pub shards: i32,
+    pub shard: i32,
+}
+
+impl std::fmt::Display for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} {}/{}",
+            self.job, self.date, self.shard, self.shards
+        )
+    }
+}
+
+/// One logged write of `job_runs`.
+#[derive(Debug, Clone)]
+pub struct RunWrite {
+    pub txid: i64,
+    pub at: DateTime<Utc>,
+    pub key: Key,
+    pub op: char,
+    pub old_status: Option<String>,
+    pub new_status: Option<String>,
+    pub old_attempt: Option<i32>,
+    pub new_attempt: Option<i32>,
+    pub old_heartbeat: Option<DateTime<Utc>>,
+}
+
+/// One `job_events` row.
+#[derive(Debug, Clone)]
+pub struct Event {
+    pub key: Key,
+    pub event: String,
+    pub attempt: Option<i32>,
+    pub request: Option<String>,
+}
+
+/// One targeted shard of a stored request.
+#[derive(Debug, Clone)]
+pub struct RequestShard {
+    pub request: String,
+    pub idempotency_key: String,
+    pub shards: i32,
+    pub shard: i32,
+    pub state: String,
+    pub detail: Option<String>,
+}
+
+/// Everything the checks read.
+#[derive(Debug, Clone, Default)]
+pub struct Facts {
+    /// The campaign's months (first days).
+    pub months: Vec<NaiveDate>,
+    pub ttl_secs: f64,
+    pub final_shards: i32,
+    pub loans: BTreeMap<i64, Loan>,
+    pub loan_log: Vec<LoanWrite>,
+    pub journal: Vec<JournalRow>,
+    /// Journal rows changed or deleted: (op, journal id).
+    pub journal_edits: Vec<(String, i64)>,
+    pub run_log: Vec<RunWrite>,
+    /// `job_runs` as it ends: key, status, attempt.
+    pub runs: Vec<(Key, String, i32)>,
+    /// Each month's pinned rule (by month end); `None`: a pin this checker cannot read.
+    pub pins: BTreeMap<NaiveDate, Option<Rule>>,
+    /// Months held by a correction: (month end, correction key).
+    pub held: Vec<(NaiveDate, String)>,
+    pub unfinished_corrections: Vec<String>,
+    /// (correction key, loan, old cents, new cents).
+    pub adjustments: Vec<(String, i64, i64, i64)>,
+    pub events: Vec<Event>,
+    pub request_shards: Vec<RequestShard>,
+    pub edits_queued: i64,
+}
+
+/// The fine a rule gives a loan due on `due` and returned on `returned`, computed here: days late
+/// past the grace, times the daily rate, capped.
+pub fn fine_of(rule: &Rule, due: NaiveDate, returned: NaiveDate) -> i64 {
+    let late = (returned - due)
+        .num_days()
+        .saturating_sub(rule.grace_days)
+        .max(0);
+    late.saturating_mul(rule.daily_rate_cents)
+        .min(rule.max_cents)
+}
+
+fn first_of(day: NaiveDate) -> NaiveDate {
+    day.with_day(1).unwrap_or(day)
+}
+
+/// The shard of a loan under `shards` (never negative).
+fn shard_of(loan: i64, shards: i32) -> i32 {
+    let s = i64::from(shards.max(1));
+    (((loan % s) + s) % s) as i32
+}
+
+/// Reads the facts of a quiesced database.
+pub async fn read(
+    conn: &mut PgConnection,
+    months: &[NaiveDate],
+    ttl_secs: f64,
+    final_shards: i32,
+) -> Result<Facts> {
+    let mut facts = Facts {
+        months: months.to_vec(),
+        ttl_secs,
+        final_shards,
+        ..Facts::default()
+    };
+    type LoanRow = (i64, Option<String>, Option<String>, i64, bool, Option<i32>);
+    let loans: Vec<LoanRow> = sqlx::query_as(
+        "SELECT id, due_on::text, returned_on::text, fine_cents::bigint, fine_settled_at IS NOT NULL,
+                fine_seq FROM loans",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for (id, due, ret, fine, settled, seq) in loans {
+        facts.loans.insert(
+            id,
+            Loan {
+                id,
+                due: Day::parse(due.as_deref()),
+                returned: Day::parse(ret.as_deref()),
+                fine,
+                settled,
+                seq,
+            },
+        );
+    }
+    type WriteRow = (
+        i64,
+        i64,
+        DateTime<Utc>,
+        String,
+        String,
+        i64,
+        Option<bool>,
+        Option<bool>,
+        Option<DateTime<Utc>>,
+        Option<DateTime<Utc>>,
+        Option<i64>,
+        Option<i64>,
+        Option<i32>,
+        Option<i32>,
+        Option<String>,
+        Option<String>,
+    );
+    let writes: Vec<WriteRow> = sqlx::query_as(
+        "SELECT n, txid, at, who, op, loan_id, old_settled, new_settled, old_settled_at, new_settled_at,
+                old_fine, new_fine, old_seq, new_seq, new_due, new_ret
+           FROM campaign_loan_log ORDER BY n",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.loan_log = writes
+        .into_iter()
+        .map(|w| LoanWrite {
+            txid: w.1,
+            at: w.2,
+            who: w.3,
+            op: w.4.chars().next().unwrap_or('?'),
+            loan: w.5,
+            old_settled: w.6,
+            new_settled: w.7,
+            old_at: w.8,
+            new_at: w.9,
+            old_fine: w.10,
+            new_fine: w.11,
+            old_seq: w.12,
+            new_seq: w.13,
+            new_due: Day::parse(w.14.as_deref()),
+            new_returned: Day::parse(w.15.as_deref()),
+        })
+        .collect();
+    type JRow = (
+        i64,
+        Option<i64>,
+        NaiveDate,
+        String,
+        Option<i32>,
+        Option<i32>,
+        Option<String>,
+        Vec<i64>,
+        Vec<i32>,
+        Vec<Option<i64>>,
+        Vec<Option<i64>>,
+    );
+    let rows: Vec<JRow> = sqlx::query_as(
+        "SELECT j.id, (SELECT l.txid FROM campaign_journal_log l
+                        WHERE l.journal_id = j.id AND l.op = 'I' ORDER BY l.n LIMIT 1),
+                j.month, j.kind, j.shards, j.attempt, j.correction_key, j.loan_ids, j.seqs,
+                j.before_cents, j.after_cents
+           FROM fine_journal j ORDER BY j.id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for r in rows {
+        let entries =
+            r.7.iter()
+                .zip(&r.8)
+                .zip(r.9.iter().zip(&r.10))
+                .map(|((loan, seq), (before, after))| Entry {
+                    loan: *loan,
+                    seq: *seq,
+                    before: *before,
+                    after: after.unwrap_or(i64::MIN),
+                })
+                .collect();
+        facts.journal.push(JournalRow {
+            id: r.0,
+            txid: r.1,
+            month: r.2,
+            kind: r.3,
+            shards: r.4,
+            attempt: r.5,
+            correction_key: r.6,
+            entries,
+        });
+    }
+    facts.journal_edits = sqlx::query_as(
+        "SELECT op, journal_id FROM campaign_journal_log WHERE op <> 'I' ORDER BY n",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    type RRow = (
+        i64,
+        i64,
+        DateTime<Utc>,
+        Option<String>,
+        Option<NaiveDate>,
+        Option<i32>,
+        Option<i32>,
+        String,
+        Option<String>,
+        Option<String>,
+        Option<i32>,
+        Option<i32>,
+        Option<DateTime<Utc>>,
+    );
+    let runs: Vec<RRow> = sqlx::query_as(
+        "SELECT n, txid, at, job_name, business_date, shards, shard, op, old_status, new_status,
+                old_attempt, new_attempt, old_heartbeat
+           FROM campaign_run_log ORDER BY n",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.run_log = runs
+        .into_iter()
+        .map(|r| RunWrite {
+            txid: r.1,
+            at: r.2,
+            key: Key {
+                job: r.3.unwrap_or_default(),
+                date: r.4.unwrap_or_default(),
+                shards: r.5.unwrap_or_default(),
+                shard: r.6.unwrap_or_default(),
+            },
+            op: r.7.chars().next().unwrap_or('?'),
+            old_status: r.8,
+            new_status: r.9,
+            old_attempt: r.10,
+            new_attempt: r.11,
+            old_heartbeat: r.12,
+        })
+        .collect();
+    let finals: Vec<(String, NaiveDate, i32, i32, String, i32)> = sqlx::query_as(
+        "SELECT job_name, business_date, shards, shard, status, attempt FROM job_runs",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.runs = finals
+        .into_iter()
+        .map(|(job, date, shards, shard, status, attempt)| {
+            (
+                Key {
+                    job,
+                    date,
+                    shards,
+                    shard,
+                },
+                status,
+                attempt,
+            )
+        })
+        .collect();
+    let pins: Vec<(NaiveDate, serde_json::Value, Option<String>)> = sqlx::query_as(
+        "SELECT business_date, params, correction_key FROM job_params
+          WHERE job_name = 'fine-settlement'",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for (date, params, held) in pins {
+        let int = |k: &str| params.get(k).and_then(serde_json::Value::as_i64);
+        let rule = (|| {
+            Some(Rule {
+                daily_rate_cents: int("daily_rate_cents")?,
+                grace_days: int("grace_days")?,
+                max_cents: int("max_cents")?,
+            })
+        })();
+        facts.pins.insert(date, rule);
+        if let Some(key) = held {
+            facts.held.push((date, key));
+        }
+    }
+    facts.unfinished_corrections = sqlx::query_scalar(
+        "SELECT correction_key FROM fine_corrections WHERE completed_at IS NULL ORDER BY 1",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.adjustments = sqlx::query_as(
+        "SELECT correction_key, loan_id, old_cents, new_cents FROM fine_adjustments ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    type ERow = (
+        String,
+        NaiveDate,
+        i32,
+        i32,
+        String,
+        Option<i32>,
+        Option<String>,
+    );
+    let events: Vec<ERow> = sqlx::query_as(
+        "SELECT job_name, business_date, shards, shard, event, attempt, request_id::text
+           FROM job_events ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.events = events
+        .into_iter()
+        .map(
+            |(job, date, shards, shard, event, attempt, request)| Event {
+                key: Key {
+                    job,
+                    date,
+                    shards,
+                    shard,
+                },
+                event,
+                attempt,
+                request,
+            },
+        )
+        .collect();
+    type QRow = (String, String, i32, i32, String, Option<String>);
+    let shards: Vec<QRow> = sqlx::query_as(
+        "SELECT r.request_id::text, r.idempotency_key, r.shards, s.shard, s.state, s.detail
+           FROM run_request_shards s JOIN run_requests r USING (request_id)
+          ORDER BY r.created_at, s.shard",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.request_shards = shards
+        .into_iter()
+        .map(
+            |(request, idempotency_key, shards, shard, state, detail)| RequestShard {
+                request,
+                idempotency_key,
+                shards,
+                shard,
+                state,
+                detail,
+            },
+        )
+        .collect();
+    facts.edits_queued = sqlx::query_scalar("SELECT count(*) FROM loan_changes")
+        .fetch_one(&mut *conn)
+        .await?;
+    Ok(facts)
+}
+
+/// Every check of the database's facts.
+pub fn check(facts: &Facts) -> Vec<Violation> {
+    let mut out = Vec::new();
+    check_open(facts, &mut out);
+    check_keys(facts, &mut out);
+    check_claims(facts, &mut out);
+    check_leases(facts, &mut out);
+    check_fences(facts, &mut out);
+    check_transitions(facts, &mut out);
+    check_journal(facts, &mut out);
+    check_fines(facts, &mut out);
+    check_request_shards(facts, &mut out);
+    out
+}
+
+/// The checks of what the campaign recorded besides the database: requests' answers, `verify`,
+/// exits, quiescing.
+pub fn check_world(world: &World, facts: &Facts, played: &crate::faults::Played) -> Vec<Violation> {
+    let mut out = Vec::new();
+    if let Err(open) = &played.quiesced {
+        out.push(violation(
+            "quiesce",
+            format!(
+                "not at rest {} s after the faults stopped: {open}",
+                crate::faults::QUIESCE_BOUND.as_secs()
+            ),
+        ));
+    }
+    for (month, code, stdout, stderr) in &played.verified {
+        if let Some(wrong) = verify_disagrees(facts, *month, *code, stdout) {
+            out.push(violation(
+                "verify",
+                format!(
+                    "settlementd verify {month} (exit {code}): {wrong} {}",
+                    one_line(stderr, 200)
+                ),
+            ));
+        }
+    }
+    check_requests_sent(world, facts, &mut out);
+    check_exits(world, &mut out);
+    out
+}
+
+/// Why `verify --json` of `month` (its exit code and output) is not right, or disagrees with the
+/// facts; `None` when it is right. Held rows make it exit 1 by design: then it must name exactly
+/// the held rows the checker finds, and nothing else wrong.
+fn verify_disagrees(f: &Facts, month: NaiveDate, code: i32, stdout: &str) -> Option<String> {
+    let Some(json) = stdout
+        .lines()
+        .find(|l| l.starts_with('{'))
+        .and_then(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    else {
+        return Some(format!("no JSON: {}", one_line(stdout, 200)));
+    };
+    let count = |path: &[&str]| {
+        path.iter()
+            .try_fold(&json, |v, k| v.get(k))
+            .and_then(serde_json::Value::as_i64)
+            .unwrap_or(-1)
+    };
+    let first = first_of(month);
+    let in_month = |l: &&Loan| matches!(l.returned, Day::On(r) if first_of(r) == first);
+    let held = f
+        .loans
+        .values()
+        .filter(in_month)
+        .filter(|l| l.due.day().is_none() && !l.settled)
+        .count() as i64;
+    let settled: Vec<&Loan> = f
+        .loans
+        .values()
+        .filter(in_month)
+        .filter(|l| l.settled)
+        .collect();
+    let sum: i64 = settled.iter().map(|l| l.fine).sum();
+    let mut wrong = Vec::new();
+    for path in [
+        &["mismatched", "count"][..],
+        &["unsettled", "count"],
+        &["journal", "off_journal", "count"],
+        &["journal", "stale", "count"],
+        &["journal", "broken", "count"],
+        &["journal", "edits_waiting", "count"],
+        &["journal", "unjournaled", "count"],
+    ] {
+        if count(path) != 0 {
+            wrong.push(format!("{} = {}", path.join("."), count(path)));
+        }
+    }
+    if count(&["held", "count"]) != held {
+        wrong.push(format!(
+            "held {} where the checker finds {held}",
+            count(&["held", "count"])
+        ));
+    }
+    if count(&["totals", "settled_rows"]) != settled.len() as i64 {
+        wrong.push(format!(
+            "{} settled rows where the checker finds {}",
+            count(&["totals", "settled_rows"]),
+            settled.len()
+        ));
+    }
+    let total = json
+        .get("totals")
+        .and_then(|t| t.get("fine_cents_sum"))
+        .map(|v| v.to_string().trim_matches('"').to_string());
+    if total.as_deref() != Some(sum.to_string().as_str()) {
+        wrong.push(format!("fine sum {total:?} where the checker finds {sum}"));
+    }
+    let expected_code = if held > 0 { 1 } else { 0 };
+    if code != expected_code {
+        wrong.push(format!("exit {code}, expected {expected_code}"));
+    }
+    (!wrong.is_empty()).then(|| wrong.join(", "))
+}
+
+fn check_open(f: &Facts, out: &mut Vec<Violation>) {
+    for (key, status, attempt) in &f.runs {
+        if status == "RUNNING" {
+            out.push(violation(
+                "open",
+                format!("{key} left RUNNING (attempt {attempt})"),
+            ));
+        }
+    }
+    for (month, key) in &f.held {
+        out.push(violation(
+            "open",
+            format!("{month} still held by correction {key}"),
+        ));
+    }
+    for key in &f.unfinished_corrections {
+        out.push(violation("open", format!("correction {key} unfinished")));
+    }
+    if f.edits_queued > 0 {
+        out.push(violation(
+            "open",
+            format!("{} edits of settled loans still queued", f.edits_queued),
+        ));
+    }
+}
+
+fn check_keys(f: &Facts, out: &mut Vec<Violation>) {
+    for first in &f.months {
+        let date = month_end(*first);
+        for shard in 0..f.final_shards {
+            let key = Key {
+                job: "fine-settlement".into(),
+                date,
+                shards: f.final_shards,
+                shard,
+            };
+            match f.runs.iter().find(|(k, _, _)| *k == key) {
+                Some((_, status, _)) if status == "SUCCESS" => {}
+                Some((_, status, attempt)) => out.push(violation(
+                    "keys",
+                    format!("{key} is {status} (attempt {attempt}), not SUCCESS"),
+                )),
+                None => out.push(violation("keys", format!("{key} was never claimed"))),
+            }
+        }
+    }
+}
+
+/// The events that open an attempt.
+const CLAIM_EVENTS: &[&str] = &[
+    "claimed",
+    "took_over",
+    "forced",
+    "late_returns",
+    "correcting",
+    "reopened",
+    "abandoned",
+];
+
+fn check_claims(f: &Facts, out: &mut Vec<Violation>) {
+    let mut claims: BTreeMap<(Key, i32), Vec<&str>> = BTreeMap::new();
+    let mut successes: BTreeMap<(Key, i32), usize> = BTreeMap::new();
+    for e in &f.events {
+        let Some(attempt) = e.attempt else { continue };
+        if CLAIM_EVENTS.contains(&e.event.as_str()) {
+            claims
+                .entry((e.key.clone(), attempt))
+                .or_default()
+                .push(&e.event);
+        }
+        if e.event == "succeeded" {
+            *successes.entry((e.key.clone(), attempt)).or_default() += 1;
+        }
+    }
+    for ((key, attempt), events) in &claims {
+        if events.len() > 1 {
+            out.push(violation(
+                "claims",
+                format!(
+                    "attempt {attempt} of {key} was won by {} claims: {events:?}",
+                    events.len()
+                ),
+            ));
+        }
+    }
+    for ((key, attempt), n) in &successes {
+        if *n > 1 {
+            out.push(violation(
+                "claims",
+                format!("attempt {attempt} of {key} was marked SUCCESS {n} times"),
+            ));
+        }
+    }
+    for (key, _, last) in &f.runs {
+        for attempt in 1..=*last {
+            if !claims.contains_key(&(key.clone(), attempt)) {
+                out.push(violation(
+                    "claims",
+                    format!("attempt {attempt} of {key} has no claim event"),
+                ));
+            }
+        }
+    }
+}
+
+fn check_leases(f: &Facts, out: &mut Vec<Violation>) {
+    for w in &f.run_log {
+        let took_over = w.op == 'U'
+            && w.old_status.as_deref() == Some("RUNNING")
+            && w.new_attempt.is_some()
+            && w.new_attempt > w.old_attempt;
+        if !took_over {
+            continue;
+        }
+        let Some(beat) = w.old_heartbeat else {
+            continue;
+        };
+        let age = (w.at - beat).num_milliseconds() as f64 / 1000.0;
+        if age < f.ttl_secs {
+            out.push(violation(
+                "leases",
+                format!(
+                    "attempt {} of {} took over a live lease: the holder's heartbeat was {age:.2} s \
+                     old by the database clock (lease {} s)",
+                    w.new_attempt.unwrap_or_default(),
+                    w.key,
+                    f.ttl_secs
+                ),
+            ));
+        }
+    }
+}
+
+fn check_fences(f: &Facts, out: &mut Vec<Violation>) {
+    let mut by_tx: BTreeMap<i64, Vec<&LoanWrite>> = BTreeMap::new();
+    for w in f
+        .loan_log
+        .iter()
+        .filter(|w| w.who == "settlementd" && w.touches_fine())
+    {
+        by_tx.entry(w.txid).or_default().push(w);
+    }
+    let mut journal_by_tx: HashMap<i64, Vec<&JournalRow>> = HashMap::new();
+    for j in &f.journal {
+        if let Some(tx) = j.txid {
+            journal_by_tx.entry(tx).or_default().push(j);
+        }
+    }
+    let mut runs_by_tx: HashMap<i64, Vec<&RunWrite>> = HashMap::new();
+    for r in &f.run_log {
+        runs_by_tx.entry(r.txid).or_default().push(r);
+    }
+    let mut reported = 0;
+    for (tx, writes) in &by_tx {
+        let journal = journal_by_tx.get(tx).map(Vec::as_slice).unwrap_or(&[]);
+        if journal.is_empty() {
+            out.push(violation(
+                "fences",
+                format!(
+                    "transaction {tx} changed the fines of {} loans (first {}) with no journal row",
+                    writes.len(),
+                    writes[0].loan
+                ),
+            ));
+            continue;
+        }
+        for j in journal {
+            let (Some(attempt), Some(shards)) = (j.attempt, j.shards) else {
+                continue; // opening entries: judged by the journal check
+            };
+            let Some(first) = j.entries.first() else {
+                continue;
+            };
+            let key = Key {
+                job: "fine-settlement".into(),
+                date: month_end(j.month),
+                shards,
+                shard: shard_of(first.loan, shards),
+            };
+            let fenced = runs_by_tx.get(tx).is_some_and(|runs| {
+                runs.iter().any(|r| {
+                    r.key == key
+                        && r.op == 'U'
+                        && r.old_status.as_deref() == Some("RUNNING")
+                        && r.new_status.as_deref() == Some("RUNNING")
+                        && r.old_attempt == Some(attempt)
+                        && r.new_attempt == Some(attempt)
+                })
+            });
+            if !fenced && reported < 20 {
+                reported += 1;
+                let then = f
+                    .runs
+                    .iter()
+                    .find(|(k, _, _)| *k == key)
+                    .map(|(_, status, last)| format!("; the key ended at attempt {last}, {status}"))
+                    .unwrap_or_default();
+                out.push(violation(
+                    "fences",
+                    format!(
+                        "transaction {tx} wrote {} {} entries (loans {:?}…) as attempt {attempt} of \
+                         {key} without its fenced progress write{then}",
+                        j.entries.len(),
+                        j.kind,
+                        j.entries.iter().take(3).map(|e| e.loan).collect::<Vec<_>>()
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+/// Each (loan, seq) entry with its row.
+fn entries_by_loan(f: &Facts) -> BTreeMap<i64, Vec<(&JournalRow, Entry)>> {
+    let mut by_loan: BTreeMap<i64, Vec<(&JournalRow, Entry)>> = BTreeMap::new();
+    for j in &f.journal {
+        for e in &j.entries {
+            by_loan.entry(e.loan).or_default().push((j, *e));
+        }
+    }
+    for entries in by_loan.values_mut() {
+        entries.sort_by_key(|(j, e)| (e.seq, j.id));
+    }
+    by_loan
+}
+
+fn check_transitions(f: &Facts, out: &mut Vec<Violation>) {
+    let by_loan = entries_by_loan(f);
+    let mut reported = 0;
+    let mut report = |out: &mut Vec<Violation>, facts: String| {
+        if reported < 30 {
+            out.push(violation("transitions", facts));
+        }
+        reported += 1;
+    };
+    for w in f.loan_log.iter().filter(|w| w.touches_fine()) {
+        if w.who != "settlementd" {
+            report(
+                out,
+                format!(
+                    "loan {}'s fine changed outside settlementd (by {}): {:?} -> {:?} cents",
+                    w.loan, w.who, w.old_fine, w.new_fine
+                ),
+            );
+            continue;
+        }
+        let (old, new) = (
+            w.old_settled.unwrap_or(false),
+            w.new_settled.unwrap_or(false),
+        );
+        let seq = w.new_seq.unwrap_or(0);
+        if seq != w.old_seq.unwrap_or(0) + 1 {
+            report(
+                out,
+                format!(
+                    "loan {}'s fine_seq went {:?} -> {:?} in transaction {}",
+                    w.loan, w.old_seq, w.new_seq, w.txid
+                ),
+            );
+        }
+        let entry = by_loan.get(&w.loan).and_then(|es| {
+            es.iter()
+                .find(|(j, e)| e.seq == seq && j.txid == Some(w.txid))
+        });
+        let Some((j, e)) = entry else {
+            report(
+                out,
+                format!(
+                    "loan {} written in transaction {} (seq {seq}) without its journal entry",
+                    w.loan, w.txid
+                ),
+            );
+            continue;
+        };
+        let kind = j.kind.as_str();
+        let before = if old { w.old_fine } else { Some(0) };
+        if e.before.is_some() && e.before != before
+            || Some(e.after) != w.new_fine.map(|n| if new { n } else { 0 })
+        {
+            report(
+                out,
+                format!(
+                    "loan {} entry {seq} ({kind}) says {:?} -> {} cents, the loan went {:?} -> {:?}",
+                    w.loan, e.before, e.after, before, w.new_fine
+                ),
+            );
+        }
+        match (old, new) {
+            (false, true) => {
+                if !["settled", "late", "corrected"].contains(&kind) {
+                    report(out, format!("loan {} settled by a {kind} entry", w.loan));
+                }
+                let priceable = matches!(w.new_due, Day::On(_));
+                if !priceable || !matches!(w.new_returned, Day::On(_)) {
+                    report(
+                        out,
+                        format!(
+                            "loan {} settled while {} (due {:?}, returned {:?}), transaction {}",
+                            w.loan,
+                            if priceable { "still out" } else { "held" },
+                            w.new_due,
+                            w.new_returned,
+                            w.txid
+                        ),
+                    );
+                }
+            }
+            (true, true) => {
+                if !["repriced", "corrected"].contains(&kind) || w.old_at != w.new_at {
+                    report(
+                        out,
+                        format!(
+                            "loan {} settled twice: a settled loan written again as {kind} \
+                             (settled at {:?}, then {:?}), transaction {}",
+                            w.loan, w.old_at, w.new_at, w.txid
+                        ),
+                    );
+                }
+            }
+            (true, false) => {
+                if kind != "reversed" {
+                    report(out, format!("loan {} unsettled by a {kind} entry", w.loan));
+                }
+            }
+            (false, false) => report(
+                out,
+                format!(
+                    "loan {} rewritten while unsettled ({kind}), transaction {}",
+                    w.loan, w.txid
+                ),
+            ),
+        }
+    }
+}
+
+fn check_journal(f: &Facts, out: &mut Vec<Violation>) {
+    for (op, id) in &f.journal_edits {
+        out.push(violation(
+            "journal",
+            format!(
+                "journal row {id} was {}",
+                if op == "D" { "deleted" } else { "changed" }
+            ),
+        ));
+    }
+    let by_loan = entries_by_loan(f);
+    let mut reported = 0;
+    let mut report = |out: &mut Vec<Violation>, facts: String| {
+        if reported < 30 {
+            out.push(violation("journal", facts));
+        }
+        reported += 1;
+    };
+    for (loan, entries) in &by_loan {
+        let mut after = 0i64;
+        for (n, (j, e)) in entries.iter().enumerate() {
+            if e.seq != n as i32 + 1 {
+                report(
+                    out,
+                    format!(
+                        "loan {loan}'s journal has entry {} where {} belongs (a gap or a repeat)",
+                        e.seq,
+                        n + 1
+                    ),
+                );
+                break;
+            }
+            if j.kind == "opening" {
+                report(
+                    out,
+                    format!("loan {loan} has an opening entry: it was settled without one"),
+                );
+            } else if e.before != Some(after) {
+                report(
+                    out,
+                    format!(
+                        "loan {loan}'s entry {} ({}) starts from {:?} cents, the entry before ended at {after}",
+                        e.seq, j.kind, e.before
+                    ),
+                );
+            }
+            after = e.after;
+        }
+        let Some((last_row, last)) = entries.last() else {
+            continue;
+        };
+        match f.loans.get(loan) {
+            None => {
+                if last_row.kind != "deleted" {
+                    report(
+                        out,
+                        format!(
+                            "loan {loan} is gone but its last entry is {}",
+                            last_row.kind
+                        ),
+                    );
+                }
+            }
+            Some(l) => {
+                let reversed = last_row.kind == "reversed";
+                if last_row.kind == "deleted" {
+                    report(
+                        out,
+                        format!("loan {loan} exists but its last entry says deleted"),
+                    );
+                } else if l.seq != Some(last.seq) {
+                    report(
+                        out,
+                        format!(
+                            "loan {loan} has fine_seq {:?}, its last entry is {}",
+                            l.seq, last.seq
+                        ),
+                    );
+                } else if l.settled == reversed || l.fine != if reversed { 0 } else { last.after } {
+                    report(
+                        out,
+                        format!(
+                            "loan {loan} is {} with {} cents, its last entry ({}) says {} cents",
+                            if l.settled { "settled" } else { "unsettled" },
+                            l.fine,
+                            last_row.kind,
+                            last.after
+                        ),
+                    );
+                }
+            }
+        }
+    }
+    for l in f.loans.values() {
+        if !by_loan.contains_key(&l.id) && (l.settled || l.seq.is_some()) {
+            report(
+                out,
+                format!(
+                    "loan {} is {} (fine {}, fine_seq {:?}) with no journal entry",
+                    l.id,
+                    if l.settled { "settled" } else { "unsettled" },
+                    l.fine,
+                    l.seq
+                ),
+            );
+        }
+    }
+    // Every adjustment a correction made is on the journal, under its key.
+    let mut recorded: BTreeMap<(String, i64, i64, i64), usize> = BTreeMap::new();
+    for j in &f.journal {
+        let Some(key) = &j.correction_key else {
+            continue;
+        };
+        for e in &j.entries {
+            *recorded
+                .entry((key.clone(), e.loan, e.before.unwrap_or(0), e.after))
+                .or_default() += 1;
+        }
+    }
+    for (key, loan, old, new) in &f.adjustments {
+        match recorded.get_mut(&(key.clone(), *loan, *old, *new)) {
+            Some(n) if *n > 0 => *n -= 1,
+            _ => report(
+                out,
+                format!("correction {key}'s adjustment of loan {loan} ({old} -> {new}) is not on the journal"),
+            ),
+        }
+    }
+}
+
+fn check_fines(f: &Facts, out: &mut Vec<Violation>) {
+    let months: BTreeSet<NaiveDate> = f.months.iter().copied().collect();
+    let mut wrong = Vec::new();
+    let mut unsettled = Vec::new();
+    let mut held_settled = Vec::new();
+    let mut out_settled = Vec::new();
+    for l in f.loans.values() {
+        match l.returned {
+            Day::On(ret) if months.contains(&first_of(ret)) => {
+                match l.due.day() {
+                    Some(due) => {
+                        if !l.settled {
+                            unsettled.push(l.id);
+                            continue;
+                        }
+                        match f.pins.get(&month_end(first_of(ret))) {
+                            Some(Some(rule)) => {
+                                let expected = fine_of(rule, due, ret);
+                                if l.fine != expected {
+                                    wrong.push(format!(
+                                    "loan {} due {due} returned {ret}: {} cents, the pinned rule \
+                                     ({} a day after {} days, at most {}) gives {expected}",
+                                    l.id, l.fine, rule.daily_rate_cents, rule.grace_days, rule.max_cents
+                                ));
+                                }
+                            }
+                            _ => wrong.push(format!(
+                                "loan {} is settled in {} which has no readable pin",
+                                l.id,
+                                month_end(first_of(ret))
+                            )),
+                        }
+                    }
+                    None => {
+                        if l.settled {
+                            held_settled.push(l.id);
+                        }
+                    }
+                }
+            }
+            Day::None | Day::Infinite => {
+                if l.settled {
+                    out_settled.push(l.id);
+                }
+            }
+            Day::On(_) => {}
+        }
+    }
+    for w in wrong.iter().take(10) {
+        out.push(violation("fines", w.clone()));
+    }
+    if wrong.len() > 10 {
+        out.push(violation(
+            "fines",
+            format!("… {} wrong fines in all", wrong.len()),
+        ));
+    }
+    let listed = |ids: &[i64]| format!("{} (first {:?})", ids.len(), &ids[..ids.len().min(10)]);
+    if !unsettled.is_empty() {
+        out.push(violation(
+            "fines",
+            format!(
+                "returns of the months left unsettled: {}",
+                listed(&unsettled)
+            ),
+        ));
+    }
+    if !held_settled.is_empty() {
+        out.push(violation(
+            "fines",
+            format!("held rows settled: {}", listed(&held_settled)),
+        ));
+    }
+    if !out_settled.is_empty() {
+        out.push(violation(
+            "fines",
+            format!("loans still out settled: {}", listed(&out_settled)),
+        ));
+    }
+}
+
+fn check_request_shards(f: &Facts, out: &mut Vec<Violation>) {
+    let mut served: BTreeMap<(String, i32), usize> = BTreeMap::new();
+    for e in &f.events {
+        if let Some(request) = &e.request {
+            if e.event == "claimed" || e.event == "forced" {
+                *served.entry((request.clone(), e.key.shard)).or_default() += 1;
+            }
+        }
+    }
+    for s in &f.request_shards {
+        let n = served
+            .get(&(s.request.clone(), s.shard))
+            .copied()
+            .unwrap_or(0);
+        if n > 1 {
+            out.push(violation(
+                "requests",
+                format!(
+                    "request {} (key {}) shard {}/{} started {n} attempts",
+                    s.request, s.idempotency_key, s.shard, s.shards
+                ),
+            ));
+        }
+        let refused = s
+            .detail
+            .as_deref()
+            .is_some_and(|d| d.contains("pinned to") || d.contains("correct"));
+        if s.state != "succeeded" && !(s.state == "failed" && refused) {
+            out.push(violation(
+                "requests",
+                format!(
+                    "request {} (key {}) shard {}/{} left {}{}",
+                    s.request,
+                    s.idempotency_key,
+                    s.shard,
+                    s.shards,
+                    s.state,
+                    s.detail
+                        .as_deref()
+                        .map(|d| format!(": {d}"))
+                        .unwrap_or_default()
+                ),
+            ));
+        }
+    }
+}
+
+fn check_requests_sent(world: &World, f: &Facts, out: &mut Vec<Violation>) {
+    let requests = world.requests.lock().unwrap_or_else(|p| p.into_inner());
+    for r in requests.iter() {
+        if r.answers.is_empty() {
+            out.push(violation(
+                "requests",
+                format!(
+                    "request {} was never answered ({} tries)",
+                    r.key, r.unanswered
+                ),
+            ));
+            continue;
+        }
+        let first = &r.answers[0];
+        if r.answers.iter().any(|a| a.0 != first.0 || a.1 != first.1) {
+            out.push(violation(
+                "requests",
+                format!(
+                    "request {} got different answers: {:?}",
+                    r.key,
+                    r.answers
+                        .iter()
+                        .map(|a| (a.0, one_line(&a.1, 120)))
+                        .collect::<Vec<_>>()
+                ),
+            ));
+        }
+        let stored = f
+            .request_shards
+            .iter()
+            .filter(|s| s.idempotency_key == r.key)
+            .map(|s| s.request.clone())
+            .collect::<BTreeSet<_>>();
+        if first.0 == 202 && stored.len() != 1 {
+            out.push(violation(
+                "requests",
+                format!(
+                    "request {} was answered 202 but stored {} times",
+                    r.key,
+                    stored.len()
+                ),
+            ));
+        }
+    }
+}
+
+fn check_exits(world: &World, out: &mut Vec<Violation>) {
+    use std::os::unix::process::ExitStatusExt;
+    let procs = world.procs.lock().unwrap_or_else(|p| p.into_inner());
+    let faults = world.faults.lock().unwrap_or_else(|p| p.into_inner());
+    for p in procs.iter() {
+        let Some((at, status)) = p.exited else {
+            out.push(violation("exits", format!("{} never exited", p.label())));
+            continue;
+        };
+        let log = std::fs::read_to_string(&p.log).unwrap_or_default();
+        let last = log
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .map(|l| one_line(l, 300))
+            .unwrap_or_default();
+        if log.contains("panicked at") {
+            out.push(violation(
+                "exits",
+                format!("{} panicked: {last}", p.label()),
+            ));
+            continue;
+        }
+        let sent = |name: &str| p.signals.iter().any(|(_, s)| s.starts_with(name));
+        if let Some(signal) = status.signal() {
+            // SIGTERM before settlementd installed its handler ends it by the signal.
+            let ours = (signal == libc::SIGKILL && sent("KILL"))
+                || (signal == libc::SIGTERM && sent("TERM") && !p.clean);
+            if !ours {
+                out.push(violation(
+                    "exits",
+                    format!("{} died of signal {signal}", p.label()),
+                ));
+            }
+            continue;
+        }
+        let code = status.code().unwrap_or(-1);
+        if code == 0 {
+            continue;
+        }
+        if p.clean {
+            out.push(violation(
+                "exits",
+                format!("{} (clean, untouched) exited {code}: {last}", p.label()),
+            ));
+            continue;
+        }
+        let refused = code == 3
+            && matches!(p.role, Role::Run { .. } | Role::Correct { .. })
+            && (log.contains("pinned to")
+                || log.contains("being corrected")
+                || log.contains("correct"));
+        let faulted = sent("TERM")
+            || sent("STOP")
+            || faults
+                .iter()
+                .any(|f| f.target.map_or(true, |t| t == p.id) && f.from <= at && f.to >= p.started);
+        if !(refused || faulted) {
+            out.push(violation(
+                "exits",
+                format!(
+                    "{} exited {code} with no fault to explain it: {last}",
+                    p.label()
+                ),
+            ));
+        }
+    }
+}
+
+/// `text` on one line, at most `max` characters.
+pub fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.chars().count() <= max {
+        flat
+    } else {
+        format!("{}…", flat.chars().take(max).collect::<String>())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn day(y: i32, m: u32, d: u32) -> NaiveDate {
+        NaiveDate::from_ymd_opt(y, m, d).unwrap()
+    }
+
+    fn rule() -> Rule {
+        Rule {
+            daily_rate_cents: 50,
+            grace_days: 1,
+            max_cents: 300,
+        }
+    }
+
+    /// A tiny settled world: one month, one shard, loan 1 settled once at 100 cents (3 days
+    /// late, 1 of grace), loan 2 held, loan 3 still out; the run's fenced progress in the same
+    /// transaction, one claim, one SUCCESS.
+    fn tiny() -> Facts {
+        let oct = day(2026, 10, 1);
+        let key = Key {
+            job: "fine-settlement".into(),
+            date: day(2026, 10, 31),
+            shards: 1,
+            shard: 0,
+        };
+        let at = |s: i64| DateTime::<Utc>::from_timestamp(1_790_000_000 + s, 0).unwrap();
+        let mut loans = BTreeMap::new();
+        loans.insert(
+            1,
+            Loan {
+                id: 1,
+                due: Day::On(day(2026, 10, 10)),
+                returned: Day::On(day(2026, 10, 13)),
+                fine: 100,
+                settled: true,
+                seq: Some(1),
+            },
+        );
+        loans.insert(
+            2,
+            Loan {
+                id: 2,
+                due: Day::None,
+                returned: Day::On(day(2026, 10, 13)),
+                fine: 0,
+                settled: false,
+                seq: None,
+            },
+        );
+        loans.insert(
+            3,
+            Loan {
+                id: 3,
+                due: Day::On(day(2026, 10, 20)),
+                returned: Day::None,
+                fine: 0,
+                settled: false,
+                seq: None,
+            },
+        );
+        let mut pins = BTreeMap::new();
+        pins.insert(day(2026, 10, 31), Some(rule()));
+        Facts {
+            months: vec![oct],
+            ttl_secs: 3.0,
+            final_shards: 1,
+            loans,
+            loan_log: vec![LoanWrite {
+                txid: 77,
+                at: at(5),
+                who: "settlementd".into(),
+                op: 'U',
+                loan: 1,
+                old_settled: Some(false),
+                new_settled: Some(true),
+                old_at: None,
+                new_at: Some(at(5)),
+                old_fine: Some(0),
+                new_fine: Some(100),
+                old_seq: None,
+                new_seq: Some(1),
+                new_due: Day::On(day(2026, 10, 10)),
+                new_returned: Day::On(day(2026, 10, 13)),
+            }],
+            journal: vec![JournalRow {
+                id: 1,
+                txid: Some(77),
+                month: oct,
+                kind: "settled".into(),
+                shards: Some(1),
+                attempt: Some(1),
+                correction_key: None,
+                entries: vec![Entry {
+                    loan: 1,
+                    seq: 1,
+                    before: Some(0),
+                    after: 100,
+                }],
+            }],
+            run_log: vec![
+                RunWrite {
+                    txid: 70,
+                    at: at(1),
+                    key: key.clone(),
+                    op: 'I',
+                    old_status: None,
+                    new_status: Some("RUNNING".into()),
+                    old_attempt: None,
+                    new_attempt: Some(1),
+                    old_heartbeat: None,
+                },
+                RunWrite {
+                    txid: 77,
+                    at: at(5),
+                    key: key.clone(),
+                    op: 'U',
+                    old_status: Some("RUNNING".into()),
+                    new_status: Some("RUNNING".into()),
+                    old_attempt: Some(1),
+                    new_attempt: Some(1),
+                    old_heartbeat: Some(at(4)),
+                },
+                RunWrite {
+                    txid: 78,
+                    at: at(6),
+                    key: key.clone(),
+                    op: 'U',
+                    old_status: Some("RUNNING".into()),
+                    new_status: Some("SUCCESS".into()),
+                    old_attempt: Some(1),
+                    new_attempt: Some(1),
+                    old_heartbeat: Some(at(5)),
+                },
+            ],
+            runs: vec![(key.clone(), "SUCCESS".into(), 1)],
+            pins,
+            events: vec![
+                Event {
+                    key: key.clone(),
+                    event: "claimed".into(),
+                    attempt: Some(1),
+                    request: None,
+                },
+                Event {
+                    key,
+                    event: "succeeded".into(),
+                    attempt: Some(1),
+                    request: None,
+                },
+            ],
+            ..Facts::default()
+        }
+    }
+
+    fn checks_of(v: &[Violation]) -> Vec<&'static str> {
+        v.iter().map(|v| v.check).collect()
+    }
+
+    #[test]
+    fn the_fine_is_days_late_past_the_grace_times_the_rate_capped() {
+        assert_eq!(fine_of(&rule(), day(2026, 10, 10), day(2026, 10, 13)), 100);
+        assert_eq!(fine_of(&rule(), day(2026, 10, 10), day(2026, 10, 11)), 0);
+        assert_eq!(fine_of(&rule(), day(2026, 10, 10), day(2026, 10, 1)), 0);
+        assert_eq!(fine_of(&rule(), day(2026, 1, 10), day(2026, 10, 1)), 300);
+    }
+
+    #[test]
+    fn a_tiny_settled_world_passes() {
+        assert_eq!(check(&tiny()), vec![]);
+    }
+
+    #[test]
+    fn a_wrong_fine_is_caught() {
+        let mut f = tiny();
+        f.loans.get_mut(&1).unwrap().fine = 150;
+        assert!(checks_of(&check(&f)).contains(&"fines"));
+    }
+
+    #[test]
+    fn a_second_settlement_of_a_settled_loan_is_caught() {
+        let mut f = tiny();
+        let mut again = f.loan_log[0].clone();
+        again.txid = 90;
+        again.old_settled = Some(true);
+        again.old_at = again.new_at;
+        again.new_at = Some(again.new_at.unwrap() + chrono::TimeDelta::seconds(9));
+        again.old_fine = Some(100);
+        again.old_seq = Some(1);
+        again.new_seq = Some(2);
+        f.loan_log.push(again);
+        let mut row = f.journal[0].clone();
+        row.id = 2;
+        row.txid = Some(90);
+        row.entries = vec![Entry {
+            loan: 1,
+            seq: 2,
+            before: Some(100),
+            after: 100,
+        }];
+        f.journal.push(row);
+        f.loans.get_mut(&1).unwrap().seq = Some(2);
+        let caught = check(&f);
+        assert!(
+            caught
+                .iter()
+                .any(|v| v.check == "transitions" && v.facts.contains("settled twice")),
+            "{caught:?}"
+        );
+    }
+
+    #[test]
+    fn a_write_without_its_fence_is_caught() {
+        let mut f = tiny();
+        f.run_log.remove(1);
+        assert!(checks_of(&check(&f)).contains(&"fences"));
+    }
+
+    #[test]
+    fn a_takeover_of_a_live_lease_is_caught() {
+        let mut f = tiny();
+        let mut stolen = f.run_log[1].clone();
+        stolen.txid = 99;
+        stolen.new_attempt = Some(2);
+        stolen.at = stolen.old_heartbeat.unwrap() + chrono::TimeDelta::seconds(1);
+        f.run_log.push(stolen);
+        assert!(checks_of(&check(&f)).contains(&"leases"));
+    }
+
+    #[test]
+    fn a_held_row_or_a_loan_still_out_settled_is_caught() {
+        let mut f = tiny();
+        f.loans.get_mut(&2).unwrap().settled = true;
+        f.loans.get_mut(&3).unwrap().settled = true;
+        let v = check(&f);
+        assert!(
+            v.iter().any(|v| v.facts.starts_with("held rows settled")),
+            "{v:?}"
+        );
+        assert!(
+            v.iter()
+                .any(|v| v.facts.starts_with("loans still out settled")),
+            "{v:?}"
+        );
+    }
+
+    #[test]
+    fn an_attempt_claimed_twice_is_caught() {
+        let mut f = tiny();
+        let twice = f.events[0].clone();
+        f.events.push(twice);
+        assert!(checks_of(&check(&f)).contains(&"claims"));
+    }
+}
