@@ -13,6 +13,7 @@ mod edges;
 mod fault;
 mod fleet;
 mod http_limits;
+mod jobs;
 mod journal;
 mod layers;
 mod load;
