@@ -65,9 +65,10 @@ impl From<DbError> for AppError {
 impl From<JobError> for AppError {
     fn from(e: JobError) -> Self {
         match e {
-            JobError::ParamsConflict { .. } | JobError::BeingCorrected { .. } => {
-                AppError::Refused(e.to_string())
-            }
+            JobError::ParamsConflict { .. }
+            | JobError::BeingCorrected { .. }
+            | JobError::NotReady { .. }
+            | JobError::Paused { .. } => AppError::Refused(e.to_string()),
             JobError::NoParams { .. } => AppError::Invalid(e.to_string()),
             _ => AppError::Failed(with_hint(e.to_string(), undefined_table(&e))),
         }

@@ -264,7 +264,7 @@ impl MonthStatus {
             for n in &watch.not_closed {
                 let _ = writeln!(
                     out,
-                    "not closed within the lookback: {} ({})",
+                    "to settle within the lookback: {} ({})",
                     n.business_date,
                     overview::not_closed_words(n, self.words)
                 );

@@ -96,6 +96,15 @@ pub async fn closed(
         Some(format!(
             "{job_name} {business_date} is being corrected under key {key:?}"
         ))
+    } else if success == 0 {
+        // Never run under this count, or its claims were pruned (retention): running it again is
+        // safe (it settles only what is due) and closes it.
+        let month = business_date.format("%Y-%m");
+        Some(format!(
+            "{job_name} {business_date} has no SUCCESS claim under {shards} shards (never run, \
+             or pruned by retention): run it first, `settlementd run --job {job_name} --from \
+             {month} --to {month} --all-shards --shards {shards}`"
+        ))
     } else if success < i64::from(shards) {
         Some(format!(
             "{job_name} {business_date} is SUCCESS on {success} of its {shards} shards"

@@ -298,6 +298,12 @@ pub trait Job: Sync {
         }
     }
 
+    /// The notes of a run that did nothing: every note the job reports, at zero, so that a report
+    /// has the same keys whatever the run did (`run --json`). Default: none.
+    fn empty_notes(&self) -> Notes {
+        Notes::new()
+    }
+
     /// The audit events a SUCCESS writes for the run's notes (the fine settlement: `held_rows`,
     /// naming the loans the rule cannot price); each is also logged as a warning. Default: none.
     fn note_events(&self, _notes: &Notes) -> Vec<(&'static str, String)> {
@@ -431,7 +437,8 @@ pub enum JobError {
     /// The job is paused ([`pause`]): nothing new is claimed, and a run in flight stops after its
     /// batch (marked FAILED `interrupted: paused`, resumed like any interrupted run).
     #[error(
-        "{job} is paused since {since} by {by}: {reason} (`settlementd resume` lets it go on)"
+        "{job} is paused since {} by {by}: {reason} (`settlementd resume` lets it go on)",
+        since.format("%Y-%m-%d %H:%M:%S UTC")
     )]
     Paused {
         job: String,

@@ -27,6 +27,14 @@ use sqlx::{PgConnection, PgExecutor};
 #[serde(transparent)]
 pub struct Params(pub serde_json::Value);
 
+impl Params {
+    /// No parameters at all (`{}`): nothing to pin or compare, so a claim stores no pin (a daily
+    /// job would otherwise add a row a day to `job_params`).
+    pub fn is_empty(&self) -> bool {
+        self.0.as_object().is_some_and(|o| o.is_empty())
+    }
+}
+
 /// What a claim found for its period.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Pin {

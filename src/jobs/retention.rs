@@ -96,7 +96,9 @@ impl Retention {
                           WHERE q.job_name = $1 AND q.business_date = $2
                             AND NOT EXISTS (SELECT 1 FROM run_request_shards s
                                              WHERE s.request_id = q.request_id
-                                               AND s.state <> 'succeeded')),
+                                               AND s.state <> 'succeeded')
+                            AND NOT EXISTS (SELECT 1 FROM run_requests c
+                                             WHERE c.parent_id = q.request_id)),
                         (SELECT count(*) FROM job_runs
                           WHERE job_name = $1 AND business_date = $2)",
             )
@@ -200,6 +202,8 @@ impl Job for Retention {
                         AND NOT EXISTS (SELECT 1 FROM run_request_shards s
                                          WHERE s.request_id = q.request_id
                                            AND s.state <> 'succeeded')
+                        AND NOT EXISTS (SELECT 1 FROM run_requests c
+                                         WHERE c.parent_id = q.request_id)
                  ), shards AS (
                      DELETE FROM run_request_shards s USING finished f
                       WHERE s.request_id = f.request_id
@@ -219,7 +223,24 @@ impl Job for Retention {
             .bind(period.business_date)
             .fetch_one(&mut *tx)
             .await?;
-            Some(requests + runs)
+            // A range request (its months are child requests; it has no shards of its own) goes
+            // once the last of its months has gone, whichever period that was.
+            let ranges: i64 = sqlx::query_scalar(
+                "WITH ranges AS (
+                     DELETE FROM run_requests p
+                      WHERE p.job_name = $1 AND p.range_to IS NOT NULL AND p.parent_id IS NULL
+                        AND NOT EXISTS (SELECT 1 FROM run_requests c
+                                         WHERE c.parent_id = p.request_id)
+                        AND NOT EXISTS (SELECT 1 FROM run_request_shards s
+                                         WHERE s.request_id = p.request_id)
+                     RETURNING 1
+                 )
+                 SELECT count(*) FROM ranges",
+            )
+            .bind(&period.job_name)
+            .fetch_one(&mut *tx)
+            .await?;
+            Some(requests + runs + ranges)
         } else {
             None
         };

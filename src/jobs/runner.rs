@@ -170,7 +170,7 @@ async fn run_in_span<J: Job>(
                     force: opts.force,
                     reopen: reopen.as_ref().map(|(_, r)| r),
                     request: opts.request.as_deref(),
-                    params: Some(stated),
+                    params: (!params.is_empty()).then_some(stated),
                     correction: opts.correction.as_deref(),
                 },
             ),
@@ -244,7 +244,7 @@ async fn run_in_span<J: Job>(
                 });
             }
         };
-        return Ok(skipped(key, params, skip, started));
+        return Ok(skipped(key, params, skip, started, job.empty_notes()));
     };
     span.record("attempt", claim.attempt);
     let job_name = job.name();
@@ -375,7 +375,7 @@ async fn work<J: Job>(
         ..Progress::default()
     };
     on_progress(progress);
-    let mut notes = Notes::new();
+    let mut notes = job.empty_notes();
     let mut cursor = claim.resume;
     let begin = format!("BEGIN; {}; {}", opts.guards.sql(), job.batch_settings());
     let job_name = job.name();
@@ -443,7 +443,13 @@ fn lease_lost(claim: &claim::Claim) -> JobError {
     }
 }
 
-fn skipped(key: JobKey, params: Params, reason: SkipReason, started: Instant) -> RunReport {
+fn skipped(
+    key: JobKey,
+    params: Params,
+    reason: SkipReason,
+    started: Instant,
+    notes: Notes,
+) -> RunReport {
     RunReport {
         key,
         skipped: Some(reason),
@@ -453,7 +459,7 @@ fn skipped(key: JobKey, params: Params, reason: SkipReason, started: Instant) ->
         late: 0,
         scanned: 0,
         updated: 0,
-        notes: Notes::new(),
+        notes,
         batches: 0,
         elapsed: started.elapsed(),
     }

@@ -501,6 +501,10 @@ impl Job for FineSettlement {
         Ok(PendingReport { by_period, before })
     }
 
+    fn empty_notes(&self) -> Notes {
+        notes(0, 0, Vec::new())
+    }
+
     fn note_events(&self, notes: &Notes) -> Vec<(&'static str, String)> {
         notes
             .get(HELD)

@@ -592,6 +592,38 @@ fn the_shard_wiring_is_present_in_both_kubernetes_forms_compose_and_systemd() {
     let args = &container(pod_spec(cron), "settlementd")["args"];
     assert!(args.as_array().unwrap().iter().any(|a| a == "run"));
 
+    // Every other job of the registry has a CronJob of its own, `run --job NAME`, at its cron.
+    let registry = settlementd::registry::build(&p.settings);
+    for job in registry
+        .iter()
+        .filter(|j| j.name() != settlementd::settlement::JOB_NAME)
+    {
+        let name = format!("settlementd-{}", job.name());
+        let cron = object(&overlay, "CronJob", &name);
+        let p = kube_process(&overlay, cron, "settlementd");
+        let spec = &cron["spec"]["jobTemplate"]["spec"];
+        assert_eq!(spec["completions"], Value::from(p.settings.shard.count));
+        assert_eq!(
+            cron["spec"]["timeZone"],
+            p.settings.schedule.timezone.name()
+        );
+        assert_eq!(
+            format!("0 {}", str_of(&cron["spec"]["schedule"], "schedule")),
+            job.schedule().cron.pattern.to_string(),
+            "{name} fires at the instant of its job's cron"
+        );
+        let args: Vec<&str> = container(pod_spec(cron), "settlementd")["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        assert!(
+            args.windows(3).any(|w| w == ["run", "--job", job.name()]),
+            "{name}: {args:?}"
+        );
+    }
+
     // Compose: three replicas, indexes 0..count, one count.
     let replicas: Vec<_> = compose_processes()
         .into_values()
@@ -761,17 +793,35 @@ fn sample(body: &str, name: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports() {
     let rules = yaml(&deploy_dir().join("prometheus/alerts.yaml"));
+    let operations = std::fs::read_to_string(deploy_dir().join("../docs/OPERATIONS.md")).unwrap();
+    let anchors = markdown_anchors(&operations);
     let mut used = BTreeSet::new();
+    // Metrics of the alerts that group by `job_name`: each must carry that label.
+    let mut per_job = BTreeSet::new();
     let mut alerts = BTreeSet::new();
     for group in rules["groups"].as_array().unwrap() {
         for rule in group["rules"].as_array().unwrap() {
             let name = str_of(&rule["alert"], "alert");
             assert!(alerts.insert(name.to_string()), "{name} twice");
-            used.extend(metrics_of(str_of(&rule["expr"], name)));
+            let expr = str_of(&rule["expr"], name);
+            used.extend(metrics_of(expr));
+            if expr.contains("job_name") {
+                per_job.extend(metrics_of(expr));
+            }
             assert!(rule["labels"]["severity"].is_string(), "{name}: severity");
             for key in ["summary", "description", "runbook"] {
                 assert!(rule["annotations"][key].is_string(), "{name}: {key}");
             }
+            let runbook = str_of(&rule["annotations"]["runbook"], name);
+            let anchor = runbook
+                .strip_prefix("docs/OPERATIONS.md#")
+                .unwrap_or_else(|| {
+                    panic!("{name}: runbook {runbook} is not in docs/OPERATIONS.md")
+                });
+            assert!(
+                anchors.contains(anchor),
+                "{name}: docs/OPERATIONS.md has no section #{anchor}"
+            );
         }
     }
     for required in [
@@ -779,6 +829,10 @@ async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports()
         "SettlementFencingRejections",
         "SettlementRunFailingRepeatedly",
         "SettlementReplicaNotReady",
+        "SettlementMonthsNotClosed",
+        "SettlementUnsettledBeyondLookback",
+        "SettlementCorrectionUnfinished",
+        "SettlementPausedAcrossFire",
     ] {
         assert!(alerts.contains(required), "{required} missing");
     }
@@ -809,6 +863,12 @@ async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports()
         assert!(
             exported.contains(metric),
             "the rules name {metric}, which the binary does not export:\n{body}"
+        );
+    }
+    for metric in &per_job {
+        assert!(
+            body.contains(&format!("{metric}{{job_name=\"fine-settlement\"")),
+            "an alert groups {metric} by job_name, which it does not carry:\n{body}"
         );
     }
     assert_eq!(
@@ -1000,4 +1060,24 @@ fn pod_spec_labels(workload: &Value) -> Value {
         }
         _ => workload["spec"]["template"]["metadata"]["labels"].clone(),
     }
+}
+
+/// The anchors GitHub gives the headings of a Markdown text (lower case, spaces to `-`, other
+/// punctuation dropped).
+fn markdown_anchors(text: &str) -> BTreeSet<String> {
+    text.lines()
+        .filter(|l| l.starts_with('#'))
+        .map(|l| {
+            l.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter_map(|c| match c {
+                    ' ' => Some('-'),
+                    c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                    _ => None,
+                })
+                .collect()
+        })
+        .collect()
 }
