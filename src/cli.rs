@@ -9,7 +9,7 @@ use crate::commands::{
     seed::SeedRequest, status::StatusRequest, verify::VerifyRequest,
 };
 use crate::config::Settings;
-use crate::jobs::Progress;
+use crate::jobs::{Progress, RunReport};
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -72,6 +72,10 @@ pub struct RunArgs {
     /// The job to run (default: fine-settlement; `settlementd jobs` lists them).
     #[arg(long, value_name = "NAME")]
     pub job: Option<String>,
+    /// Every enabled job, one after the other in the order `settlementd jobs` lists them (a job
+    /// that follows another after it); one report per job.
+    #[arg(long, conflicts_with = "job")]
+    pub all_jobs: bool,
     /// The month to settle, as its last day (default: last month's end in schedule.timezone).
     #[arg(long, value_name = "YYYY-MM-DD", conflicts_with_all = ["from", "to"])]
     pub business_date: Option<String>,
@@ -95,9 +99,11 @@ pub struct RunArgs {
     pub force: bool,
     /// When a live run holds the claim, wait until it ends (done) or goes stale (taken over)
     /// instead of skipping; for schedulers that retry a killed run while its lease is still live.
+    /// Also wait while the job this one follows has not closed the month, instead of refusing.
     #[arg(long)]
     pub wait: bool,
-    /// Print exactly one JSON object on stdout.
+    /// Print one JSON object on stdout (one per line per month, shard and job with --from/--to
+    /// or --all-jobs).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -281,57 +287,17 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
             }
         }
         Command::Run(args) => {
-            let show_bar = !args.json && std::io::stderr().is_terminal();
-            let request = RunRequest {
-                job: args.job,
-                business_date: args.business_date,
-                shard: args.shard,
-                shards: args.shards,
-                force: args.force,
-                wait: args.wait,
-                estimate: show_bar,
-                embedded_db: args.db.embedded_db,
-            };
-            let job = commands::run::job_of(&settings, request.job.as_deref())?;
-            let bar = progress_bar(show_bar, "{bar:40} {pos}/{len} items {per_sec} {msg}");
-            let on_progress = |p: Progress| {
-                if let Some(total) = p.total {
-                    bar.set_length(total);
-                }
-                bar.set_position(p.scanned);
-            };
-            if let (Some(from), Some(to)) = (args.from, args.to) {
-                let range = RangeRequest {
-                    run: request,
-                    from,
-                    to,
-                    all_shards: args.all_shards,
-                };
-                let json = args.json;
-                let mut on_month = |done: &commands::run::MonthDone| {
-                    bar.suspend(|| {
-                        for report in &done.reports {
-                            if json {
-                                println!("{}", commands::run::report_json(report));
-                            } else {
-                                println!("{}", commands::run::report_line(job.as_ref(), report));
-                            }
-                        }
-                    });
-                };
-                let result =
-                    commands::run::run_range(&settings, &range, &on_progress, &mut on_month).await;
-                bar.finish_and_clear();
-                result?;
-                return Ok(());
-            }
-            let result = commands::run::run(&settings, &request, &on_progress).await;
-            bar.finish_and_clear();
-            let report = result?;
-            if args.json {
-                println!("{}", commands::run::report_json(&report));
+            let jobs: Vec<Option<String>> = if args.all_jobs {
+                crate::registry::build(&settings)
+                    .iter()
+                    .filter(|j| j.schedule().enabled)
+                    .map(|j| Some(j.name().to_string()))
+                    .collect()
             } else {
-                println!("{}", commands::run::report_line(job.as_ref(), &report));
+                vec![args.job.clone()]
+            };
+            for job in jobs {
+                run_job(&settings, &args, job).await?;
             }
         }
         Command::Status(args) => {
@@ -458,6 +424,55 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         }
         Command::Demo => crate::demo::run(settings).await?,
     }
+    Ok(())
+}
+
+/// `run` of one job (`None`: the default): a month, or a range of months, printing each report.
+async fn run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Result<()> {
+    let show_bar = !args.json && std::io::stderr().is_terminal();
+    let request = RunRequest {
+        job,
+        business_date: args.business_date.clone(),
+        shard: args.shard,
+        shards: args.shards,
+        force: args.force,
+        wait: args.wait,
+        estimate: show_bar,
+        embedded_db: args.db.embedded_db,
+    };
+    let job = commands::run::job_of(settings, request.job.as_deref())?;
+    let bar = progress_bar(show_bar, "{bar:40} {pos}/{len} items {per_sec} {msg}");
+    let on_progress = |p: Progress| {
+        if let Some(total) = p.total {
+            bar.set_length(total);
+        }
+        bar.set_position(p.scanned);
+    };
+    let print = |report: &RunReport| {
+        if args.json {
+            println!("{}", commands::run::report_json(report));
+        } else {
+            println!("{}", commands::run::report_line(job.as_ref(), report));
+        }
+    };
+    if let (Some(from), Some(to)) = (args.from.clone(), args.to.clone()) {
+        let range = RangeRequest {
+            run: request,
+            from,
+            to,
+            all_shards: args.all_shards,
+        };
+        let mut on_month = |done: &commands::run::MonthDone| {
+            bar.suspend(|| done.reports.iter().for_each(print));
+        };
+        let result = commands::run::run_range(settings, &range, &on_progress, &mut on_month).await;
+        bar.finish_and_clear();
+        result?;
+        return Ok(());
+    }
+    let result = commands::run::run(settings, &request, &on_progress).await;
+    bar.finish_and_clear();
+    print(&result?);
     Ok(())
 }
 

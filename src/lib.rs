@@ -21,11 +21,12 @@
 //! | layer | modules | owns |
 //! |---|---|---|
 //! | command line | [`cli`] | clap types, parsing, dispatch, printing |
-//! | commands and front ends | [`commands`], [`daemon`], [`demo`] | one file per command; `serve` (the schedule loop, HTTP); the demo |
-//! | shared by every command | [`app`], [`overview`] | error and exit codes, the database (configured or embedded), logging, shutdown signal, run options, default business date; the settlement at a glance, read-only and time-bounded (the status page's data) |
-//! | the job's data and tools | [`settlement`], [`seed`], [`db`], [`embedded_pg`] | the loans SQL; synthetic loans; connect and migrate; a private PostgreSQL |
-//! | generic layers | [`jobs`], [`config`] | claim, lease, fencing, `run_once` (knows nothing of loans); typed, validated settings |
-//! | pure | [`calendar`], [`fine`], [`clock`], [`schedule`] | business dates, the fine rule, injected time, cron slots (`schedule` uses `calendar`; the others use nothing) |
+//! | commands and front ends | [`commands`], [`daemon`], [`demo`] | one file per command; `serve` (a replica per job, the tick loop, HTTP); the demo |
+//! | shared by every command | [`app`], [`overview`] | error and exit codes, the database (configured or embedded), logging, shutdown signal, run options, default business date; every job at a glance, read-only and time-bounded (the status page's and `status`'s data) |
+//! | the binary's jobs | [`registry`] | the one list of jobs, their schedules from the settings |
+//! | the jobs' data and tools | [`settlement`], [`statements`], [`seed`], [`db`], [`embedded_pg`] | the fine settlement (loans SQL, journal, verify, corrections); the member statements; synthetic loans; connect and migrate; a private PostgreSQL |
+//! | generic layers | [`jobs`], [`config`] | the `Job` trait and registry types, claim, lease, fencing, pins, pause, what is due, requests, retention, `run_once` (knows nothing of loans); typed, validated settings |
+//! | pure | [`calendar`], [`fine`], [`clock`], [`schedule`], [`mutant`] | business dates, the fine rule, injected time, cron slots, the fault campaign's planted bugs (`schedule` uses `calendar`; the others use nothing) |
 //!
 //! `python3 ../shared/tools/modcycles.py src` checks the "no cycles, nothing imports `cli`" part.
 

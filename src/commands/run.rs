@@ -10,7 +10,7 @@ use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec};
 use crate::db;
 use crate::jobs::registry::Registered;
-use crate::jobs::{JobKey, Progress, RunReport, SkipReason};
+use crate::jobs::{JobError, JobKey, Progress, RunReport, SkipReason};
 use std::sync::Arc;
 
 /// What to run; `None` fields fall back to the configuration.
@@ -28,7 +28,8 @@ pub struct RunRequest {
     pub estimate: bool,
     /// When a live run holds the key, wait for it — every `lease.heartbeat_secs` — instead of
     /// skipping: until it is SUCCESS (then skipped as done) or its lease expires or it fails (then
-    /// taken over), as a `serve` replica does.
+    /// taken over), as a `serve` replica does. Also wait while the job it follows has not closed
+    /// the month (not ready), instead of refusing.
     pub wait: bool,
     /// Use a private PostgreSQL in `database.embedded_dir`.
     pub embedded_db: bool,
@@ -243,11 +244,15 @@ async fn run_key(
         let result = job
             .run(&database.pool, key.clone(), &opts, shutdown, on_progress)
             .await;
-        let held = matches!(&result, Ok(r) if r.skipped == Some(SkipReason::Held));
-        if !(request.wait && held) {
-            return Ok(result?);
+        match &result {
+            Ok(r) if request.wait && r.skipped == Some(SkipReason::Held) => {
+                tracing::info!("a live run holds the claim; waiting for it to finish or go stale")
+            }
+            Err(JobError::NotReady { why, .. }) if request.wait => {
+                tracing::info!("not ready: {why}; waiting for it")
+            }
+            _ => return Ok(result?),
         }
-        tracing::info!("a live run holds the claim; waiting for it to finish or go stale");
         tokio::select! {
             _ = tokio::time::sleep(opts.heartbeat_every) => {}
             _ = shutdown.cancelled() => return Ok(result?),

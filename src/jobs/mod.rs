@@ -230,7 +230,7 @@ pub struct Pending {
     pub shard: u32,
     /// Items a run of the period's shard would do.
     pub late: u64,
-    /// Items left as they are for an operator ([`Batch::held`]).
+    /// Items left as they are for an operator (the fine settlement: held rows, its `held` note).
     pub held: u64,
 }
 

@@ -592,37 +592,22 @@ fn the_shard_wiring_is_present_in_both_kubernetes_forms_compose_and_systemd() {
     let args = &container(pod_spec(cron), "settlementd")["args"];
     assert!(args.as_array().unwrap().iter().any(|a| a == "run"));
 
-    // Every other job of the registry has a CronJob of its own, `run --job NAME`, at its cron.
-    let registry = settlementd::registry::build(&p.settings);
-    for job in registry
+    // One CronJob runs every enabled job of the registry, followers waiting for their leader.
+    let args: Vec<&str> = args
+        .as_array()
+        .unwrap()
         .iter()
-        .filter(|j| j.name() != settlementd::settlement::JOB_NAME)
-    {
-        let name = format!("settlementd-{}", job.name());
-        let cron = object(&overlay, "CronJob", &name);
-        let p = kube_process(&overlay, cron, "settlementd");
-        let spec = &cron["spec"]["jobTemplate"]["spec"];
-        assert_eq!(spec["completions"], Value::from(p.settings.shard.count));
-        assert_eq!(
-            cron["spec"]["timeZone"],
-            p.settings.schedule.timezone.name()
-        );
-        assert_eq!(
-            format!("0 {}", str_of(&cron["spec"]["schedule"], "schedule")),
-            job.schedule().cron.pattern.to_string(),
-            "{name} fires at the instant of its job's cron"
-        );
-        let args: Vec<&str> = container(pod_spec(cron), "settlementd")["args"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|a| a.as_str().unwrap())
-            .collect();
-        assert!(
-            args.windows(3).any(|w| w == ["run", "--job", job.name()]),
-            "{name}: {args:?}"
-        );
-    }
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert!(
+        args.contains(&"--all-jobs") && args.contains(&"--wait"),
+        "{args:?}"
+    );
+    let every_job = settlementd::registry::build(&p.settings);
+    assert!(
+        every_job.iter().all(|j| j.schedule().enabled),
+        "the CronJob's configuration disables a job"
+    );
 
     // Compose: three replicas, indexes 0..count, one count.
     let replicas: Vec<_> = compose_processes()
@@ -782,13 +767,19 @@ fn exported(body: &str) -> BTreeSet<String> {
     names
 }
 
+/// The value of the series `name` (a metric's name, with its labels when it has any, as exported:
+/// `settlementd_shards`, `settlementd_paused{job_name="fine-settlement"}`).
 fn sample(body: &str, name: &str) -> f64 {
     body.lines()
-        .find(|l| l.split(['{', ' ']).next() == Some(name))
+        .find(|l| l.rsplit_once(' ').map(|(series, _)| series) == Some(name))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no sample of {name} in:\n{body}"))
 }
+
+/// The settlement's unsettled shards of the latest month, as exported.
+const UNSETTLED_SHARDS: &str =
+    "settlementd_latest_month_unsettled_shards{job_name=\"fine-settlement\"}";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports() {
@@ -851,8 +842,10 @@ async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports()
     let mut body = String::new();
     for _ in 0..300 {
         body = replica.wait_for("/metrics", 200).await;
-        if body.contains("settlementd_latest_month_unsettled_shards ")
-            && body.contains("settlementd_last_success_timestamp_seconds ")
+        if body.contains(&format!("{UNSETTLED_SHARDS} 1"))
+            && body.contains(
+                "settlementd_last_success_timestamp_seconds{job_name=\"fine-settlement\"}",
+            )
         {
             break;
         }
@@ -871,13 +864,13 @@ async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports()
             "an alert groups {metric} by job_name, which it does not carry:\n{body}"
         );
     }
-    assert_eq!(
-        sample(&body, "settlementd_latest_month_unsettled_shards"),
-        1.0
-    );
+    assert_eq!(sample(&body, UNSETTLED_SHARDS), 1.0);
     assert_eq!(sample(&body, "settlementd_shards"), 2.0);
     assert_eq!(sample(&body, "settlementd_ready"), 1.0);
-    let fire = sample(&body, "settlementd_latest_fire_timestamp_seconds");
+    let fire = sample(
+        &body,
+        "settlementd_latest_fire_timestamp_seconds{job_name=\"fine-settlement\"}",
+    );
     assert!(fire > 0.0 && fire <= chrono::Utc::now().timestamp() as f64);
 
     // Compose's health check, run as compose would, against this replica.

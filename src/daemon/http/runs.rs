@@ -3,7 +3,7 @@
 //! `POST /v1/runs` with `Authorization: Bearer <http.admin_token>`, `Idempotency-Key: <key>` and
 //! `{"job": "fine-settlement", "business_date": "YYYY-MM-DD", "shards": M, "shard": N, "force":
 //! true}` — or `"from": "YYYY-MM", "to": "YYYY-MM"` instead of `business_date`, a range run month
-//! by month — stores the request under the key ([`jobs::requests::store`]) before answering
+//! by month — stores the request under the key ([`crate::jobs::requests::store`]) before answering
 //! `202`; replicas serving the targeted shards run it ([`crate::daemon::replica`]). `job` defaults
 //! to the registry's first job. The key comes from the client's business request
 //! (a retry sends the same key): the same key with the same body, at once or days later, to any
