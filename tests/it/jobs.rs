@@ -2232,3 +2232,72 @@ async fn serve_with_retention_enabled_prunes_once_a_day_on_one_replica() {
     assert!(deleted.contains(&0.0), "{deleted:?}");
     drop((a, b));
 }
+
+/// The CronJob form: one process per shard runs `run --all-jobs --wait`. Shard 0 starts alone: it
+/// settles its shard, then its statements wait (not ready: shard 1 has not settled); shard 1
+/// starts later, settles, writes its statements; shard 0's statements follow. Both exit 0 with one
+/// JSON line per job, and the statements are the recompute.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_all_jobs_wait_runs_every_job_and_the_statements_wait_for_every_shard() {
+    let db = test_db().await;
+    let month = bd("2026-10-31");
+    seed_month_alone(&db.pool, month, 400, 1).await;
+    let all_jobs = |shard: &str| {
+        let mut cmd = settlementd(Some(&db.url));
+        cmd.envs(FAST).args([
+            "run",
+            "--all-jobs",
+            "--wait",
+            "--json",
+            "--business-date",
+            "2026-10-31",
+            "--shard",
+            shard,
+            "--shards",
+            "2",
+        ]);
+        cmd.stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let first = all_jobs("0");
+    // Shard 0's settlement is done and its statements are waiting before shard 1 starts.
+    for _ in 0..300 {
+        let settled = count(
+            &db.pool,
+            "SELECT count(*) FROM job_runs WHERE job_name = 'fine-settlement' AND status = 'SUCCESS'",
+        )
+        .await;
+        if settled == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    assert_eq!(
+        count(
+            &db.pool,
+            "SELECT count(*) FROM job_runs WHERE job_name = 'member-statements'"
+        )
+        .await,
+        0,
+        "the statements claimed nothing before the settlement closed the month"
+    );
+    let second = all_jobs("1");
+    for (shard, child) in [(0, first), (1, second)] {
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "shard {shard}: {}",
+            stderr_of(&out)
+        );
+        let jobs: Vec<String> = json_lines(&out)
+            .iter()
+            .map(|r| r["job"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(jobs, [SETTLEMENT, STATEMENTS], "shard {shard}");
+    }
+    assert_statements(&db.pool, month, 50).await;
+}
