@@ -52,6 +52,17 @@ async fn count(pool: &PgPool, query: &str) -> i64 {
     sqlx::query_scalar(query).fetch_one(pool).await.unwrap()
 }
 
+/// Every job of the registry, in its order (a job added to the binary is in every list these tests
+/// check).
+fn every_job() -> Vec<String> {
+    let settings = Settings::load_from(None, []).unwrap();
+    settlementd::registry::build(&settings)
+        .names()
+        .into_iter()
+        .map(String::from)
+        .collect()
+}
+
 /// The JSON lines a finished process printed on stdout.
 fn json_lines(out: &Output) -> Vec<serde_json::Value> {
     String::from_utf8_lossy(&out.stdout)
@@ -396,7 +407,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
     let out = cli(&db.url, &[], &["jobs", "--json"]);
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let lines = json_lines(&out);
-    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines.len(), every_job().len(), "{lines:?}");
     for line in &lines {
         let mut keys: Vec<&String> = line.as_object().unwrap().keys().collect();
         keys.sort();
@@ -467,7 +478,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let text = String::from_utf8(out.stdout).unwrap();
     let lines: Vec<&str> = text.lines().collect();
-    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!(lines.len(), every_job().len(), "{text}");
     assert!(lines[0].starts_with("fine-settlement "), "{text}");
     for needle in [
         " enabled ",
@@ -496,7 +507,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
         &["jobs", "--json"],
     );
     let lines = json_lines(&out);
-    assert_eq!(lines.len(), 2, "{}", stderr_of(&out));
+    assert_eq!(lines.len(), every_job().len(), "{}", stderr_of(&out));
     assert!(
         lines.iter().all(|l| l["last_closed"].is_null()),
         "{lines:?}"
@@ -514,7 +525,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
         &["jobs", "--json"],
     );
     let lines = json_lines(&out);
-    assert_eq!(lines.len(), 2, "{}", stderr_of(&out));
+    assert_eq!(lines.len(), every_job().len(), "{}", stderr_of(&out));
     assert_eq!(
         (&lines[0]["cron"], &lines[0]["enabled"]),
         (&"0 0 3 1 * *".into(), &true.into())
@@ -684,10 +695,11 @@ async fn one_replica_runs_both_jobs_the_statements_after_the_settlement() {
     let clock = ManualClock::new(shanghai(2027, 3, 1, 5, 0, 0));
     let shard = |index: &str| settings(&[("SHARD__INDEX", index), ("SHARD__COUNT", "2")]);
     let (s0, s1) = (shard("0"), shard("1"));
-    assert_eq!(
-        settlementd::registry::build(&s0).names(),
-        [SETTLEMENT, STATEMENTS],
-        "the order replicas tick their jobs in"
+    let order = settlementd::registry::build(&s0).names();
+    let at = |job: &str| order.iter().position(|j| *j == job);
+    assert!(
+        at(SETTLEMENT) < at(STATEMENTS),
+        "replicas tick the settlement before the statements that follow it: {order:?}"
     );
     let mut fines0 = replica_of(&db.pool, &s0, SETTLEMENT, &clock);
     let mut stated0 = replica_of(&db.pool, &s0, STATEMENTS, &clock);
@@ -1297,7 +1309,7 @@ async fn a_pause_is_seen_by_every_replica_within_a_heartbeat_and_a_run_in_flight
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let printed = String::from_utf8(out.stdout).unwrap();
     let printed: Vec<&str> = printed.lines().collect();
-    assert_eq!(printed.len(), 2, "{printed:?}");
+    assert_eq!(printed.len(), every_job().len(), "{printed:?}");
     assert!(printed[0].starts_with("fine-settlement paused since"));
     assert!(printed[1].starts_with("member-statements paused since"));
     let paused_at: DateTime<Utc> =
@@ -1492,7 +1504,7 @@ async fn a_paused_job_claims_nothing_and_run_names_who_paused_it_and_why() {
 
     // Without --job: every job; a reason must say something.
     run_ok(settlementd(Some(&db.url)).args(["pause", "--reason", "year-end freeze"]));
-    assert_eq!(pauses(&db.pool).await.len(), 2);
+    assert_eq!(pauses(&db.pool).await.len(), every_job().len());
     run_ok(settlementd(Some(&db.url)).args(["resume"]));
     assert!(pauses(&db.pool).await.is_empty());
     assert_refused(
@@ -1580,24 +1592,38 @@ async fn pause_and_resume_over_http_need_the_admin_token() {
         .into_iter()
         .map(|(job, _, reason)| (job, reason))
         .collect();
-    assert_eq!(
-        reasons,
-        [
-            (SETTLEMENT.to_string(), "year-end freeze".to_string()),
-            (STATEMENTS.to_string(), "statements are off".to_string()),
-        ]
-    );
+    // Every job paused; the statements kept their first pause's reason.
+    let expected: Vec<(String, String)> = every_job()
+        .into_iter()
+        .map(|job| {
+            let reason = if job == STATEMENTS {
+                "statements are off"
+            } else {
+                "year-end freeze"
+            };
+            (job, reason.to_string())
+        })
+        .collect();
+    let mut reasons = reasons;
+    reasons.sort();
+    let mut expected = expected;
+    expected.sort();
+    assert_eq!(reasons, expected);
     // Resume one, then (an empty body) every job.
     let answer = post_admin(addr, "/v1/resume", None, r#"{"job":"fine-settlement"}"#).await;
     assert_eq!(answer.status, 200, "{answer:?}");
     let resumed = answer.json()["resumed"].clone();
     assert_eq!(resumed[0]["job"], SETTLEMENT, "{resumed}");
     assert_eq!(resumed[0]["was_paused"]["reason"], "year-end freeze");
-    assert_eq!(pauses(&db.pool).await.len(), 1);
+    assert_eq!(pauses(&db.pool).await.len(), every_job().len() - 1);
     let answer = post_admin(addr, "/v1/resume", None, "").await;
     assert_eq!(answer.status, 200, "{answer:?}");
     let resumed = answer.json()["resumed"].clone();
-    assert_eq!(resumed.as_array().map(Vec::len), Some(2), "{resumed}");
+    assert_eq!(
+        resumed.as_array().map(Vec::len),
+        Some(every_job().len()),
+        "{resumed}"
+    );
     assert!(resumed[0]["was_paused"].is_null(), "{resumed}");
     assert_eq!(resumed[1]["was_paused"]["reason"], "statements are off");
     assert!(pauses(&db.pool).await.is_empty());
@@ -2297,7 +2323,7 @@ async fn run_all_jobs_wait_runs_every_job_and_the_statements_wait_for_every_shar
             .iter()
             .map(|r| r["job"].as_str().unwrap().to_string())
             .collect();
-        assert_eq!(jobs, [SETTLEMENT, STATEMENTS], "shard {shard}");
+        assert_eq!(jobs, every_job(), "shard {shard}");
     }
     assert_statements(&db.pool, month, 50).await;
 }
