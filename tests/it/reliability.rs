@@ -679,6 +679,7 @@ async fn a_run_frozen_inside_its_batch_is_taken_over_within_seconds_and_writes_n
     assert_eq!(settled_rows(&chaos.pool).await, settled);
     assert_eq!(the_run(&chaos.pool).await.1, 2);
     assert_eq!(settled, settled_rows(&clean.pool).await);
+    assert_settled_once(&chaos.pool, &clean.pool).await;
     eprintln!(
         "frozen run: session ended {released_after:?} after the freeze; the taker finished {took:?} after the lease expired"
     );
@@ -734,6 +735,7 @@ async fn a_serve_replica_frozen_inside_its_batch_is_taken_over_and_goes_back_to_
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(settled_rows(&chaos.pool).await, settled);
     assert_eq!(the_run(&chaos.pool).await, ("SUCCESS".into(), 2, owner));
+    assert_settled_once(&chaos.pool, &clean.pool).await;
     drop(taker);
     drop(zombie);
     eprintln!("frozen serve replica: the taker finished {took:?} after the lease expired");
@@ -817,6 +819,7 @@ async fn three_serve_replicas_ride_out_an_immediate_database_stop_and_end_as_one
         replica.wait_for("/readyz", 200).await;
     }
     assert_eq!(settled_rows(&pool).await, settled_rows(&clean.pool).await);
+    assert_settled_once(&pool, &clean.pool).await;
     let attempts: i64 = sqlx::query_scalar("SELECT max(attempt)::bigint FROM job_runs")
         .fetch_one(&pool)
         .await
@@ -927,6 +930,7 @@ async fn a_database_restart_between_the_claim_and_the_first_batch_is_retried_to_
         .unwrap();
     assert_eq!(the_run(&check).await.0, "SUCCESS");
     assert_eq!(settled_rows(&check).await, settled_rows(&clean.pool).await);
+    assert_settled_once(&check, &clean.pool).await;
     check.close().await;
     pool.close().await;
     eprintln!(
@@ -994,6 +998,8 @@ async fn a_database_restart_during_the_success_write_leaves_a_running_row_the_ne
     .await
     .unwrap();
     assert_eq!(updated, settled);
+    // The journal went with them: a batch lost in the crash lost its entries too.
+    crate::journal::assert_journal_whole(&pool).await;
     sqlx::query("DROP TRIGGER hold_success ON job_runs")
         .execute(&pool)
         .await
@@ -1015,5 +1021,6 @@ async fn a_database_restart_during_the_success_write_leaves_a_running_row_the_ne
     let (_, attempt, _) = the_run(&pool).await;
     assert_eq!(attempt, 2);
     assert_eq!(settled_rows(&pool).await, settled_rows(&clean.pool).await);
+    assert_settled_once(&pool, &clean.pool).await;
     pool.close().await;
 }
