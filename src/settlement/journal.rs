@@ -313,18 +313,25 @@ fn queue_sql() -> &'static str {
     static SQL: OnceLock<String> = OnceLock::new();
     SQL.get_or_init(|| {
         // A loan's earliest queued edit says where its money is: its month's run takes it, and
-        // every edit of it with it.
+        // every edit of it with it. The month's loans are read in id order from
+        // `loan_changes_by_month` and each one's earliest edit is one probe of
+        // `loan_changes_by_loan`, so a batch stops after `$4` of them: its cost follows the batch,
+        // not the queue (joining the month's loans to every edit of theirs cost each batch the
+        // queue times the batch under the batch's nested-loop plans).
         statement(
             "mine AS (
                  SELECT DISTINCT c.loan_id FROM loan_changes c
                   WHERE c.month = $1::date AND ($2 = 1 OR (c.loan_id % $2 + $2) % $2 = $3)
-             ), earliest AS (
-                 SELECT DISTINCT ON (c.loan_id) c.loan_id, c.month
-                   FROM loan_changes c JOIN mine m ON m.loan_id = c.loan_id
-                  ORDER BY c.loan_id, c.id
+                  ORDER BY c.loan_id
              ), targets AS MATERIALIZED (
-                 SELECT loan_id, NULL::int AS seq FROM earliest WHERE month = $1::date
-                  ORDER BY loan_id LIMIT $4
+                 SELECT m.loan_id, NULL::int AS seq
+                   FROM mine m
+                   CROSS JOIN LATERAL (
+                        SELECT e.month FROM loan_changes e WHERE e.loan_id = m.loan_id
+                         ORDER BY e.id LIMIT 1
+                   ) earliest
+                  WHERE earliest.month = $1::date
+                  ORDER BY m.loan_id LIMIT $4
              )",
             false,
         )

@@ -2,9 +2,15 @@
 //! processes killed with SIGKILL and SIGTERM at random moments, restarted, duplicated, until every
 //! shard is SUCCESS; and kill rounds that aim SIGKILL at each point of a run (before the claim,
 //! mid-batch, right after a batch commit, between the last batch and SUCCESS), found by watching
-//! the database. The loans table must end exactly as after one clean run, every time.
+//! the database. The loans table must end exactly as after one clean run, every time, and so must
+//! the money journal: whole ([`crate::journal::assert_journal_whole`]) and, entry for entry, the
+//! journal of a twin database that ran cleanly: one entry per change, none doubled by a retry,
+//! none lost with a killed batch. Besides first runs: late returns, libraryd's edits of settled
+//! loans re-priced by runs killed at random moments, `serve` replicas killed while they sweep,
+//! and a correction killed and finished by its key.
 
 use crate::helpers::*;
+use crate::journal::{assert_journal_whole, journal_breaks};
 use rand::{Rng, SeedableRng};
 use settlementd::settlement;
 use sqlx::{Connection, PgPool};
@@ -12,15 +18,21 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 const MONTH: &str = "2026-10-31";
+const SEPTEMBER: &str = "2026-09-30";
 const SHARDS: u32 = 3;
 
 /// `settlementd run` of the month for one shard of `shards`, as a Command.
 fn run_command(url: &str, shard: u32, shards: u32) -> std::process::Command {
+    run_month(url, MONTH, shard, shards)
+}
+
+/// `settlementd run` of `month` for one shard of `shards`, as a Command.
+fn run_month(url: &str, month: &str, shard: u32, shards: u32) -> std::process::Command {
     let mut cmd = settlementd(Some(url));
     cmd.args([
         "run",
         "--business-date",
-        MONTH,
+        month,
         "--shard",
         &shard.to_string(),
         "--shards",
@@ -107,6 +119,8 @@ async fn fault_killed_restarted_and_duplicated_replicas_end_as_one_clean_run() {
         settlement::month_totals(&chaos.pool, month).await.unwrap(),
         settlement::month_totals(&clean.pool, month).await.unwrap()
     );
+    // One `settled` entry per settled loan, however many runs died around its batch.
+    assert_settled_once(&chaos.pool, &clean.pool).await;
     let attempts: i64 = sqlx::query_scalar("SELECT max(attempt)::bigint FROM job_runs")
         .fetch_one(&chaos.pool)
         .await
@@ -329,15 +343,12 @@ async fn kill_at(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "fault suite: slow; run with --ignored"]
 async fn fault_sigkill_aimed_at_every_point_of_a_run_ends_as_one_clean_run_every_round() {
-    let seed: u64 = std::env::var("SETTLEMENTD_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
+    let seed = fault_seed("kill rounds");
     let rounds: usize = std::env::var("SETTLEMENTD_FAULT_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(40);
-    eprintln!("kill rounds: SETTLEMENTD_FAULT_SEED={seed} SETTLEMENTD_FAULT_ROUNDS={rounds}");
+    eprintln!("kill rounds: SETTLEMENTD_FAULT_ROUNDS={rounds}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let month = bd(MONTH);
 
@@ -413,6 +424,14 @@ async fn fault_sigkill_aimed_at_every_point_of_a_run_ends_as_one_clean_run_every
             "round {round} ({point:?}, shard {shard}): the loans differ from a clean run; \
              reproduce with SETTLEMENTD_FAULT_SEED={seed}"
         );
+        if let broken @ [_, ..] = &journal_breaks(&db.pool).await[..] {
+            panic!(
+                "round {round} ({point:?}, shard {shard}): the journal is not whole; reproduce \
+                 with SETTLEMENTD_FAULT_SEED={seed}:\n{}",
+                broken.join("\n")
+            );
+        }
+        assert_same_journal(&db.pool, &clean.pool).await;
         drop_db(db).await;
     }
     eprintln!(
@@ -423,6 +442,17 @@ async fn fault_sigkill_aimed_at_every_point_of_a_run_ends_as_one_clean_run_every
     );
     assert!(rounds >= 20, "at least 20 rounds per CI run");
     assert!(reached.iter().all(|&n| n > 0), "{reached:?}");
+}
+
+/// The seed of a test's random choices: `SETTLEMENTD_FAULT_SEED`, or a fresh one. Printed, so that
+/// a failure can be replayed.
+fn fault_seed(what: &str) -> u64 {
+    let seed = std::env::var("SETTLEMENTD_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    eprintln!("{what}: SETTLEMENTD_FAULT_SEED={seed}");
+    seed
 }
 
 /// `settlementd run` of one shard of a kill round, as a Command.
@@ -482,6 +512,11 @@ async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
 async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_applied_once() {
     let month = bd(MONTH);
     let (clean, chaos) = settled_twice(month, 30_000).await;
+    // libraryd's edits wait in the queue: the correction takes them first, under its key.
+    let mut edits = Edits::default();
+    for db in [&clean, &chaos] {
+        edits = edit_settled_loans(&db.pool, bd(SEPTEMBER), month).await;
+    }
     let out = correct_command(&clean.url, "RATE-60", 100)
         .output()
         .unwrap();
@@ -492,11 +527,7 @@ async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_
         String::from_utf8_lossy(&out.stderr)
     );
 
-    let seed = std::env::var("SETTLEMENTD_FAULT_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random::<u64>);
-    eprintln!("correction kill rounds: SETTLEMENTD_FAULT_SEED={seed}");
+    let seed = fault_seed("correction kill rounds");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let (mut kills, mut terms, mut rounds) = (0, 0, 0);
     loop {
@@ -543,17 +574,36 @@ async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_
         adjustments(&clean.pool).await,
         "never applied twice"
     );
-    let out = settlementd(Some(&chaos.url))
-        .env("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60")
-        .args(["verify", "--business-date", MONTH])
-        .output()
-        .unwrap();
+    // Every fine the correction changed has exactly one entry under its key (`corrected`, or
+    // `reversed` for a return moved out of the month), saying what its adjustment says; the queued
+    // deletions one `deleted` entry each.
+    let keyed: Vec<(i64, i64, i64)> = sqlx::query_as(
+        "SELECT loan_id, before_cents, after_cents FROM fine_journal_entries
+          WHERE correction_key = 'RATE-60' AND kind IN ('corrected', 'reversed')
+          ORDER BY loan_id, seq",
+    )
+    .fetch_all(&chaos.pool)
+    .await
+    .unwrap();
+    let adjusted = adjustments(&chaos.pool).await;
+    assert!(adjusted.len() > 1000, "{} adjustments", adjusted.len());
+    assert_eq!(keyed, adjusted, "one entry per adjustment");
+    let kinds = entries_by_kind(&chaos.pool).await;
+    let kind = |k: &str| kinds.iter().find(|(n, _)| n == k).map_or(0, |(_, n)| *n);
     assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        (kind("deleted"), kind("repriced"), kind("late")),
+        (edits.deleted, 0, 0),
+        "{kinds:?}"
     );
+    assert_eq!(kind("reversed"), edits.moved + edits.undone, "{kinds:?}");
+    assert_journal_whole(&chaos.pool).await;
+    assert_same_journal(&chaos.pool, &clean.pool).await;
+    assert_verified(
+        &chaos.url,
+        &[("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60")],
+        MONTH,
+    );
+    assert_eq!(queued(&chaos.pool).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -561,12 +611,14 @@ async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_
 async fn fault_late_return_runs_killed_at_random_moments_settle_every_late_return_once() {
     let month = bd(MONTH);
     let (clean, chaos) = settled_twice(month, 40_000).await;
+    let mut late = 0;
     for db in [&clean, &chaos] {
         // The 4,000 loans still out come back within the month after it closed.
-        sqlx::query("UPDATE loans SET returned_on = '2026-10-28' WHERE returned_on IS NULL")
+        late = sqlx::query("UPDATE loans SET returned_on = '2026-10-28' WHERE returned_on IS NULL")
             .execute(&db.pool)
             .await
-            .unwrap();
+            .unwrap()
+            .rows_affected() as i64;
     }
     for shard in 0..SHARDS {
         let out = run_command(&clean.url, shard, SHARDS).output().unwrap();
@@ -624,4 +676,433 @@ async fn fault_late_return_runs_killed_at_random_moments_settle_every_late_retur
         settlement::month_totals(&chaos.pool, month).await.unwrap(),
         settlement::month_totals(&clean.pool, month).await.unwrap()
     );
+    // One `late` entry per late return, however many runs died around its batch.
+    assert_journal_whole(&chaos.pool).await;
+    assert_same_journal(&chaos.pool, &clean.pool).await;
+    assert_eq!(
+        entries_by_kind(&chaos.pool).await,
+        [
+            ("late".to_string(), late),
+            (
+                "settled".to_string(),
+                settled_count(&chaos.pool).await - late
+            )
+        ]
+    );
+}
+
+/// How many settled loans each kind of libraryd's edit touched ([`edit_settled_loans`]), which is
+/// how many journal entries of each kind their re-pricing must write, once each.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Edits {
+    /// Due dates moved (some twice): one `repriced` entry each.
+    redated: i64,
+    /// Returns moved into the other month: `reversed` in theirs, then `late` in the other.
+    moved: i64,
+    /// Returns undone (`returned_on` NULL): `reversed`, unsettled from then on.
+    undone: i64,
+    /// Deleted (some after a due date moved): `deleted`.
+    deleted: i64,
+}
+
+/// libraryd edits the settled loans of `earlier` and of `later`, the month after it, in its own
+/// statements, picked by id so that every database seeded alike is edited alike: due dates moved
+/// (one loan in 7, and one in 14 moved twice), returns moved to the other month (one in 7), returns
+/// undone (one in 7), loans deleted (one in 7, and one in 21 deleted after its due date moved).
+async fn edit_settled_loans(
+    pool: &PgPool,
+    earlier: settlementd::calendar::BusinessDate,
+    later: settlementd::calendar::BusinessDate,
+) -> Edits {
+    assert_eq!(later.months_before(1), Some(earlier));
+    let edit = |statement: &'static str| async move {
+        sqlx::query(&format!(
+            "{statement} AND fine_settled_at IS NOT NULL AND returned_on BETWEEN $1 AND $2"
+        ))
+        .bind(earlier.first_day())
+        .bind(later.date())
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected() as i64
+    };
+    let redated = edit("UPDATE loans SET due_on = due_on - (id % 5 + 1)::int WHERE id % 7 = 1")
+        .await
+        + edit("UPDATE loans SET due_on = due_on + 10 WHERE id % 14 = 5").await;
+    edit("UPDATE loans SET due_on = due_on - 4 WHERE id % 14 = 5").await;
+    let moved = edit(
+        "UPDATE loans
+            SET returned_on = CASE WHEN returned_on < date_trunc('month', $2::date)
+                                   THEN (returned_on + interval '1 month')::date
+                                   ELSE (returned_on - interval '1 month')::date END
+          WHERE id % 7 = 2",
+    )
+    .await;
+    let undone = edit("UPDATE loans SET returned_on = NULL WHERE id % 7 = 3").await;
+    edit("UPDATE loans SET due_on = due_on + 3 WHERE id % 21 = 6").await;
+    let deleted = edit("DELETE FROM loans WHERE (id % 7 = 4 OR id % 21 = 6)").await;
+    assert!(redated > 0 && moved > 0 && undone > 0 && deleted > 0);
+    Edits {
+        redated,
+        moved,
+        undone,
+        deleted,
+    }
+}
+
+/// Loans with edits still queued for re-pricing.
+async fn queued(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(DISTINCT loan_id) FROM loan_changes")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Clean runs of `months` in turn, every shard of `shards` of each, each to exit 0. A return moved
+/// between two months is taken out of its old month by that month's run and settled by its new
+/// month's: listing the months twice over finishes both.
+fn run_months_cleanly(url: &str, months: &[&str], shards: u32) {
+    for month in months {
+        for shard in 0..shards {
+            run_ok(&mut run_month(url, month, shard, shards));
+        }
+    }
+}
+
+/// The journal entries of each kind a history makes in which `settled` loans were settled, then
+/// `late` returns came back after their month closed, then libraryd made `edits` and they were
+/// re-priced by runs and sweeps: one entry per change.
+fn entries_expected(settled: i64, late: i64, edits: Edits) -> Vec<(String, i64)> {
+    [
+        ("deleted", edits.deleted),
+        ("late", late + edits.moved),
+        ("repriced", edits.redated),
+        ("reversed", edits.moved + edits.undone),
+        ("settled", settled),
+    ]
+    .into_iter()
+    .filter(|(_, n)| *n > 0)
+    .map(|(kind, n)| (kind.to_string(), n))
+    .collect()
+}
+
+/// After the history of [`entries_expected`] under faults on `chaos`, and cleanly on `clean`: the
+/// queue is empty, every claim is SUCCESS, every loan returned in `months` is settled at the rule's
+/// fine for its final dates, the journal is whole and, entry for entry, the clean one, and
+/// `verify` says each month is right.
+async fn assert_repriced_once(
+    chaos: &TestDb,
+    clean: &TestDb,
+    months: &[settlementd::calendar::BusinessDate],
+    expected: &[(String, i64)],
+) {
+    assert_eq!(queued(&chaos.pool).await, 0, "every queued edit re-priced");
+    let unfinished: Vec<(chrono::NaiveDate, i32, i32, String)> = sqlx::query_as(
+        "SELECT business_date, shards, shard, status FROM job_runs
+          WHERE job_name = $1 AND status <> 'SUCCESS'",
+    )
+    .bind(settlement::JOB_NAME)
+    .fetch_all(&chaos.pool)
+    .await
+    .unwrap();
+    assert!(unfinished.is_empty(), "{unfinished:?}");
+    assert_journal_whole(&chaos.pool).await;
+    assert_same_journal(&chaos.pool, &clean.pool).await;
+    assert_eq!(entries_by_kind(&chaos.pool).await, expected);
+    for month in months {
+        assert_priced_under(&chaos.pool, *month, Default::default()).await;
+    }
+    assert_eq!(
+        settled_rows(&chaos.pool).await,
+        settled_rows(&clean.pool).await
+    );
+    // The undone returns: unsettled, fine 0, their last entry the reversal.
+    let undone: Vec<(i64, bool, i64)> = sqlx::query_as(
+        "SELECT id, fine_settled_at IS NOT NULL, fine_cents FROM loans
+          WHERE returned_on IS NULL AND fine_seq IS NOT NULL AND (fine_settled_at IS NOT NULL OR fine_cents <> 0)",
+    )
+    .fetch_all(&chaos.pool)
+    .await
+    .unwrap();
+    assert!(undone.is_empty(), "{undone:?}");
+    for month in months {
+        assert_verified(&chaos.url, &[], &month.to_string());
+    }
+}
+
+/// libraryd's edits of settled loans, queued by the thousand in two closed months, re-priced by
+/// runs of both months killed with SIGKILL at random moments (the writes slowed, so that kills land
+/// inside the queue's batches), then by clean runs: every edit re-priced exactly once, as on a twin
+/// database that ran cleanly, the queue empty, the journal whole, both months verified.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: slow; run with --ignored"]
+async fn fault_repricing_runs_killed_at_random_moments_reprice_every_edit_once() {
+    let (september, october) = (bd(SEPTEMBER), bd(MONTH));
+    let template = test_db().await;
+    seed_month_alone(&template.pool, september, 4_000, 1).await;
+    seed_month_alone(&template.pool, october, 12_000, 100_000).await;
+    for month in [september, october] {
+        settle_shards(&template.pool, month, SHARDS, 500).await;
+    }
+    let settled = settled_count(&template.pool).await;
+    let edits = edit_settled_loans(&template.pool, september, october).await;
+    let waiting = queued(&template.pool).await;
+    settlementd::db::close(&template.pool).await;
+    let (clean, chaos) = (
+        clone_of(&template.name).await,
+        clone_of(&template.name).await,
+    );
+    let twice = [SEPTEMBER, MONTH, SEPTEMBER, MONTH];
+    run_months_cleanly(&clean.url, &twice, SHARDS);
+
+    let seed = fault_seed("re-pricing kill rounds");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    slow_updates(&chaos.pool, 0.02).await;
+    let (mut kills, mut in_queue) = (0, 0);
+    let mut left = vec![waiting];
+    for round in 0..8 {
+        let before = queued(&chaos.pool).await;
+        let batch = rng.random_range(20..=200).to_string();
+        // Every shard of October, and of September at random: both months' runs re-price their
+        // own month's edits and settle the returns moved in from the other.
+        let mut children = Vec::new();
+        for shard in 0..SHARDS {
+            for month in [MONTH, SEPTEMBER] {
+                if month == MONTH || rng.random_bool(0.5) {
+                    let child = run_month(&chaos.url, month, shard, SHARDS)
+                        .env("SETTLEMENTD__BATCH__SIZE", &batch)
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .unwrap();
+                    children.push(child);
+                }
+            }
+        }
+        // Most rounds let the queue's batches start committing, so that the kills land among
+        // them; the others kill at any moment (the claim, the month index, a first batch).
+        let among_batches = rng.random_bool(0.75)
+            && eventually(20, || async { queued(&chaos.pool).await < before }).await;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..800))).await;
+        for child in &mut children {
+            if round < 6 || rng.random_bool(0.7) {
+                let running = child.try_wait().unwrap().is_none();
+                let _ = child.kill();
+                kills += 1;
+                if among_batches && running {
+                    in_queue += 1;
+                }
+            }
+        }
+        for mut child in children {
+            assert_ne!(child.wait().unwrap().code(), Some(2));
+        }
+        age_running(&chaos.pool).await;
+        left.push(queued(&chaos.pool).await);
+    }
+    no_slow_updates(&chaos.pool).await;
+    run_months_cleanly(&chaos.url, &twice, SHARDS);
+    eprintln!(
+        "{edits:?}: loans queued after each kill round {left:?}; {kills} SIGKILLs, {in_queue} of \
+         them while the queue's batches were committing (seed {seed})"
+    );
+    assert!(in_queue > 0, "no kill landed inside the queue: {left:?}");
+    let expected = entries_expected(settled, 0, edits);
+    assert_repriced_once(&chaos, &clean, &[september, october], &expected).await;
+}
+
+/// The `serve` replicas of a test, each named by its `POD_NAME` (so the owner of every claim it
+/// makes starts with its name), SIGKILLed at will; those still alive get SIGTERM, and are waited
+/// for, on drop.
+struct Replicas {
+    url: String,
+    env: Vec<(&'static str, String)>,
+    /// (shard, name, process) of each replica alive.
+    alive: Vec<(u32, String, Child)>,
+    started: usize,
+}
+
+impl Replicas {
+    fn new(url: &str, env: Vec<(&'static str, String)>) -> Self {
+        Self {
+            url: url.to_string(),
+            env,
+            alive: Vec::new(),
+            started: 0,
+        }
+    }
+
+    /// Starts one more replica of `shard` of 2.
+    fn start(&mut self, shard: u32) {
+        let name = format!("sweeper-{}", self.started);
+        self.started += 1;
+        let child = settlementd(Some(&self.url))
+            .arg("serve")
+            .env("POD_NAME", &name)
+            .env("SETTLEMENTD__SHARD__INDEX", shard.to_string())
+            .env("SETTLEMENTD__SHARD__COUNT", "2")
+            .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
+            .envs(self.env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.alive.push((shard, name, child));
+    }
+
+    fn serves(&self, shard: u32) -> bool {
+        self.alive.iter().any(|(s, _, _)| *s == shard)
+    }
+
+    /// SIGKILLs the `i`th replica alive and ages its claims past their lease, as if it had died
+    /// an hour ago; returns its shard, and whether it held a claim of `months` when it died.
+    async fn kill(&mut self, i: usize, pool: &PgPool, months: &[chrono::NaiveDate]) -> (u32, bool) {
+        let (shard, name, mut child) = self.alive.remove(i);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let held: i64 = sqlx::query_scalar(
+            "WITH aged AS (
+                 UPDATE job_runs SET heartbeat_at = heartbeat_at - interval '1 hour'
+                  WHERE status = 'RUNNING' AND owner LIKE $1 || '/%'
+                 RETURNING business_date
+             )
+             SELECT count(*) FROM aged WHERE business_date = ANY($2)",
+        )
+        .bind(&name)
+        .bind(months)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        (shard, held > 0)
+    }
+
+    /// SIGTERMs every replica alive and waits for each; their exit statuses.
+    fn stop(&mut self) -> Vec<std::process::ExitStatus> {
+        let alive: Vec<_> = self.alive.drain(..).collect();
+        for (_, _, child) in &alive {
+            signal_pid(child.id(), libc::SIGTERM);
+        }
+        alive
+            .into_iter()
+            .map(|(_, _, mut child)| child.wait().unwrap())
+            .collect()
+    }
+}
+
+impl Drop for Replicas {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Two closed months of a 2-shard deployment, each settled once, then late returns keyed into
+/// the later one and libraryd's edits of both months' settled loans: `serve` replicas sweep them
+/// (two of shard 0 at first, one of shard 1), and are SIGKILLed one at a time at random moments, a
+/// peer taking the dead one's claim over or a restarted replica picking it up, the writes slowed
+/// so that the kills land in the sweeps' batches. At the end every late return is settled and
+/// every edit re-priced exactly once, as on a twin database settled by clean runs; the journal is
+/// whole and `verify` says both months are right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "fault suite: slow; run with --ignored"]
+async fn fault_sweeping_replicas_killed_at_random_moments_settle_every_late_return_and_edit_once() {
+    // Closed months the replicas' lookback holds, on the real clock they run on.
+    let latest = due_month();
+    let later = latest.months_before(1).unwrap();
+    let earlier = latest.months_before(2).unwrap();
+    let template = test_db().await;
+    seed_month_alone(&template.pool, earlier, 3_000, 1).await;
+    seed_month_alone(&template.pool, later, 10_000, 100_000).await;
+    for month in [earlier, later] {
+        settle_shards(&template.pool, month, 2, 500).await;
+    }
+    let settled = settled_count(&template.pool).await;
+    // The later month's loans still out come back in it after it closed.
+    let late = sqlx::query(
+        "UPDATE loans SET returned_on = $1::date + 20 WHERE returned_on IS NULL AND id >= 100000",
+    )
+    .bind(later.first_day())
+    .execute(&template.pool)
+    .await
+    .unwrap()
+    .rows_affected() as i64;
+    let edits = edit_settled_loans(&template.pool, earlier, later).await;
+    settlementd::db::close(&template.pool).await;
+    let (clean, chaos) = (
+        clone_of(&template.name).await,
+        clone_of(&template.name).await,
+    );
+    let (earlier_text, later_text) = (earlier.to_string(), later.to_string());
+    let twice = [&earlier_text[..], &later_text, &earlier_text, &later_text];
+    run_months_cleanly(&clean.url, &twice, 2);
+
+    let seed = fault_seed("sweep kills");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    slow_updates(&chaos.pool, 0.02).await;
+    let env = vec![
+        ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1".to_string()),
+        ("SETTLEMENTD__LEASE__TTL_SECS", "3".to_string()),
+        ("SETTLEMENTD__RETRY__INITIAL_SECS", "1".to_string()),
+        ("SETTLEMENTD__RETRY__MAX_SECS", "2".to_string()),
+        ("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2".to_string()),
+        (
+            "SETTLEMENTD__BATCH__SIZE",
+            rng.random_range(20..=100).to_string(),
+        ),
+    ];
+    let mut replicas = Replicas::new(&chaos.url, env);
+    for shard in [0, 1, 0] {
+        replicas.start(shard);
+    }
+    let months = [earlier.date(), later.date()];
+    // What is left: edits queued, returns unsettled, claims unfinished, and the schedule's own
+    // month of each shard not claimed yet (a replica runs it after the sweeps: stopped in it, it
+    // would leave it FAILED, interrupted).
+    let left = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT (SELECT count(*) FROM loan_changes)
+                  + (SELECT count(*) FROM loans
+                      WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NULL)
+                  + (SELECT count(*) FROM job_runs WHERE job_name = $3 AND status <> 'SUCCESS')
+                  + (SELECT 2 - count(*) FROM job_runs WHERE job_name = $3 AND business_date = $4)",
+        )
+        .bind(earlier.first_day())
+        .bind(later.date())
+        .bind(settlement::JOB_NAME)
+        .bind(latest.date())
+        .fetch_one(&chaos.pool)
+        .await
+        .unwrap()
+    };
+    let (mut kills, mut in_sweep, mut progress) = (0, 0, vec![left().await]);
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
+        let i = rng.random_range(0..replicas.alive.len());
+        let (shard, held) = replicas.kill(i, &chaos.pool, &months).await;
+        kills += 1;
+        in_sweep += i32::from(held);
+        progress.push(left().await);
+        // Restarted at once, or later; meanwhile a peer of the shard, if any, takes over.
+        if rng.random_bool(0.5) || !replicas.serves(shard) {
+            replicas.start(shard);
+        }
+    }
+    no_slow_updates(&chaos.pool).await;
+    assert!(
+        eventually(90, || async { left().await == 0 }).await,
+        "{} late returns, edits or claims left (seed {seed})",
+        left().await
+    );
+    for status in replicas.stop() {
+        // 0, or killed by the SIGTERM itself when it came before the replica's handler (a replica
+        // restarted a moment ago); never a configuration error or a panic.
+        assert!(!matches!(status.code(), Some(2 | 101)), "{status:?}");
+    }
+    eprintln!(
+        "{late} late returns and {edits:?} swept by replicas SIGKILLed {kills} times, {in_sweep} \
+         of them holding a claim of the months; returns, edits and claims left after each kill \
+         {progress:?} (seed {seed})"
+    );
+    assert!(in_sweep > 0, "no kill landed in a sweep");
+    let expected = entries_expected(settled, late, edits);
+    assert_repriced_once(&chaos, &clean, &[earlier, later], &expected).await;
 }

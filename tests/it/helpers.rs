@@ -888,3 +888,165 @@ pub fn claim_of(key: &settlementd::jobs::JobKey) -> settlementd::jobs::Claim {
         reopened: false,
     }
 }
+
+/// `settlementd verify --json` of `month` with `env`: its exit code (0 right, 1 wrong) and its
+/// report.
+pub fn verify(url: &str, env: &[(&str, &str)], month: &str) -> (Option<i32>, serde_json::Value) {
+    let out = cli(url, env, &["verify", "--business-date", month, "--json"]);
+    assert!(
+        matches!(out.status.code(), Some(0 | 1)),
+        "verify {month}: {:?} {}",
+        out.status,
+        stderr_of(&out)
+    );
+    (out.status.code(), json_of(&out))
+}
+
+/// `verify` says the month is right, exit 0.
+pub fn assert_verified(url: &str, env: &[(&str, &str)], month: &str) {
+    let (code, report) = verify(url, env, month);
+    assert_eq!(
+        (code, &report["right"]),
+        (Some(0), &serde_json::json!(true)),
+        "{month}: {report}"
+    );
+}
+
+/// Every loan returned in `month` is settled at the fine `rule` gives its dates, computed here.
+pub async fn assert_priced_under(
+    pool: &PgPool,
+    month: BusinessDate,
+    rule: settlementd::fine::FineRule,
+) {
+    let rows: Vec<(i64, chrono::NaiveDate, chrono::NaiveDate, i64, bool)> = sqlx::query_as(
+        "SELECT id, due_on, returned_on, fine_cents, fine_settled_at IS NOT NULL FROM loans
+          WHERE returned_on BETWEEN $1 AND $2 ORDER BY id",
+    )
+    .bind(month.first_day())
+    .bind(month.date())
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(!rows.is_empty());
+    for (id, due, returned, fine, settled) in rows {
+        assert!(settled, "loan {id} of {month} is not settled");
+        assert_eq!(fine, rule.fine_cents(due, returned), "loan {id}");
+    }
+}
+
+/// A statement-level trigger that makes every UPDATE of loans take `secs` longer, so a command's
+/// batches can be caught mid-way (or killed there).
+pub async fn slow_updates(pool: &PgPool, secs: f64) {
+    for statement in [
+        format!(
+            "CREATE FUNCTION slow_down() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN PERFORM pg_sleep({secs}); RETURN NULL; END $$"
+        ),
+        "CREATE TRIGGER slow_down BEFORE UPDATE ON loans
+           FOR EACH STATEMENT EXECUTE FUNCTION slow_down()"
+            .to_string(),
+    ] {
+        sqlx::query(&statement).execute(pool).await.unwrap();
+    }
+}
+
+/// Takes [`slow_updates`]' trigger away.
+pub async fn no_slow_updates(pool: &PgPool) {
+    sqlx::query("DROP TRIGGER slow_down ON loans")
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("DROP FUNCTION slow_down()")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// One journal entry as two histories are compared: (loan, seq, kind, month, due_on,
+/// returned_on, before, after, correction key). What may differ between a run under faults and a
+/// clean one (attempt, time, which batch row holds it) is left out.
+pub type JournalEntry = (
+    i64,
+    i32,
+    String,
+    chrono::NaiveDate,
+    Option<chrono::NaiveDate>,
+    Option<chrono::NaiveDate>,
+    Option<i64>,
+    i64,
+    Option<String>,
+);
+
+/// Every journal entry, by loan and seq.
+pub async fn journal_entries(pool: &PgPool) -> Vec<JournalEntry> {
+    sqlx::query_as(
+        "SELECT loan_id, seq, kind, month, due_on, returned_on, before_cents, after_cents,
+                correction_key
+           FROM fine_journal_entries ORDER BY loan_id, seq",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// How many journal entries of each kind, by kind.
+pub async fn entries_by_kind(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT kind, count(*) FROM fine_journal_entries GROUP BY kind ORDER BY kind")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// The journal on `chaos` is, entry for entry, the journal on `clean`: one entry per change, none
+/// doubled by a retry, none lost. A difference names up to ten loans with both histories.
+pub async fn assert_same_journal(chaos: &PgPool, clean: &PgPool) {
+    let (mine, theirs) = (journal_entries(chaos).await, journal_entries(clean).await);
+    if mine == theirs {
+        return;
+    }
+    let by_loan = |entries: &[JournalEntry]| {
+        let mut loans = std::collections::BTreeMap::<i64, Vec<JournalEntry>>::new();
+        for e in entries {
+            loans.entry(e.0).or_default().push(e.clone());
+        }
+        loans
+    };
+    let (mine_by_loan, theirs_by_loan) = (by_loan(&mine), by_loan(&theirs));
+    let ids: std::collections::BTreeSet<i64> = mine_by_loan
+        .keys()
+        .chain(theirs_by_loan.keys())
+        .copied()
+        .collect();
+    let differ: Vec<String> = ids
+        .into_iter()
+        .filter(|id| mine_by_loan.get(id) != theirs_by_loan.get(id))
+        .map(|id| {
+            format!(
+                "loan {id}:\n  here  {:?}\n  clean {:?}",
+                mine_by_loan.get(&id),
+                theirs_by_loan.get(&id)
+            )
+        })
+        .collect();
+    panic!(
+        "the journal differs from a clean run's for {} loans ({} entries here by kind {:?}, \
+         {} there {:?}):\n{}",
+        differ.len(),
+        mine.len(),
+        entries_by_kind(chaos).await,
+        theirs.len(),
+        entries_by_kind(clean).await,
+        differ[..differ.len().min(10)].join("\n")
+    );
+}
+
+/// After runs under faults on `chaos` of what clean runs settled on `clean`: the journal is whole
+/// and holds one `settled` entry per settled loan, entry for entry the clean journal.
+pub async fn assert_settled_once(chaos: &PgPool, clean: &PgPool) {
+    crate::journal::assert_journal_whole(chaos).await;
+    assert_same_journal(chaos, clean).await;
+    assert_eq!(
+        entries_by_kind(chaos).await,
+        [("settled".to_string(), settled_count(clean).await)]
+    );
+}

@@ -17,7 +17,7 @@ use settlementd::fine::FineRule;
 use settlementd::jobs::due::{self, Due, Why};
 use settlementd::jobs::{Job, Pending};
 use settlementd::settlement;
-use sqlx::PgPool;
+use sqlx::{Connection, PgPool};
 use std::process::{Output, Stdio};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -178,28 +178,6 @@ fn run_ok_json(
     json_of(&out)
 }
 
-/// `settlementd verify --json`: its exit code and its report.
-fn verify(url: &str, env: &[(&str, &str)], month: &str) -> (Option<i32>, serde_json::Value) {
-    let out = cli(url, env, &["verify", "--business-date", month, "--json"]);
-    assert!(
-        matches!(out.status.code(), Some(0 | 1)),
-        "verify {month}: {:?} {}",
-        out.status,
-        stderr_of(&out)
-    );
-    (out.status.code(), json_of(&out))
-}
-
-/// `verify` says the month is right, exit 0.
-fn assert_verified(url: &str, env: &[(&str, &str)], month: &str) {
-    let (code, report) = verify(url, env, month);
-    assert_eq!(
-        (code, &report["right"]),
-        (Some(0), &serde_json::json!(true)),
-        "{month}: {report}"
-    );
-}
-
 /// `settlementd correct` of `month` under `key`.
 fn correct(url: &str, env: &[(&str, &str)], month: &str, key: &str, reason: &str) -> Output {
     cli(
@@ -293,52 +271,11 @@ fn settled_by(outcome: TickOutcome) -> (BusinessDate, u64) {
     }
 }
 
-/// Every loan returned in `month` is settled at the fine `rule` gives its dates, computed here.
-async fn assert_priced_under(pool: &PgPool, month: BusinessDate, rule: FineRule) {
-    let rows: Vec<(i64, NaiveDate, NaiveDate, i64, bool)> = sqlx::query_as(
-        "SELECT id, due_on, returned_on, fine_cents, fine_settled_at IS NOT NULL FROM loans
-          WHERE returned_on BETWEEN $1 AND $2 ORDER BY id",
-    )
-    .bind(month.first_day())
-    .bind(month.date())
-    .fetch_all(pool)
-    .await
-    .unwrap();
-    assert!(!rows.is_empty());
-    for (id, due, returned, fine, settled) in rows {
-        assert!(settled, "loan {id} of {month} is not settled");
-        assert_eq!(fine, rule.fine_cents(due, returned), "loan {id}");
-    }
-}
-
 fn rate(cents: i64) -> FineRule {
     FineRule {
         daily_rate_cents: cents,
         ..FineRule::default()
     }
-}
-
-/// A statement-level trigger that makes every UPDATE of loans take `secs` longer, so a command's
-/// batches can be caught mid-way.
-async fn slow_updates(pool: &PgPool, secs: f64) {
-    sql(
-        pool,
-        &format!(
-            "CREATE FUNCTION slow_down() RETURNS trigger LANGUAGE plpgsql AS $$
-             BEGIN PERFORM pg_sleep({secs}); RETURN NULL; END $$"
-        ),
-    )
-    .await;
-    sql(
-        pool,
-        "CREATE TRIGGER slow_down BEFORE UPDATE ON loans
-           FOR EACH STATEMENT EXECUTE FUNCTION slow_down()",
-    )
-    .await;
-}
-
-async fn no_slow_updates(pool: &PgPool) {
-    sql(pool, "DROP TRIGGER slow_down ON loans").await;
 }
 
 /// A gauge with a `job_name` label on a replica's `/metrics` (`None`: not published).
@@ -1659,4 +1596,66 @@ async fn an_edit_that_leaves_the_fine_as_it_was_is_journaled_by_the_correction_t
     );
     assert_verified(&db.url, &[], month);
     assert_journal_whole(&db.pool).await;
+}
+
+/// Found by the fault suite (`fault_a_correction_killed_at_random_moments_…`, with 19 000 edits
+/// queued: its correction went from 3 s to 97 s): a batch of queued edits found its loans by
+/// joining the month's queued loans to every edit of theirs, which the batch's pinned plans (no
+/// hash or merge join) ran as a nested loop over the whole month's queue for every batch: the
+/// queue's cost grew with its square, and a large enough edit of libraryd's would have run every
+/// batch into its statement timeout, for ever. A batch now reads the queue's indexes for about as
+/// many entries as it takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_queued_edits_reads_about_what_it_takes_not_the_whole_queue() {
+    let db = test_db().await;
+    let month = bd("2026-10-31");
+    seed_month_alone(&db.pool, month, 6_000, 1).await;
+    for shard in 0..3 {
+        run_ok_json(&db.url, &[], "2026-10-31", shard, 3);
+    }
+    sql(
+        &db.pool,
+        "UPDATE loans SET due_on = due_on - 1 WHERE fine_settled_at IS NOT NULL",
+    )
+    .await;
+    // With statistics, as in production (autovacuum analyzes a queue this size).
+    sql(&db.pool, "ANALYZE loan_changes").await;
+    let waiting = count(&db.pool, "SELECT count(*) FROM loan_changes").await;
+    assert!(waiting > 5_000, "{waiting}");
+
+    let by = settlement::journal::Repricer {
+        month: month.first_day(),
+        business_date: month.date(),
+        shards: 3,
+        shard: 0,
+        rule: FineRule::default(),
+        attempt: 1,
+        correction_key: None,
+    };
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = conn
+        .begin_with(settlement::BEGIN_BATCH.to_string())
+        .await
+        .unwrap();
+    let batch = settlement::journal::reprice(
+        &mut tx,
+        &by,
+        settlement::journal::Source::Queue { limit: 10 },
+    )
+    .await
+    .unwrap();
+    assert_eq!((batch.loans, batch.priced), (10, 10));
+    // Index entries of loan_changes this transaction's scans returned.
+    let read: i64 = sqlx::query_scalar(
+        "SELECT sum(pg_stat_get_xact_tuples_returned(indexrelid))::bigint
+           FROM pg_index WHERE indrelid = 'loan_changes'::regclass",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    assert!(
+        read < 200,
+        "a batch of 10 read {read} index entries of a queue of {waiting}"
+    );
 }

@@ -41,7 +41,9 @@ fn short_lease_job(batch_size: u32) -> FineSettlement {
 
 /// (status, attempt, owner) of the only settlement row.
 async fn the_run(pool: &PgPool) -> (String, i32, String) {
-    sqlx::query_as("SELECT status, attempt, owner FROM job_runs")
+    // The settlement's: a `serve` replica also runs the member statements after it.
+    sqlx::query_as("SELECT status, attempt, owner FROM job_runs WHERE job_name = $1")
+        .bind(settlement::JOB_NAME)
         .fetch_one(pool)
         .await
         .unwrap()
@@ -679,6 +681,7 @@ async fn a_run_frozen_inside_its_batch_is_taken_over_within_seconds_and_writes_n
     assert_eq!(settled_rows(&chaos.pool).await, settled);
     assert_eq!(the_run(&chaos.pool).await.1, 2);
     assert_eq!(settled, settled_rows(&clean.pool).await);
+    assert_settled_once(&chaos.pool, &clean.pool).await;
     eprintln!(
         "frozen run: session ended {released_after:?} after the freeze; the taker finished {took:?} after the lease expired"
     );
@@ -690,7 +693,8 @@ async fn a_serve_replica_frozen_inside_its_batch_is_taken_over_and_goes_back_to_
     let month = due_month();
     let (chaos, clean) = (test_db().await, test_db().await);
     for db in [&chaos, &clean] {
-        seed_month(&db.pool, month, 60_000, 1).await;
+        // Nothing returned in the months around it: the replica would settle those too.
+        seed_month_alone(&db.pool, month, 60_000, 1).await;
     }
     settle_shards(&clean.pool, month, 1, 200).await;
     let dir = tempfile::tempdir().unwrap();
@@ -734,13 +738,15 @@ async fn a_serve_replica_frozen_inside_its_batch_is_taken_over_and_goes_back_to_
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(settled_rows(&chaos.pool).await, settled);
     assert_eq!(the_run(&chaos.pool).await, ("SUCCESS".into(), 2, owner));
+    assert_settled_once(&chaos.pool, &clean.pool).await;
     drop(taker);
     drop(zombie);
     eprintln!("frozen serve replica: the taker finished {took:?} after the lease expired");
 }
 
 /// A private cluster with `rows` loans of `month` (and a pool on it), and the same loans in a test
-/// database settled cleanly by `shards` shards, to compare with.
+/// database settled cleanly by `shards` shards, to compare with. Nothing is returned in the months
+/// around `month`: a `serve` replica would settle those too.
 async fn restart_fixture(
     month: settlementd::calendar::BusinessDate,
     rows: i64,
@@ -749,8 +755,8 @@ async fn restart_fixture(
     let cluster = PrivateCluster::start().await;
     let pool = cluster.pool().await;
     let clean = test_db().await;
-    seed_month(&pool, month, rows, 1).await;
-    seed_month(&clean.pool, month, rows, 1).await;
+    seed_month_alone(&pool, month, rows, 1).await;
+    seed_month_alone(&clean.pool, month, rows, 1).await;
     settle_shards(&clean.pool, month, shards, 200).await;
     (cluster, pool, clean)
 }
@@ -804,10 +810,13 @@ async fn three_serve_replicas_ride_out_an_immediate_database_stop_and_end_as_one
     let pool = cluster.pool().await;
     assert!(
         eventually(90, || async {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM job_runs WHERE status = 'SUCCESS'")
-                .fetch_one(&pool)
-                .await
-                .unwrap_or(0)
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM job_runs WHERE job_name = $1 AND status = 'SUCCESS'",
+            )
+            .bind(settlement::JOB_NAME)
+            .fetch_one(&pool)
+            .await
+            .unwrap_or(0)
                 == 3
         })
         .await,
@@ -817,6 +826,7 @@ async fn three_serve_replicas_ride_out_an_immediate_database_stop_and_end_as_one
         replica.wait_for("/readyz", 200).await;
     }
     assert_eq!(settled_rows(&pool).await, settled_rows(&clean.pool).await);
+    assert_settled_once(&pool, &clean.pool).await;
     let attempts: i64 = sqlx::query_scalar("SELECT max(attempt)::bigint FROM job_runs")
         .fetch_one(&pool)
         .await
@@ -927,6 +937,7 @@ async fn a_database_restart_between_the_claim_and_the_first_batch_is_retried_to_
         .unwrap();
     assert_eq!(the_run(&check).await.0, "SUCCESS");
     assert_eq!(settled_rows(&check).await, settled_rows(&clean.pool).await);
+    assert_settled_once(&check, &clean.pool).await;
     check.close().await;
     pool.close().await;
     eprintln!(
@@ -994,6 +1005,8 @@ async fn a_database_restart_during_the_success_write_leaves_a_running_row_the_ne
     .await
     .unwrap();
     assert_eq!(updated, settled);
+    // The journal went with them: a batch lost in the crash lost its entries too.
+    crate::journal::assert_journal_whole(&pool).await;
     sqlx::query("DROP TRIGGER hold_success ON job_runs")
         .execute(&pool)
         .await
@@ -1015,5 +1028,6 @@ async fn a_database_restart_during_the_success_write_leaves_a_running_row_the_ne
     let (_, attempt, _) = the_run(&pool).await;
     assert_eq!(attempt, 2);
     assert_eq!(settled_rows(&pool).await, settled_rows(&clean.pool).await);
+    assert_settled_once(&pool, &clean.pool).await;
     pool.close().await;
 }

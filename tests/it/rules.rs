@@ -19,25 +19,6 @@ fn rule(rate: i64) -> FineRule {
     }
 }
 
-/// Every loan returned in `month` is settled, at the fine `rule` gives its dates — computed here,
-/// in Rust, independently of the settlement's SQL.
-async fn assert_settled_under(pool: &PgPool, month: BusinessDate, rule: FineRule) {
-    let rows: Vec<(i64, chrono::NaiveDate, chrono::NaiveDate, i64, bool)> = sqlx::query_as(
-        "SELECT id, due_on, returned_on, fine_cents, fine_settled_at IS NOT NULL FROM loans
-          WHERE returned_on BETWEEN $1 AND $2 ORDER BY id",
-    )
-    .bind(month.first_day())
-    .bind(month.date())
-    .fetch_all(pool)
-    .await
-    .unwrap();
-    assert!(!rows.is_empty());
-    for (id, due, returned, fine, settled) in rows {
-        assert!(settled, "loan {id} of {month} is not settled");
-        assert_eq!(fine, rule.fine_cents(due, returned), "loan {id}");
-    }
-}
-
 fn run_shard(
     url: &str,
     env: &[(&str, &str)],
@@ -279,7 +260,7 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
         "the fixed replica settles shard 1"
     );
     drop(fixed);
-    assert_settled_under(&db.pool, month, rule(37)).await;
+    assert_priced_under(&db.pool, month, rule(37)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,7 +319,7 @@ async fn a_run_of_a_closed_month_settles_its_late_returns_under_the_pinned_rule(
     // A run with nothing late is skipped as before.
     let out = run_shard(&db.url, &[(RATE, "41")], month, 0, 2);
     assert_eq!(json_of(&out)["skipped"], true);
-    assert_settled_under(&db.pool, month, rule(41)).await;
+    assert_priced_under(&db.pool, month, rule(41)).await;
     let out = cli(
         &db.url,
         &[(RATE, "41")],
@@ -402,8 +383,8 @@ async fn idle_replicas_settle_late_returns_of_their_closed_months_within_a_heart
         );
     }
     drop(replicas);
-    assert_settled_under(&db.pool, latest, FineRule::default()).await;
-    assert_settled_under(&db.pool, older, FineRule::default()).await;
+    assert_priced_under(&db.pool, latest, FineRule::default()).await;
+    assert_priced_under(&db.pool, older, FineRule::default()).await;
     assert_eq!(
         events_named(&db.pool, latest, "late_returns").await.len(),
         2
@@ -473,7 +454,7 @@ async fn a_return_keyed_into_a_month_while_its_run_works_is_settled_by_the_run_o
     let second = json_of(&out);
     assert_eq!(second["late_returns"].as_i64(), Some(left), "{second}");
     assert_eq!(second["updated"].as_i64(), Some(left), "{second}");
-    assert_settled_under(&db.pool, month, FineRule::default()).await;
+    assert_priced_under(&db.pool, month, FineRule::default()).await;
     let again: Vec<(i64, Option<chrono::DateTime<chrono::Utc>>)> =
         sqlx::query_as("SELECT id, fine_settled_at FROM loans WHERE id = ANY($1) ORDER BY id")
             .bind(settled_by_first.iter().map(|r| r.0).collect::<Vec<_>>())
@@ -668,7 +649,7 @@ async fn a_month_settled_under_a_wrong_rule_is_re_pinned_by_correct_and_refused_
     let corrected = json_of(&out);
     assert_eq!(corrected["old_rule"]["daily_rate_cents"], 99);
     assert_eq!(corrected["new_rule"]["daily_rate_cents"], 60);
-    assert_settled_under(&db.pool, month, rule(60)).await;
+    assert_priced_under(&db.pool, month, rule(60)).await;
     let out = cli(
         &db.url,
         &[(RATE, "60")],
