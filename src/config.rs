@@ -107,7 +107,7 @@ pub struct Settings {
     pub log: LogSettings,
     /// `[jobs.<section>]`, one per job of the binary's registry (a job's name with `-` written
     /// `_`): whether a replica schedules it and when. Which sections exist is the registry's to
-    /// say: it refuses an unknown one (`crate::registry`).
+    /// say: it refuses an unknown one (the registry, `src/registry.rs`).
     #[serde(default)]
     pub jobs: std::collections::BTreeMap<String, JobSettings>,
     pub retention: RetentionSettings,

@@ -32,7 +32,7 @@ pub const JOB_NAME: &str = "member-statements";
 /// The job it follows: its months' money.
 const FOLLOWS: &str = "fine-settlement";
 
-/// The member statements in the binary's registry (`crate::registry::JOBS`).
+/// The member statements in the binary's registry (`JOBS` in src/registry.rs).
 pub const REGISTRATION: Registration<Settings> = Registration {
     name: JOB_NAME,
     // 04:00 on the 1st, after the settlement's 02:30; it waits for the settlement in any case.

@@ -55,7 +55,7 @@ use std::sync::{Mutex, OnceLock};
 
 pub const JOB_NAME: &str = "fine-settlement";
 
-/// The fine settlement in the binary's registry (`crate::registry::JOBS`).
+/// The fine settlement in the binary's registry (`JOBS` in src/registry.rs).
 pub const REGISTRATION: Registration<Settings> = Registration {
     name: JOB_NAME,
     default_cron: "0 30 2 1 * *",
