@@ -28,7 +28,7 @@ pub enum AppError {
     #[error("{0}")]
     Failed(String),
     /// Exit 3: refused because of what the database records: the month's pinned parameters
-    /// differ from this replica's, or (`correct`) a live run holds the month.
+    /// differ from this replica's, the job is paused, or (`correct`) a live run holds the month.
     #[error("{0}")]
     Refused(String),
 }
@@ -65,9 +65,9 @@ impl From<DbError> for AppError {
 impl From<JobError> for AppError {
     fn from(e: JobError) -> Self {
         match e {
-            JobError::ParamsConflict { .. } | JobError::BeingCorrected { .. } => {
-                AppError::Refused(e.to_string())
-            }
+            JobError::ParamsConflict { .. }
+            | JobError::BeingCorrected { .. }
+            | JobError::Paused { .. } => AppError::Refused(e.to_string()),
             JobError::NoParams { .. } => AppError::Invalid(e.to_string()),
             _ => AppError::Failed(with_hint(e.to_string(), undefined_table(&e))),
         }
