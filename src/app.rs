@@ -28,7 +28,7 @@ pub enum AppError {
     #[error("{0}")]
     Failed(String),
     /// Exit 3: refused because of what the database records: the month's pinned parameters
-    /// differ from this replica's, or (`correct`) a live run holds the month.
+    /// differ from this replica's, the job is paused, or (`correct`) a live run holds the month.
     #[error("{0}")]
     Refused(String),
 }

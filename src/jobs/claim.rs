@@ -126,10 +126,15 @@ pub async fn claim_for(
             return Ok(ClaimOutcome::RequestServed);
         }
     }
-    // Planted bug (the campaign only): a late-return sweep claims without the pin's comparison.
-    let compared = opts
-        .params
-        .filter(|_| !(opts.reopen.is_some() && mutant::planted(Mutant::LateUnderConfigRule)));
+    // Planted bug (the campaign only): a late-return sweep claims without the pin's comparison,
+    // both the claim that finds its key SUCCESS and the one that re-opens it for the late returns.
+    let sweep = mutant::planted(Mutant::LateUnderConfigRule)
+        && (opts.reopen.is_some()
+            || (!opts.force
+                && existing(&mut tx, key)
+                    .await?
+                    .is_some_and(|row| row.status == "SUCCESS")));
+    let compared = opts.params.filter(|_| !sweep);
     if let Some((mine, describe)) = compared {
         let pin = params::pin_or_compare(&mut tx, key, mine, owner, opts.correction).await?;
         if let Pin::Correcting { correction, since } = pin {

@@ -435,3 +435,38 @@ async fn run_wait_waits_out_a_dead_runs_lease_and_takes_the_month_over() {
         Some(eligible(&db.pool, bd("2026-10-31")).await)
     );
 }
+
+/// Fault campaign seed 1003 (`cargo run --release --bin campaign -- --seed 1003 --schedules 1`):
+/// the fine settlement was paused (`settlementd pause`, step 3), then a one-shot `settlementd run
+/// --force` of a month exited 1, as for a failure that a retry may fix. A pause is a refusal
+/// recorded in the database, like a month pinned to another rule: exit 3, and nothing claimed, so
+/// that a scheduler does not retry a paused job as a failed one; resumed, the run goes on.
+#[tokio::test]
+async fn run_of_a_paused_job_is_refused_with_exit_3_and_claims_nothing() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-10-31"), 30, 1).await;
+    let run = ["run", "--business-date", "2026-10-31", "--force", "--json"];
+    run_ok(settlementd(Some(&db.url)).args([
+        "pause",
+        "--job",
+        "fine-settlement",
+        "--reason",
+        "an audit of October",
+    ]));
+    let refused = settlementd(Some(&db.url)).args(run).output().unwrap();
+    let err = stderr_of(&refused);
+    assert_eq!(refused.status.code(), Some(3), "{err}");
+    assert!(err.contains("is paused since"), "{err}");
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claims, 0, "a paused job claims nothing");
+
+    run_ok(settlementd(Some(&db.url)).args(["resume", "--job", "fine-settlement"]));
+    let ran = json_of(&run_ok(settlementd(Some(&db.url)).args(run)));
+    assert_eq!(
+        ran["updated"].as_i64(),
+        Some(eligible(&db.pool, bd("2026-10-31")).await)
+    );
+}

@@ -25,6 +25,12 @@
 //! - `requests`: every request answered, every answer to one key the same, stored once, each
 //!   targeted shard served (one new attempt at most) and not left open;
 //! - `verify`: `settlementd verify` right for every month;
+//! - `pauses`: while a job is paused (from when the campaign saw the pause committed until its
+//!   resume began), no claim of it is won by a transaction that began in that time; and a run in
+//!   flight stops at its next heartbeat: after the first heartbeat of its attempt that began
+//!   while the job was paused (and so found the pause), at most one batch of it begins (the one
+//!   its runner may start while that heartbeat's answer is on its way); no pause is left at the
+//!   end;
 //! - `exits`: every process's end explained by what the campaign did to it;
 //! - `quiesce`: at rest within the bound.
 
@@ -162,6 +168,8 @@ impl std::fmt::Display for Key {
 pub struct RunWrite {
     pub txid: i64,
     pub at: DateTime<Utc>,
+    /// When the writer's transaction began (`now()`).
+    pub xact_at: DateTime<Utc>,
     pub key: Key,
     pub op: char,
     pub old_status: Option<String>,
@@ -169,6 +177,43 @@ pub struct RunWrite {
     pub old_attempt: Option<i32>,
     pub new_attempt: Option<i32>,
     pub old_heartbeat: Option<DateTime<Utc>>,
+    /// The write moved the run's progress (cursor, counts): a batch's fenced write. An update of a
+    /// RUNNING row that keeps its attempt and moves nothing renews the lease: a heartbeat (or a
+    /// run's last, empty batch, after which it only ends).
+    pub progress: bool,
+}
+
+impl RunWrite {
+    /// The write won a claim: a new RUNNING attempt (inserted, or taken over).
+    fn wins(&self) -> bool {
+        self.new_status.as_deref() == Some("RUNNING")
+            && (self.op == 'I' || (self.op == 'U' && self.new_attempt > self.old_attempt))
+    }
+
+    /// The write renewed a running attempt, the same one.
+    fn renews(&self) -> bool {
+        self.op == 'U'
+            && self.old_status.as_deref() == Some("RUNNING")
+            && self.new_status.as_deref() == Some("RUNNING")
+            && self.old_attempt == self.new_attempt
+    }
+}
+
+/// A pause of a job, as the campaign's log tells it: in force for certain from `from` (when the
+/// campaign read it back committed) until `to` (when its resume's delete ran, the earliest it can
+/// have committed; `None`: never resumed).
+#[derive(Debug, Clone)]
+pub struct Paused {
+    pub job: String,
+    pub from: DateTime<Utc>,
+    pub to: Option<DateTime<Utc>>,
+}
+
+impl Paused {
+    /// Whether `t` lies inside the pause.
+    fn holds_at(&self, t: DateTime<Utc>) -> bool {
+        t > self.from && self.to.map_or(true, |to| t < to)
+    }
 }
 
 /// One `job_events` row.
@@ -216,6 +261,10 @@ pub struct Facts {
     pub events: Vec<Event>,
     pub request_shards: Vec<RequestShard>,
     pub edits_queued: i64,
+    /// Every pause of the schedule, in the order they began.
+    pub pauses: Vec<Paused>,
+    /// Jobs still paused at the end.
+    pub paused_left: Vec<String>,
 }
 
 /// The fine a rule gives a loan due on `due` and returned on `returned`, computed here: days late
@@ -371,6 +420,7 @@ pub async fn read(
         i64,
         i64,
         DateTime<Utc>,
+        DateTime<Utc>,
         Option<String>,
         Option<NaiveDate>,
         Option<i32>,
@@ -381,10 +431,11 @@ pub async fn read(
         Option<i32>,
         Option<i32>,
         Option<DateTime<Utc>>,
+        Option<bool>,
     );
     let runs: Vec<RRow> = sqlx::query_as(
-        "SELECT n, txid, at, job_name, business_date, shards, shard, op, old_status, new_status,
-                old_attempt, new_attempt, old_heartbeat
+        "SELECT n, txid, at, xact_at, job_name, business_date, shards, shard, op, old_status,
+                new_status, old_attempt, new_attempt, old_heartbeat, progress
            FROM campaign_run_log ORDER BY n",
     )
     .fetch_all(&mut *conn)
@@ -394,20 +445,30 @@ pub async fn read(
         .map(|r| RunWrite {
             txid: r.1,
             at: r.2,
+            xact_at: r.3,
             key: Key {
-                job: r.3.unwrap_or_default(),
-                date: r.4.unwrap_or_default(),
-                shards: r.5.unwrap_or_default(),
-                shard: r.6.unwrap_or_default(),
+                job: r.4.unwrap_or_default(),
+                date: r.5.unwrap_or_default(),
+                shards: r.6.unwrap_or_default(),
+                shard: r.7.unwrap_or_default(),
             },
-            op: r.7.chars().next().unwrap_or('?'),
-            old_status: r.8,
-            new_status: r.9,
-            old_attempt: r.10,
-            new_attempt: r.11,
-            old_heartbeat: r.12,
+            op: r.8.chars().next().unwrap_or('?'),
+            old_status: r.9,
+            new_status: r.10,
+            old_attempt: r.11,
+            new_attempt: r.12,
+            old_heartbeat: r.13,
+            progress: r.14.unwrap_or(false),
         })
         .collect();
+    let pauses: Vec<PauseRow> =
+        sqlx::query_as("SELECT op, job_name, at, seen_at FROM campaign_pause_log ORDER BY n")
+            .fetch_all(&mut *conn)
+            .await?;
+    facts.pauses = pause_windows(&pauses);
+    facts.paused_left = sqlx::query_scalar("SELECT job_name FROM job_pauses ORDER BY job_name")
+        .fetch_all(&mut *conn)
+        .await?;
     let finals: Vec<(String, NaiveDate, i32, i32, String, i32)> = sqlx::query_as(
         "SELECT job_name, business_date, shards, shard, status, attempt FROM job_runs",
     )
@@ -516,6 +577,39 @@ pub async fn read(
     Ok(facts)
 }
 
+/// A row of `campaign_pause_log`: op, job, when written, when the campaign saw it committed.
+type PauseRow = (String, String, DateTime<Utc>, Option<DateTime<Utc>>);
+
+/// The pauses the log's rows tell, in order: each insert opens one (a pause nobody saw committed,
+/// its answer lost and resumed before the campaign looked, opens none), the next delete of its
+/// job closes it.
+fn pause_windows(rows: &[PauseRow]) -> Vec<Paused> {
+    let mut pauses: Vec<Paused> = Vec::new();
+    let mut open: HashMap<&str, Option<usize>> = HashMap::new();
+    for (op, job, at, seen) in rows {
+        match op.as_str() {
+            "I" => {
+                let opened = seen.map(|from| {
+                    pauses.push(Paused {
+                        job: job.clone(),
+                        from,
+                        to: None,
+                    });
+                    pauses.len() - 1
+                });
+                open.insert(job, opened);
+            }
+            "D" => {
+                if let Some(Some(n)) = open.remove(job.as_str()) {
+                    pauses[n].to = Some(*at);
+                }
+            }
+            _ => {}
+        }
+    }
+    pauses
+}
+
 /// Every check of the database's facts.
 pub fn check(facts: &Facts) -> Vec<Violation> {
     let mut out = Vec::new();
@@ -528,6 +622,7 @@ pub fn check(facts: &Facts) -> Vec<Violation> {
     check_journal(facts, &mut out);
     check_fines(facts, &mut out);
     check_request_shards(facts, &mut out);
+    check_pauses(facts, &mut out);
     out
 }
 
@@ -657,6 +752,9 @@ fn check_open(f: &Facts, out: &mut Vec<Violation>) {
             format!("{} edits of settled loans still queued", f.edits_queued),
         ));
     }
+    for job in &f.paused_left {
+        out.push(violation("open", format!("{job} left paused")));
+    }
 }
 
 fn check_keys(f: &Facts, out: &mut Vec<Violation>) {
@@ -689,6 +787,7 @@ const CLAIM_EVENTS: &[&str] = &[
     "late_returns",
     "correcting",
     "reopened",
+    "month_changed",
     "abandoned",
 ];
 
@@ -1179,6 +1278,112 @@ fn check_fines(f: &Facts, out: &mut Vec<Violation>) {
     }
 }
 
+/// Seconds from `a` to `b`.
+fn secs(a: DateTime<Utc>, b: DateTime<Utc>) -> f64 {
+    (b - a).num_milliseconds() as f64 / 1000.0
+}
+
+/// What the pauses of a schedule met, in one line for the report (`None`: no pause): how many,
+/// how long in all, and how many running attempts a heartbeat found paused.
+pub fn pause_summary(f: &Facts) -> Option<String> {
+    if f.pauses.is_empty() {
+        return None;
+    }
+    let last = f.run_log.iter().map(|w| w.at).max().unwrap_or_default();
+    let held: f64 = f
+        .pauses
+        .iter()
+        .map(|p| secs(p.from, p.to.unwrap_or(last)).max(0.0))
+        .sum();
+    let stopped: BTreeSet<(&Key, Option<i32>)> = f
+        .run_log
+        .iter()
+        .filter(|w| w.renews() && !w.progress)
+        .filter(|w| {
+            f.pauses
+                .iter()
+                .any(|p| p.job == w.key.job && p.holds_at(w.xact_at))
+        })
+        .map(|w| (&w.key, w.new_attempt))
+        .collect();
+    Some(format!(
+        "{} pauses, {held:.1} s in all; {} running attempts found paused at a heartbeat",
+        f.pauses.len(),
+        stopped.len()
+    ))
+}
+
+fn check_pauses(f: &Facts, out: &mut Vec<Violation>) {
+    for p in &f.pauses {
+        let during = |t: DateTime<Utc>| p.holds_at(t);
+        let until =
+            p.to.map(|to| format!("{:.2} s later", secs(p.from, to)))
+                .unwrap_or_else(|| "never".into());
+        // A claim looks for the pause first thing in its transaction: one that began while the
+        // job was paused must have found it.
+        for w in f
+            .run_log
+            .iter()
+            .filter(|w| w.key.job == p.job && w.wins() && during(w.xact_at))
+        {
+            out.push(violation(
+                "pauses",
+                format!(
+                    "attempt {} of {} was claimed while {} was paused: its transaction began {:.2} s \
+                     after the pause was in force (resumed: {until})",
+                    w.new_attempt.unwrap_or_default(),
+                    w.key,
+                    p.job,
+                    secs(p.from, w.xact_at)
+                ),
+            ));
+        }
+        // A run in flight: its first heartbeat that began while paused found the pause; its
+        // runner starts no batch once it knows, so at most the one it may begin meanwhile.
+        let mut attempts: BTreeMap<(&Key, i32), Vec<&RunWrite>> = BTreeMap::new();
+        for w in f
+            .run_log
+            .iter()
+            .filter(|w| w.key.job == p.job && w.renews())
+        {
+            if let Some(attempt) = w.new_attempt {
+                attempts.entry((&w.key, attempt)).or_default().push(w);
+            }
+        }
+        for ((key, attempt), writes) in attempts {
+            let Some(found) = writes
+                .iter()
+                .find(|w| !w.progress && during(w.xact_at))
+                .map(|w| w.at)
+            else {
+                continue;
+            };
+            let after: Vec<&&RunWrite> = writes
+                .iter()
+                .filter(|w| w.progress && w.xact_at > found)
+                .collect();
+            if after.len() > 1 {
+                out.push(violation(
+                    "pauses",
+                    format!(
+                        "attempt {attempt} of {key} began {} batches after its heartbeat found {} \
+                         paused ({:.2} s into the pause; batches began {:?} s after it, \
+                         transactions {:?})",
+                        after.len(),
+                        p.job,
+                        secs(p.from, found),
+                        after
+                            .iter()
+                            .map(|w| (secs(found, w.xact_at) * 100.0).round() / 100.0)
+                            .collect::<Vec<_>>(),
+                        after.iter().map(|w| w.txid).collect::<Vec<_>>()
+                    ),
+                ));
+            }
+        }
+    }
+}
+
 fn check_request_shards(f: &Facts, out: &mut Vec<Violation>) {
     let mut served: BTreeMap<(String, i32), usize> = BTreeMap::new();
     for e in &f.events {
@@ -1323,7 +1528,8 @@ fn check_exits(world: &World, out: &mut Vec<Violation>) {
             && matches!(p.role, Role::Run { .. } | Role::Correct { .. })
             && (log.contains("pinned to")
                 || log.contains("being corrected")
-                || log.contains("correct"));
+                || log.contains("correct")
+                || log.contains("is paused since"));
         let faulted = sent("TERM")
             || sent("STOP")
             || faults
@@ -1456,6 +1662,7 @@ mod tests {
                 RunWrite {
                     txid: 70,
                     at: at(1),
+                    xact_at: at(1),
                     key: key.clone(),
                     op: 'I',
                     old_status: None,
@@ -1463,10 +1670,12 @@ mod tests {
                     old_attempt: None,
                     new_attempt: Some(1),
                     old_heartbeat: None,
+                    progress: false,
                 },
                 RunWrite {
                     txid: 77,
                     at: at(5),
+                    xact_at: at(5),
                     key: key.clone(),
                     op: 'U',
                     old_status: Some("RUNNING".into()),
@@ -1474,10 +1683,12 @@ mod tests {
                     old_attempt: Some(1),
                     new_attempt: Some(1),
                     old_heartbeat: Some(at(4)),
+                    progress: true,
                 },
                 RunWrite {
                     txid: 78,
                     at: at(6),
+                    xact_at: at(6),
                     key: key.clone(),
                     op: 'U',
                     old_status: Some("RUNNING".into()),
@@ -1485,6 +1696,7 @@ mod tests {
                     old_attempt: Some(1),
                     new_attempt: Some(1),
                     old_heartbeat: Some(at(5)),
+                    progress: false,
                 },
             ],
             runs: vec![(key.clone(), "SUCCESS".into(), 1)],
@@ -1509,6 +1721,17 @@ mod tests {
 
     fn checks_of(v: &[Violation]) -> Vec<&'static str> {
         v.iter().map(|v| v.check).collect()
+    }
+
+    /// Asserts that `check` finds, among its violations of `f`, one whose facts say `needle`.
+    fn assert_caught(f: &Facts, check: &str, needle: &str) {
+        let caught = super::check(f);
+        assert!(
+            caught
+                .iter()
+                .any(|v| v.check == check && v.facts.contains(needle)),
+            "{caught:?}"
+        );
     }
 
     #[test]
@@ -1554,13 +1777,7 @@ mod tests {
         }];
         f.journal.push(row);
         f.loans.get_mut(&1).unwrap().seq = Some(2);
-        let caught = check(&f);
-        assert!(
-            caught
-                .iter()
-                .any(|v| v.check == "transitions" && v.facts.contains("settled twice")),
-            "{caught:?}"
-        );
+        assert_caught(&f, "transitions", "settled twice");
     }
 
     #[test]
@@ -1595,6 +1812,98 @@ mod tests {
             v.iter()
                 .any(|v| v.facts.starts_with("loans still out settled")),
             "{v:?}"
+        );
+    }
+
+    /// The tiny world's clock: second `s` of it.
+    fn at(s: i64) -> DateTime<Utc> {
+        DateTime::<Utc>::from_timestamp(1_790_000_000 + s, 0).unwrap()
+    }
+
+    /// The fine settlement paused from second `from` to second `to` of the tiny world.
+    fn paused(from: i64, to: Option<i64>) -> Paused {
+        Paused {
+            job: "fine-settlement".into(),
+            from: at(from),
+            to: to.map(at),
+        }
+    }
+
+    /// A write of the tiny world's run that only renews its lease (a heartbeat) at second `s`, or
+    /// with `progress`, a batch's fenced write begun then.
+    fn renewal(f: &Facts, txid: i64, s: i64, progress: bool) -> RunWrite {
+        RunWrite {
+            txid,
+            at: at(s),
+            xact_at: at(s),
+            old_heartbeat: Some(at(s - 1)),
+            progress,
+            ..f.run_log[1].clone()
+        }
+    }
+
+    #[test]
+    fn a_claim_won_while_its_job_was_paused_is_caught() {
+        let mut f = tiny();
+        f.pauses = vec![paused(2, Some(3))];
+        assert_eq!(
+            check(&f),
+            vec![],
+            "a pause after the claim, heard by no heartbeat"
+        );
+        f.pauses = vec![paused(0, Some(3))];
+        assert_caught(&f, "pauses", "claimed while");
+    }
+
+    #[test]
+    fn a_run_that_begins_batches_after_its_heartbeat_found_the_pause_is_caught() {
+        let mut f = tiny();
+        f.pauses = vec![paused(2, None)];
+        // The heartbeat at 3 finds the pause; the batch begun at 5 may be the one its runner
+        // started before the answer came back.
+        let beat = renewal(&f, 73, 3, false);
+        f.run_log.insert(1, beat);
+        assert_eq!(check(&f), vec![]);
+        // A second batch after it: the run went on.
+        let batch = renewal(&f, 74, 4, true);
+        f.run_log.insert(2, batch);
+        assert_caught(&f, "pauses", "2 batches after");
+    }
+
+    #[test]
+    fn a_pause_left_at_the_end_is_caught() {
+        let mut f = tiny();
+        f.paused_left = vec!["fine-settlement".into()];
+        assert!(checks_of(&check(&f)).contains(&"open"));
+    }
+
+    #[test]
+    fn the_pause_log_pairs_each_pause_with_the_next_resume_of_its_job() {
+        let row = |op: &str, job: &str, s: i64, seen: Option<i64>| {
+            (op.to_string(), job.to_string(), at(s), seen.map(at))
+        };
+        let windows = pause_windows(&[
+            row("I", "fine-settlement", 1, Some(2)),
+            row("I", "retention", 1, Some(2)),
+            row("D", "fine-settlement", 5, None),
+            // Never seen committed by the campaign: no window, and its resume closes nothing.
+            row("I", "fine-settlement", 6, None),
+            row("D", "fine-settlement", 7, None),
+            row("I", "fine-settlement", 8, Some(9)),
+        ]);
+        let got: Vec<String> = windows
+            .iter()
+            .map(|p| format!("{} {} {:?}", p.job, p.from, p.to))
+            .collect();
+        let want =
+            |job: &str, from: i64, to: Option<i64>| format!("{job} {} {:?}", at(from), to.map(at));
+        assert_eq!(
+            got,
+            [
+                want("fine-settlement", 2, Some(5)),
+                want("retention", 2, None),
+                want("fine-settlement", 9, None),
+            ]
         );
     }
 

@@ -20,6 +20,10 @@ use tokio::task::JoinSet;
 /// How long quiescing may take, from the moment the faults stop, before it is a violation.
 pub const QUIESCE_BOUND: Duration = Duration::from_secs(60);
 
+/// How long a rule change waits, in the background, for its shard to close a month before it keys
+/// late returns into it.
+const RULE_CHANGE_WAITS: Duration = Duration::from_secs(8);
+
 /// What the scheduler-side play left for the checker.
 pub struct Played {
     /// Time from the end of the faults until every month was settled and nothing was left open;
@@ -254,7 +258,8 @@ pub async fn play(
             ))
         }
         Action::LateReturns { n: returns } => {
-            let keyed = key_late_returns(world, n, step.pick, *returns, None, &mut rng).await?;
+            let keyed =
+                key_late_returns(world, n, step.pick, *returns, None, &months, &mut rng).await?;
             Ok(format!("{keyed} returns keyed late"))
         }
         Action::EditSettled { n } => edit_settled(world, step.pick, *n, &mut rng).await,
@@ -263,28 +268,63 @@ pub async fn play(
             let id = world
                 .spawn(Role::Serve { shard, shards }, Rules::Other, false, None)
                 .await?;
-            let month = months[rng.random_range(0..months.len())];
-            let run = world
-                .spawn(
-                    Role::Run {
-                        month,
-                        shard,
-                        shards,
-                        force: false,
-                    },
-                    Rules::Other,
-                    false,
-                    None,
+            // Late returns of its shard into months its shard has closed, which only a sweep
+            // settles, and under the pin: the replica with the other rule must leave them to it
+            // (it is refused; a peer of the fleet settles them), and so must a one-shot run of
+            // such a month with the other rule. Before the shard has closed a month, they wait
+            // for it (a while, in the background).
+            let mut rng = ChaCha8Rng::seed_from_u64(rng.random());
+            let closed = closed_months(world, shard, shards).await?;
+            if !closed.is_empty() {
+                let late = late_for_the_other_rule(
+                    world,
+                    n,
+                    step.pick,
+                    (shard, shards),
+                    &closed,
+                    &mut rng,
                 )
                 .await?;
-            // Late returns of its shard, in the months pinned to the fleet's rule: the replica
-            // with the other rule must leave them to the pin (it is refused; a peer settles them).
-            let keyed =
-                key_late_returns(world, n, step.pick, 3, Some((shard, shards)), &mut rng).await?;
+                return Ok(format!(
+                    "rule change: replica p{id} with the other rule; {late}"
+                ));
+            }
+            let (world, pick) = (world.clone(), step.pick);
+            background.spawn(async move {
+                let deadline = Instant::now() + RULE_CHANGE_WAITS;
+                while Instant::now() < deadline {
+                    match closed_months(&world, shard, shards).await {
+                        Ok(closed) if !closed.is_empty() => {
+                            let late = late_for_the_other_rule(
+                                &world,
+                                n,
+                                pick,
+                                (shard, shards),
+                                &closed,
+                                &mut rng,
+                            )
+                            .await;
+                            world.note(match late {
+                                Ok(late) => format!(
+                                    "step {n} (rule change), {:.1} s: {late}",
+                                    world.started.elapsed().as_secs_f64()
+                                ),
+                                Err(e) => format!("step {n} (rule change): {e:#}"),
+                            });
+                            return;
+                        }
+                        _ => tokio::time::sleep(Duration::from_millis(250)).await,
+                    }
+                }
+                world.note(format!(
+                    "step {n} (rule change): shard {shard}/{shards} closed no month within {} s: \
+                     no late returns for the other rule",
+                    RULE_CHANGE_WAITS.as_secs()
+                ));
+            });
             Ok(format!(
-                "rule change: replica p{id} and run p{run} ({}) with the other rule; {keyed} \
-                 returns of shard {shard}/{shards} keyed late",
-                month_end(month)
+                "rule change: replica p{id} with the other rule; late returns of shard \
+                 {shard}/{shards} and a run with the other rule once it closes a month"
             ))
         }
         Action::Correct => {
@@ -367,7 +407,66 @@ pub async fn play(
                 "POST /v1/runs {body} key {key} to p{first} and p{second}"
             ))
         }
+        Action::Pause { all, http } => pause_or_resume(world, n, true, *all, *http, pick).await,
+        Action::Resume { all, http } => pause_or_resume(world, n, false, *all, *http, pick).await,
     }
+}
+
+/// The operator pauses (`pause`) or resumes the fine settlement, or every job (`all`): with the
+/// CLI, or with `http` through the endpoint of a replica chosen by `pick` (the CLI when none is
+/// up). Pauses the campaign has not seen committed yet are stamped before a resume and after a
+/// pause ([`World::mark_pauses_seen`]): the checker's `pauses` rule starts from those stamps.
+async fn pause_or_resume(
+    world: &World,
+    step: usize,
+    pause: bool,
+    all: bool,
+    http: bool,
+    pick: impl Fn(usize) -> usize,
+) -> Result<String> {
+    let (verb, job) = (
+        if pause { "pause" } else { "resume" },
+        if all { "every job" } else { "fine-settlement" },
+    );
+    if !pause {
+        world.mark_pauses_seen().await?;
+    }
+    let reason = format!("campaign step {step}");
+    let replicas = world.running(|p| !p.clean && matches!(p.role, Role::Serve { .. }));
+    let answer = match replicas.get(pick(replicas.len())).filter(|_| http) {
+        Some(&id) => {
+            let body = match (pause, all) {
+                (true, true) => serde_json::json!({ "reason": reason }),
+                (true, false) => serde_json::json!({ "job": "fine-settlement", "reason": reason }),
+                (false, true) => serde_json::json!({}),
+                (false, false) => serde_json::json!({ "job": "fine-settlement" }),
+            };
+            let path = format!("/v1/{verb}");
+            match world.post_admin(id, &path, &body.to_string()).await {
+                Ok((status, _)) => format!("POST {path} to p{id}: {status}"),
+                Err(e) => format!("POST {path} to p{id}: no answer ({e})"),
+            }
+        }
+        None => {
+            let mut args = vec![verb];
+            if !all {
+                args.extend(["--job", "fine-settlement"]);
+            }
+            if pause {
+                args.extend(["--reason", &reason]);
+            }
+            let out = world.command_output(&args, Rules::Fleet).await?;
+            format!(
+                "settlementd {}: exit {}",
+                args.join(" "),
+                out.status.code().unwrap_or(-1)
+            )
+        }
+    };
+    if pause {
+        world.mark_pauses_seen().await?;
+    }
+    Ok(format!("{verb} {job}: {answer}"))
 }
 
 /// A process holding a RUNNING claim (chosen by `pick`), else any running process that faults
@@ -466,18 +565,72 @@ async fn stop(world: &World, id: usize, between: bool) -> bool {
     caught
 }
 
-/// libraryd edits `n` settled loans, one transaction each.
-/// libraryd keys `n` returns of loans still out (of shard `only` when given) on random days of the
-/// campaign's months; returns how many it keyed.
+/// libraryd keys 3 returns of shard `shard` of `shards` late into `closed` (months that shard has
+/// closed), then a one-shot `run` of one of them with the other rule starts; says what was done.
+async fn late_for_the_other_rule(
+    world: &World,
+    step: usize,
+    pick: u64,
+    (shard, shards): (u32, u32),
+    closed: &[chrono::NaiveDate],
+    rng: &mut ChaCha8Rng,
+) -> Result<String> {
+    let keyed = key_late_returns(world, step, pick, 3, Some((shard, shards)), closed, rng).await?;
+    let month = closed[rng.random_range(0..closed.len())];
+    let run = world
+        .spawn(
+            Role::Run {
+                month,
+                shard,
+                shards,
+                force: false,
+            },
+            Rules::Other,
+            false,
+            None,
+        )
+        .await?;
+    Ok(format!(
+        "{keyed} returns of shard {shard}/{shards} keyed late into its {} closed months, run p{run} \
+         ({}) with the other rule",
+        closed.len(),
+        month_end(month)
+    ))
+}
+
+/// The campaign's months (first days) whose fine settlement is SUCCESS on shard `shard` of
+/// `shards`.
+async fn closed_months(world: &World, shard: u32, shards: u32) -> Result<Vec<chrono::NaiveDate>> {
+    let mut conn = world.connect("campaign").await?;
+    let ends: Vec<chrono::NaiveDate> = sqlx::query_scalar(
+        "SELECT business_date FROM job_runs
+          WHERE job_name = 'fine-settlement' AND shards = $1 AND shard = $2 AND status = 'SUCCESS'",
+    )
+    .bind(shards as i32)
+    .bind(shard as i32)
+    .fetch_all(&mut conn)
+    .await?;
+    let _ = sqlx::Connection::close(conn).await;
+    Ok(world
+        .plan
+        .months
+        .iter()
+        .copied()
+        .filter(|m| ends.contains(&month_end(*m)))
+        .collect())
+}
+
+/// libraryd keys `n` returns of loans still out (of shard `only` when given) on random days of
+/// `months`; returns how many it keyed.
 async fn key_late_returns(
     world: &World,
     step: usize,
     pick: u64,
     n: u32,
     only: Option<(u32, u32)>,
+    months: &[chrono::NaiveDate],
     rng: &mut ChaCha8Rng,
 ) -> Result<usize> {
-    let months = &world.plan.months;
     let (shard, shards) = only.unwrap_or((0, 1));
     let mut conn = world.connect("libraryd").await?;
     sqlx::query("SET statement_timeout = '10s'")
@@ -509,6 +662,7 @@ async fn key_late_returns(
     Ok(ids.len())
 }
 
+/// libraryd edits `n` settled loans, one transaction each.
 async fn edit_settled(world: &World, pick: u64, n: u32, rng: &mut ChaCha8Rng) -> Result<String> {
     let months = &world.plan.months;
     let mut conn = world.connect("libraryd").await?;
@@ -575,9 +729,10 @@ async fn edit_settled(world: &World, pick: u64, n: u32, rng: &mut ChaCha8Rng) ->
     Ok(format!("libraryd edits: {}", done.join(", ")))
 }
 
-/// Stops every fault, then brings the world to rest: the faulted fleet is stopped (SIGTERM),
-/// corrections are finished with their keys, one clean replica per shard (each month's pinned rule)
-/// settles what is left, requests nobody answered are sent again; `verify` of every month.
+/// Stops every fault, then brings the world to rest: the faulted fleet is stopped (SIGTERM), every
+/// pause is resumed, corrections are finished with their keys, one clean replica per shard (each
+/// month's pinned rule) settles what is left, requests nobody answered are sent again; `verify` of
+/// every month.
 pub async fn quiesce(world: &Arc<World>, background: &mut JoinSet<()>) -> Result<Played> {
     while background.join_next().await.is_some() {}
     let started = Instant::now();
@@ -597,7 +752,24 @@ pub async fn quiesce(world: &Arc<World>, background: &mut JoinSet<()>) -> Result
     }
     wait_all_exit(world, Duration::from_secs(20)).await;
 
-    // Corrections first: until each completes, its month is held and no replica runs it.
+    // Every pause left is resumed, as the operator would: nothing is claimed while paused, and
+    // the world must come to rest settled.
+    world.mark_pauses_seen().await?;
+    for attempt in 1..=40 {
+        let out = world.command_output(&["resume"], Rules::Fleet).await?;
+        if out.status.success() {
+            break;
+        }
+        if attempt == 40 {
+            world.note(format!(
+                "settlementd resume failed 40 times: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    // Corrections next: until each completes, its month is held and no replica runs it.
     let asked = world
         .corrections
         .lock()
@@ -735,11 +907,12 @@ async fn wait_all_exit(world: &World, within: Duration) {
 
 /// What is still open, in one line; `None` when the world is at rest: every month SUCCESS on every
 /// shard of the count, no return of the months unsettled that the rule can price, no edit queued,
-/// no claim RUNNING, no correction unfinished, no request of the count unserved.
+/// no claim RUNNING, no correction unfinished, no request of the count unserved, no job paused.
 async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
     let mut conn = world.connect("campaign").await?;
     let ends: Vec<chrono::NaiveDate> = world.plan.months.iter().map(|m| month_end(*m)).collect();
-    let (missing, unsettled, edits, running, corrections, requests): (i64, i64, i64, i64, i64, i64) =
+    type Open = (i64, i64, i64, i64, i64, i64, i64);
+    let (missing, unsettled, edits, running, corrections, requests, paused): Open =
         sqlx::query_as(
             "SELECT
                  (SELECT count(*) FROM unnest($1::date[]) d, generate_series(0, $2 - 1) s
@@ -753,7 +926,8 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
                  (SELECT count(*) FROM job_runs WHERE status = 'RUNNING'),
                  (SELECT count(*) FROM fine_corrections WHERE completed_at IS NULL),
                  (SELECT count(*) FROM run_request_shards s JOIN run_requests r USING (request_id)
-                   WHERE s.state IN ('pending', 'running') AND r.shards = $2)",
+                   WHERE s.state IN ('pending', 'running') AND r.shards = $2),
+                 (SELECT count(*) FROM job_pauses)",
         )
         .bind(&ends)
         .bind(shards as i32)
@@ -762,11 +936,12 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
         .fetch_one(&mut conn)
         .await?;
     let _ = sqlx::Connection::close(conn).await;
-    if missing + unsettled + edits + running + corrections + requests == 0 {
+    if missing + unsettled + edits + running + corrections + requests + paused == 0 {
         return Ok(None);
     }
     Ok(Some(format!(
         "{missing} month-shards not SUCCESS, {unsettled} returns unsettled, {edits} edits queued, \
-         {running} claims RUNNING, {corrections} corrections unfinished, {requests} requests unserved"
+         {running} claims RUNNING, {corrections} corrections unfinished, {requests} requests \
+         unserved, {paused} jobs paused"
     )))
 }

@@ -51,7 +51,7 @@ struct Args {
     /// Play every schedule even after a violation.
     #[arg(long)]
     keep_going: bool,
-    /// After one clean schedule, corrupt its database five ways and show each caught.
+    /// After one clean schedule, corrupt its database six ways and show each caught.
     #[arg(long)]
     self_test: bool,
     /// Where logs of failing schedules are kept (default: a directory under the temp dir).
@@ -234,6 +234,9 @@ async fn play_schedule(
         ),
         Err(open) => println!("  NOT quiesced: {open}"),
     }
+    if let Some(paused) = checker::pause_summary(&facts) {
+        println!("  paused: {paused}");
+    }
     let writes: Vec<_> = facts
         .loan_log
         .iter()
@@ -322,6 +325,8 @@ async fn dump(world: &World, dir: &Path) {
         "campaign_loan_log",
         "campaign_journal_log",
         "campaign_run_log",
+        "campaign_pause_log",
+        "job_pauses",
     ] {
         let sql = format!("SELECT COALESCE(json_agg(t), '[]')::text FROM {table} t");
         if let Ok(text) = sqlx::query_scalar::<_, String>(&sql)

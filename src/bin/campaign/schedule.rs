@@ -9,10 +9,10 @@
 //!
 //! **Adding an action.** An action is one variant of [`Action`] with its weight in [`CATALOG`] and
 //! its parameters drawn in [`draw`]; `faults::play` plays it, and when it may make a process end
-//! badly, it records the fault (`World::fault`) so the exit is accounted for. Pausing and resuming
-//! a month (not in the product yet) is meant to come in that way: a `Pause` and a `Resume` variant
-//! that call the product's command or endpoint, and a checker rule that a paused month is neither
-//! claimed nor written while paused.
+//! badly, it records the fault (`World::fault`) so the exit is accounted for. `Pause` and
+//! `Resume` came in that way: they call the product's command or its endpoint (drawn per step),
+//! the campaign's log records each pause and resume (`campaign_pause_log`), and the checker's
+//! `pauses` rule judges the claims and batches around them.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -79,6 +79,12 @@ pub enum Action {
     Run,
     /// `POST /v1/runs` to one replica, and the same request (same key) to another.
     DuplicatePost { force: bool },
+    /// The operator pauses the fine settlement (`all`: every job), with `settlementd pause` or, with
+    /// `http`, `POST /v1/pause` to a replica.
+    Pause { all: bool, http: bool },
+    /// The operator resumes the fine settlement (`all`: every job), with `settlementd resume` or,
+    /// with `http`, `POST /v1/resume` to a replica.
+    Resume { all: bool, http: bool },
 }
 
 /// The kinds of action and how often each is drawn (weights).
@@ -93,11 +99,13 @@ pub const CATALOG: &[(&str, u32)] = &[
     ("reshard", 3),
     ("late_returns", 10),
     ("edit_settled", 9),
-    ("rule_change", 4),
+    ("rule_change", 5),
     ("correct", 3),
     ("force_run", 5),
     ("run", 4),
     ("duplicate_post", 6),
+    ("pause", 6),
+    ("resume", 4),
 ];
 
 /// One step: wait, then act. `pick` chooses among the candidates the action finds when played.
@@ -244,6 +252,14 @@ pub fn draw(rng: &mut ChaCha8Rng) -> Action {
         "correct" => Action::Correct,
         "force_run" => Action::ForceRun,
         "run" => Action::Run,
+        "pause" => Action::Pause {
+            all: rng.random_bool(0.25),
+            http: rng.random_bool(0.5),
+        },
+        "resume" => Action::Resume {
+            all: rng.random_bool(0.25),
+            http: rng.random_bool(0.5),
+        },
         _ => Action::DuplicatePost {
             force: rng.random_bool(0.5),
         },

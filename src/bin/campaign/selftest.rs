@@ -1,5 +1,5 @@
 //! `--self-test`: the checker shown to catch what it claims to. A finished campaign's database is
-//! cloned six times: one clone is left as it is and must pass; each of the others is corrupted in
+//! cloned seven times: one clone is left as it is and must pass; each of the others is corrupted in
 //! one way and must fail the check named for it.
 
 use crate::checker::{self, Violation};
@@ -8,12 +8,13 @@ use anyhow::{anyhow, Result};
 use sqlx::{Connection, PgConnection};
 
 /// One corruption: its name, the check that must catch it, and the SQL that makes it (run as
-/// `who`, so the campaign's logs record it as that writer's).
+/// `who`, so the campaign's logs record it as that writer's): one transaction per element, each
+/// sent on its own (a transaction's `now()` is when the message that began it arrived).
 struct Corruption {
     name: &'static str,
     caught_by: &'static str,
     who: &'static str,
-    sql: &'static str,
+    sql: &'static [&'static str],
 }
 
 const CORRUPTIONS: &[Corruption] = &[
@@ -21,7 +22,7 @@ const CORRUPTIONS: &[Corruption] = &[
         name: "a loan re-settled (settled again, with a journal entry of its own)",
         caught_by: "transitions",
         who: "settlementd",
-        sql: "WITH l AS (
+        sql: &["WITH l AS (
                   SELECT id, fine_seq, fine_cents, due_on, returned_on FROM loans
                    WHERE fine_settled_at IS NOT NULL AND fine_seq IS NOT NULL
                    ORDER BY id LIMIT 1
@@ -34,41 +35,65 @@ const CORRUPTIONS: &[Corruption] = &[
                     FROM l
               )
               UPDATE loans SET fine_settled_at = clock_timestamp(), fine_seq = l.fine_seq + 1
-                FROM l WHERE loans.id = l.id",
+                FROM l WHERE loans.id = l.id"],
     },
     Corruption {
         name: "a fine changed",
         caught_by: "fines",
         who: "libraryd",
-        sql: "UPDATE loans SET fine_cents = fine_cents + 7
+        sql: &["UPDATE loans SET fine_cents = fine_cents + 7
                WHERE id = (SELECT id FROM loans WHERE fine_settled_at IS NOT NULL
-                            ORDER BY id DESC LIMIT 1)",
+                            ORDER BY id DESC LIMIT 1)"],
     },
     Corruption {
         name: "a journal row dropped",
         caught_by: "journal",
         who: "settlementd",
-        sql: "DELETE FROM fine_journal
-               WHERE id = (SELECT max(id) FROM fine_journal WHERE kind IN ('settled', 'late'))",
+        sql: &["DELETE FROM fine_journal
+               WHERE id = (SELECT max(id) FROM fine_journal WHERE kind IN ('settled', 'late'))"],
     },
     Corruption {
         name: "a run left RUNNING",
         caught_by: "open",
         who: "settlementd",
-        sql: "UPDATE job_runs SET status = 'RUNNING', finished_at = NULL
+        sql: &["UPDATE job_runs SET status = 'RUNNING', finished_at = NULL
                WHERE (job_name, business_date, shards, shard) =
                      (SELECT job_name, business_date, shards, shard FROM job_runs
-                       WHERE status = 'SUCCESS' ORDER BY business_date, shards, shard LIMIT 1)",
+                       WHERE status = 'SUCCESS' ORDER BY business_date, shards, shard LIMIT 1)"],
     },
     Corruption {
         name: "a held row settled",
         caught_by: "fines",
         who: "settlementd",
-        sql: "UPDATE loans SET fine_settled_at = clock_timestamp(), fine_cents = 0
+        sql: &[
+            "UPDATE loans SET fine_settled_at = clock_timestamp(), fine_cents = 0
                WHERE id = (SELECT id FROM loans
                             WHERE (due_on IS NULL OR NOT isfinite(due_on))
                               AND returned_on IS NOT NULL AND fine_settled_at IS NULL
                             ORDER BY id LIMIT 1)",
+        ],
+    },
+    Corruption {
+        // As the operator, the campaign and a replica would commit them: the pause, the campaign
+        // seeing it, a claim taken (and finished) anyway, the resume.
+        name: "a claim won while its job was paused",
+        caught_by: "pauses",
+        who: "settlementd",
+        sql: &[
+            "INSERT INTO job_pauses (job_name, paused_by, reason)
+             VALUES ('fine-settlement', 'self-test', 'a claim must not pass')",
+            "UPDATE campaign_pause_log SET seen_at = clock_timestamp()
+              WHERE op = 'I' AND seen_at IS NULL",
+            "BEGIN;
+             UPDATE job_runs SET status = 'RUNNING', attempt = attempt + 1, owner = 'self-test'
+              WHERE (job_name, business_date, shards, shard) =
+                    (SELECT job_name, business_date, shards, shard FROM job_runs
+                      WHERE job_name = 'fine-settlement' AND status = 'SUCCESS'
+                      ORDER BY business_date, shards, shard LIMIT 1);
+             UPDATE job_runs SET status = 'SUCCESS' WHERE owner = 'self-test';
+             COMMIT",
+            "DELETE FROM job_pauses WHERE job_name = 'fine-settlement'",
+        ],
     },
 ];
 
@@ -132,10 +157,10 @@ async fn checked_clone(
         if let Some(c) = corruption {
             let options: sqlx::postgres::PgConnectOptions = url.parse()?;
             let mut conn = PgConnection::connect_with(&options.application_name(c.who)).await?;
-            let changed = sqlx::raw_sql(c.sql)
-                .execute(&mut conn)
-                .await?
-                .rows_affected();
+            let mut changed = 0;
+            for sql in c.sql {
+                changed += sqlx::raw_sql(sql).execute(&mut conn).await?.rows_affected();
+            }
             if changed == 0 {
                 return Err(anyhow!(
                     "the corruption {:?} found nothing to corrupt",

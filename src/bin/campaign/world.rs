@@ -10,7 +10,14 @@
 //!   campaign's own edits);
 //! - `campaign_journal_log`: every row written to, changed in or deleted from `fine_journal`;
 //! - `campaign_run_log`: every insert and update of `job_runs` (claims, takeovers, heartbeats,
-//!   fenced progress, SUCCESS and FAILED), with the old heartbeat and the database clock.
+//!   fenced progress, SUCCESS and FAILED), with the old heartbeat, whether the write moved the
+//!   run's progress, and the database clock;
+//! - `campaign_pause_log`: every pause (insert into `job_pauses`) and resume (delete from it); the
+//!   campaign stamps a pause's row `seen_at` once it has read it back committed
+//!   ([`World::mark_pauses_seen`]), so the checker knows a time by which it was in force.
+//!
+//! A `campaign_run_log` row also carries its writer's transaction start (`now()`): when a claim
+//! looked for a pause, when a batch began.
 //!
 //! A statement-level trigger makes every `UPDATE` of `loans` by settlementd sleep `slow` first,
 //! so that signals land inside runs rather than between them.
@@ -660,7 +667,7 @@ impl World {
     pub async fn post(&self, id: usize, key: &str, body: &str) {
         let port = self.with_proc(id, |p| p.http).flatten();
         let answer = match port {
-            Some(port) => post_runs(port, key, body).await.ok(),
+            Some(port) => post_json(port, "/v1/runs", Some(key), body).await.ok(),
             None => None,
         };
         let mut requests = self.requests.lock().unwrap_or_else(|p| p.into_inner());
@@ -682,6 +689,33 @@ impl World {
             Some(answer) => request.answers.push(answer),
             None => request.unanswered += 1,
         }
+    }
+
+    /// `POST <path>` of `body` (no idempotency key) to the replica `id`'s API: its status and
+    /// body, or why there was none.
+    pub async fn post_admin(&self, id: usize, path: &str, body: &str) -> Result<(u16, String)> {
+        let port = self
+            .with_proc(id, |p| p.http)
+            .flatten()
+            .ok_or_else(|| anyhow!("p{id} has no HTTP port"))?;
+        let (status, body, _) = post_json(port, path, None, body).await?;
+        Ok((status, body))
+    }
+
+    /// Stamps every pause the campaign's log holds and has not seen yet with the database clock
+    /// now: a row this statement reads has committed, so the pause was in force by then. Called
+    /// after each pause and before each resume the campaign plays, and before quiescing resumes.
+    pub async fn mark_pauses_seen(&self) -> Result<u64> {
+        let mut conn = self.connect("campaign").await?;
+        let marked = sqlx::query(
+            "UPDATE campaign_pause_log SET seen_at = clock_timestamp()
+              WHERE op = 'I' AND seen_at IS NULL",
+        )
+        .execute(&mut conn)
+        .await?
+        .rows_affected();
+        conn.close().await?;
+        Ok(marked)
     }
 }
 
@@ -706,9 +740,20 @@ fn clear_settlementd_env(cmd: &mut tokio::process::Command) {
     }
 }
 
+/// A port for a replica's HTTP listener, free now: outside the kernel's ephemeral range (32768 and
+/// up by default), so that no outgoing connection (a replica's to its proxy, the proxy's own) can
+/// take it between this look and settlementd's bind; each campaign process walks a block of its
+/// own (two may run side by side).
 fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(listener.local_addr()?.port())
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let block = 20_000 + (std::process::id() % 10) * 1_000;
+    for _ in 0..1_000 {
+        let port = (block + NEXT.fetch_add(1, Ordering::Relaxed) % 1_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(anyhow!("no free port in {block}..{}", block + 1_000))
 }
 
 /// Whether the replica listening on `port` answers `GET /healthz` with 200.
@@ -729,14 +774,23 @@ pub async fn healthy(port: u16) -> bool {
     }
 }
 
-/// One `POST /v1/runs` over a fresh connection: (status, body, replayed).
-async fn post_runs(port: u16, key: &str, body: &str) -> std::io::Result<(u16, String, bool)> {
+/// One `POST <path>` with the admin token (and `key` as its `Idempotency-Key`) over a fresh
+/// connection: (status, body, replayed).
+async fn post_json(
+    port: u16,
+    path: &str,
+    key: Option<&str>,
+    body: &str,
+) -> std::io::Result<(u16, String, bool)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let exchange = async {
         let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        let key = key
+            .map(|k| format!("Idempotency-Key: {k}\r\n"))
+            .unwrap_or_default();
         let request = format!(
-            "POST /v1/runs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\
-             Idempotency-Key: {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+            "POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ADMIN_TOKEN}\r\n\
+             {key}Content-Type: application/json\r\nContent-Length: {}\r\n\
              Connection: close\r\n\r\n{body}",
             body.len()
         );
@@ -910,9 +964,10 @@ async fn install_logs(conn: &mut PgConnection, slow: Duration) -> Result<()> {
              n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
              txid bigint NOT NULL DEFAULT txid_current(),
              at timestamptz NOT NULL DEFAULT clock_timestamp(),
+             xact_at timestamptz NOT NULL DEFAULT now(),
              job_name text, business_date date, shards integer, shard integer, op text,
              old_status text, new_status text, old_attempt integer, new_attempt integer,
-             old_heartbeat timestamptz, owner text);
+             old_heartbeat timestamptz, owner text, progress boolean);
          CREATE FUNCTION campaign_log_run() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
              IF TG_OP = 'INSERT' THEN
@@ -923,15 +978,38 @@ async fn install_logs(conn: &mut PgConnection, slow: Duration) -> Result<()> {
              ELSE
                  INSERT INTO campaign_run_log (job_name, business_date, shards, shard, op,
                                                old_status, new_status, old_attempt, new_attempt,
-                                               old_heartbeat, owner)
+                                               old_heartbeat, owner, progress)
                  VALUES (NEW.job_name, NEW.business_date, NEW.shards, NEW.shard, left(TG_OP, 1),
                          OLD.status, NEW.status, OLD.attempt, NEW.attempt, OLD.heartbeat_at,
-                         NEW.owner);
+                         NEW.owner,
+                         (OLD.last_id, OLD.last_id_desc, OLD.scanned, OLD.updated)
+                             IS DISTINCT FROM (NEW.last_id, NEW.last_id_desc, NEW.scanned,
+                                               NEW.updated));
              END IF;
              RETURN NULL;
          END $$;
          CREATE TRIGGER campaign_log_run AFTER INSERT OR UPDATE OR DELETE ON job_runs
-             FOR EACH ROW EXECUTE FUNCTION campaign_log_run();",
+             FOR EACH ROW EXECUTE FUNCTION campaign_log_run();
+
+         CREATE TABLE campaign_pause_log (
+             n bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+             txid bigint NOT NULL DEFAULT txid_current(),
+             at timestamptz NOT NULL DEFAULT clock_timestamp(),
+             op text NOT NULL, job_name text NOT NULL, paused_by text,
+             seen_at timestamptz);
+         CREATE FUNCTION campaign_log_pause() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF TG_OP = 'INSERT' THEN
+                 INSERT INTO campaign_pause_log (op, job_name, paused_by)
+                 VALUES ('I', NEW.job_name, NEW.paused_by);
+             ELSE
+                 INSERT INTO campaign_pause_log (op, job_name, paused_by)
+                 VALUES (left(TG_OP, 1), OLD.job_name, OLD.paused_by);
+             END IF;
+             RETURN NULL;
+         END $$;
+         CREATE TRIGGER campaign_log_pause AFTER INSERT OR UPDATE OR DELETE ON job_pauses
+             FOR EACH ROW EXECUTE FUNCTION campaign_log_pause();",
         slow = slow.as_millis()
     );
     sqlx::raw_sql(&sql).execute(&mut *conn).await?;
