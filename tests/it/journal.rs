@@ -1471,6 +1471,74 @@ async fn migrate_gives_loans_settled_before_the_journal_an_opening_entry_once() 
     assert_journal_whole(&db.pool).await;
 }
 
+/// Found by the benchmark on 2 M loans: statistics taken while the loans were still unsettled say
+/// the index of settled loans without an entry is empty, and the planner joined a batch's ids to
+/// that index in a nested loop: each of a batch's loans compared with each of the others, one
+/// `migrate` batch of 100,000 ran for minutes. The batch's ids are now one array, the loans found
+/// by id, with the plan pinned: no join whatever the statistics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opening_entries_find_each_loan_by_id_even_with_statistics_from_before_the_loans_were_settled(
+) {
+    let db = test_db().await;
+    sql(
+        &db.pool,
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT i, 1, 1, '2026-09-20', '2026-10-01', '2026-10-02'::date + i % 20
+           FROM generate_series(1, 20000) i",
+    )
+    .await;
+    sql(&db.pool, "ANALYZE loans").await;
+    // Settled by an earlier release (no journal entry); the statistics still say unsettled.
+    sql(
+        &db.pool,
+        "UPDATE loans SET fine_cents = (returned_on - due_on) * 10, fine_settled_at = now()",
+    )
+    .await;
+
+    let mut conn = db.pool.acquire().await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query(settlement::journal::PIN_OPENING)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(&format!(
+        "EXPLAIN {}",
+        settlement::journal::opening_statement()
+    ))
+    .bind(10_000_i64)
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    let plan = plan.join("\n");
+    assert!(
+        !plan.contains("Nested Loop") && !plan.contains("Join"),
+        "the batch's loans are joined, not looked up by id:\n{plan}"
+    );
+    assert!(plan.contains("Index Cond: (id = ANY"), "{plan}");
+
+    let mut opened = 0;
+    loop {
+        let n = settlement::journal::open_unjournaled(&mut conn, 10_000)
+            .await
+            .unwrap();
+        opened += n;
+        if n < 10_000 {
+            break;
+        }
+    }
+    assert_eq!(opened, 20_000);
+    assert_eq!(
+        count(
+            &db.pool,
+            "SELECT count(*) FROM fine_journal_entries WHERE kind = 'opening'"
+        )
+        .await,
+        20_000
+    );
+    assert_journal_whole(&db.pool).await;
+}
+
 /// Before, there was no journal: a loan settled by an older binary during a rolling upgrade was
 /// like every other, and nothing could tell it had no record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
