@@ -325,8 +325,11 @@ pub fn reopen(correction: &Correction) -> Reopen {
 /// A correction run's loans and how it writes.
 #[derive(Debug)]
 pub struct CorrectionPlan {
-    /// The shard's loans of the month, by id: each with the seq of its last journal entry (checked
-    /// again when it is locked), or `None` for an unsettled return.
+    /// The shard's loans of the month, by id: each with the seq of its last journal entry in the
+    /// month, or `None` for an unsettled return. Whether that entry is still the loan's last is
+    /// checked when the batch locks the loan (a loan that has left the month since, or was
+    /// re-priced meanwhile, is passed over); checking it here too read every loan a second time,
+    /// 125 of the plan's 150 ms on 55,000 loans.
     loans: Vec<(i64, Option<i32>)>,
     by: Repricer,
 }
@@ -381,7 +384,6 @@ impl Job for FineCorrection {
             "SELECT DISTINCT ON (id) id, seq FROM (
                  SELECT x.loan_id AS id, x.seq
                    FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
-                   JOIN loans l ON l.id = x.loan_id AND l.fine_seq = x.seq
                   WHERE j.month = $1::date AND x.loan_id > $4
                     AND ($2 = 1 OR (x.loan_id % $2 + $2) % $2 = $3)
                  UNION ALL
@@ -390,7 +392,7 @@ impl Job for FineCorrection {
                     AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
                     AND l.id + 0 > $4 AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
              ) t
-             ORDER BY id, seq NULLS FIRST"
+             ORDER BY id, seq DESC NULLS FIRST"
         ))
         .bind(month.first_day())
         .bind(shards)
