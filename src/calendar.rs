@@ -96,6 +96,16 @@ impl BusinessDate {
     pub fn first_day(&self) -> NaiveDate {
         self.0.with_day(1).expect("day 1 exists in every month")
     }
+
+    /// The first days of the months of `periods` (business dates; a date that is not one is
+    /// passed over): the months a job's `pending` reads.
+    pub fn first_days(periods: &[NaiveDate]) -> Vec<NaiveDate> {
+        periods
+            .iter()
+            .filter_map(|d| BusinessDate::new(*d).ok())
+            .map(|d| d.first_day())
+            .collect()
+    }
 }
 
 impl fmt::Display for BusinessDate {

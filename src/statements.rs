@@ -127,11 +127,7 @@ impl Job for MemberStatements {
         shards: u32,
         periods: &[NaiveDate],
     ) -> sqlx::Result<PendingReport> {
-        let months: Vec<NaiveDate> = periods
-            .iter()
-            .filter_map(|d| BusinessDate::new(*d).ok())
-            .map(|d| d.first_day())
-            .collect();
+        let months = BusinessDate::first_days(periods);
         let rows: Vec<(NaiveDate, i32, i64)> = sqlx::query_as(
             "SELECT m.first_day, s.shard,
                     (SELECT count(*) FROM fine_journal j

@@ -453,10 +453,9 @@ impl Job for FineSettlement {
         shards: u32,
         periods: &[NaiveDate],
     ) -> sqlx::Result<PendingReport> {
-        let months: Vec<NaiveDateTime> = periods
-            .iter()
-            .filter_map(|d| BusinessDate::new(*d).ok())
-            .map(|d| d.first_day().and_time(NaiveTime::MIN))
+        let months: Vec<NaiveDateTime> = BusinessDate::first_days(periods)
+            .into_iter()
+            .map(|d| d.and_time(NaiveTime::MIN))
             .collect();
         let shards = i64::from(shards.max(1));
         // A transaction, or a savepoint inside the caller's: the plan settings end with it.

@@ -388,6 +388,29 @@ pub fn http_state(
     }
 }
 
+/// An in-process HTTP server for `settings` on `pool` ([`http_state`]) on a free loopback port,
+/// stopped when the token is cancelled.
+pub async fn serve_http(
+    pool: &PgPool,
+    settings: settlementd::config::Settings,
+) -> (
+    std::net::SocketAddr,
+    tokio_util::sync::CancellationToken,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let state = http_state(pool, settings);
+    let shutdown = stop.clone().cancelled_owned();
+    let task = tokio::spawn(async move {
+        settlementd::daemon::http::run(listener, state, shutdown)
+            .await
+            .unwrap();
+    });
+    (addr, stop, task)
+}
+
 /// An HTTP answer as a test sees it.
 #[derive(Debug, Clone)]
 pub struct Answer {

@@ -12,7 +12,6 @@ use chrono::{DateTime, NaiveDate, Utc};
 use settlementd::calendar::BusinessDate;
 use settlementd::clock::ManualClock;
 use settlementd::config::Settings;
-use settlementd::daemon::http;
 use settlementd::daemon::replica::{Replica, TickOutcome};
 use settlementd::jobs::registry::Registered;
 use settlementd::jobs::requests::{self, NewRequest, Stored};
@@ -320,15 +319,7 @@ async fn http_server(
         .into_iter()
         .collect();
     let settings = Settings::load_from(None, env).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let state = http_state(pool, settings);
-    let shutdown = stop.clone().cancelled_owned();
-    let task = tokio::spawn(async move {
-        http::run(listener, state, shutdown).await.unwrap();
-    });
-    (addr, stop, task)
+    serve_http(pool, settings).await
 }
 
 /// POSTs `body` to `path` with the admin token.

@@ -4,7 +4,6 @@
 
 use crate::helpers::*;
 use settlementd::config::Settings;
-use settlementd::daemon::http;
 use settlementd::jobs::{claim, events, requests, JobKey, Owner};
 use settlementd::settlement;
 use std::net::SocketAddr;
@@ -44,15 +43,7 @@ async fn server(
     pool: &sqlx::PgPool,
     settings: Settings,
 ) -> (SocketAddr, CancellationToken, tokio::task::JoinHandle<()>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let stop = CancellationToken::new();
-    let state = http_state(pool, settings);
-    let shutdown = stop.clone().cancelled_owned();
-    let task = tokio::spawn(async move {
-        http::run(listener, state, shutdown).await.unwrap();
-    });
-    (addr, stop, task)
+    serve_http(pool, settings).await
 }
 
 fn settings_with_token(token: Option<&str>) -> Settings {
