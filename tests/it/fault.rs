@@ -201,6 +201,43 @@ async fn run_sql(pool: &PgPool, statements: &[&str]) {
     }
 }
 
+/// Runs `child` while the test holds advisory lock `key`, which a trigger makes the run's
+/// statement like `statement` wait for; once one does, SIGKILLs the run and ends that backend (as
+/// the server would on finding the connection gone), so that its transaction never commits.
+async fn kill_at_gate(db: &TestDb, mut child: Child, key: i64, statement: &str, what: &str) {
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(key)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let waiting = || async {
+        sqlx::query_scalar::<_, Option<i32>>(
+            "SELECT max(pid) FROM pg_stat_activity
+              WHERE datname = $1 AND wait_event = 'advisory' AND query LIKE $2",
+        )
+        .bind(&db.name)
+        .bind(statement)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert!(
+        eventually(60, || async { waiting().await.is_some() }).await,
+        "never caught {what} waiting at the gate"
+    );
+    let backend = waiting().await.unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(backend)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert!(eventually(10, || async { waiting().await.is_none() }).await);
+    holder.close().await.unwrap();
+}
+
 /// Aims one SIGKILL at `point` of a run of `shard`. Returns false when the kill could not land
 /// there (`BeforeClaim`, whose window is a few milliseconds; `AfterBatchCommit`, when the run
 /// finished first): the caller starts over on a fresh copy.
@@ -222,42 +259,56 @@ async fn kill_at(
             claim_of(&db.pool, shard).await.is_none()
         }
         Point::MidBatch => {
-            // Both updates of each batch (the odd rows' statement, whose update is in a CTE after
-            // `flagged`, then the rest) sleep 10 ms: the kill lands while one executes.
+            // Both statements of each batch (the odd rows', `WITH flagged …`, then the rest's,
+            // `WITH settled …`) pass a gate after they wrote their rows; from the batch after the
+            // first `batches_first` on, the gate is a lock the test holds. The kill lands while a
+            // batch's transaction is open and has written, whatever the machine's load.
+            let gate = format!(
+                "CREATE FUNCTION batch_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+                 BEGIN
+                     IF current_query() LIKE 'WITH flagged%'
+                        OR current_query() LIKE 'WITH settled%' THEN
+                         IF nextval('batch_statements') > {} THEN
+                             PERFORM pg_advisory_xact_lock(4243);
+                         END IF;
+                     END IF;
+                     RETURN NULL;
+                 END $$",
+                2 * batches_first
+            );
             run_sql(
                 &db.pool,
                 &[
-                    "CREATE FUNCTION slow() RETURNS trigger LANGUAGE plpgsql AS $$
-                     BEGIN PERFORM pg_sleep(0.01); RETURN NULL; END $$",
-                    "CREATE TRIGGER slow BEFORE UPDATE ON loans
-                     FOR EACH STATEMENT EXECUTE FUNCTION slow()",
+                    "CREATE SEQUENCE batch_statements",
+                    &gate,
+                    "CREATE TRIGGER batch_gate AFTER UPDATE ON loans
+                     FOR EACH STATEMENT EXECUTE FUNCTION batch_gate()",
                 ],
             )
             .await;
-            let mut child = spawn_shard(&db.url, shard, batch);
-            wait_for_scanned(db, shard, batches_first * batch as i64).await;
-            assert!(
-                eventually(30, || async {
-                    sqlx::query_scalar::<_, i64>(
-                        "SELECT count(*) FROM pg_stat_activity
-                          WHERE datname = $1 AND state = 'active' AND wait_event = 'PgSleep'
-                            AND (query LIKE 'UPDATE loans%' OR query LIKE 'WITH flagged%')",
-                    )
-                    .bind(&db.name)
-                    .fetch_one(&db.pool)
-                    .await
-                    .unwrap()
-                        == 1
-                })
-                .await,
-                "never caught a batch statement executing"
-            );
-            child.kill().unwrap();
-            child.wait().unwrap();
-            run_sql(&db.pool, &["DROP TRIGGER slow ON loans"]).await;
+            kill_at_gate(
+                db,
+                spawn_shard(&db.url, shard, batch),
+                4243,
+                "WITH % AS%",
+                "a batch statement",
+            )
+            .await;
+            run_sql(
+                &db.pool,
+                &[
+                    "DROP TRIGGER batch_gate ON loans",
+                    "DROP FUNCTION batch_gate()",
+                    "DROP SEQUENCE batch_statements",
+                ],
+            )
+            .await;
             let (status, scanned) = claim_of(&db.pool, shard).await.unwrap();
             assert_eq!(status, "RUNNING");
-            assert!(scanned < shard_rows, "{scanned} of {shard_rows}");
+            assert!(
+                scanned >= batches_first * batch as i64 && scanned < shard_rows,
+                "{scanned} of {shard_rows}"
+            );
             true
         }
         Point::AfterBatchCommit => {
@@ -304,33 +355,14 @@ async fn kill_at(
                 ],
             )
             .await;
-            let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
-            sqlx::query("SELECT pg_advisory_lock(4242)")
-                .execute(&mut holder)
-                .await
-                .unwrap();
-            let mut child = spawn_shard(&db.url, shard, batch);
-            let waiting = || async {
-                sqlx::query_scalar::<_, Option<i32>>(
-                    "SELECT max(pid) FROM pg_stat_activity
-                      WHERE datname = $1 AND wait_event = 'advisory'",
-                )
-                .bind(&db.name)
-                .fetch_one(&db.pool)
-                .await
-                .unwrap()
-            };
-            assert!(eventually(60, || async { waiting().await.is_some() }).await);
-            let backend = waiting().await.unwrap();
-            child.kill().unwrap();
-            child.wait().unwrap();
-            sqlx::query("SELECT pg_terminate_backend($1)")
-                .bind(backend)
-                .execute(&db.pool)
-                .await
-                .unwrap();
-            assert!(eventually(10, || async { waiting().await.is_none() }).await);
-            holder.close().await.unwrap();
+            kill_at_gate(
+                db,
+                spawn_shard(&db.url, shard, batch),
+                4242,
+                "WITH done AS%",
+                "the SUCCESS write",
+            )
+            .await;
             run_sql(&db.pool, &["DROP TRIGGER gate ON job_runs"]).await;
             let (status, scanned) = claim_of(&db.pool, shard).await.unwrap();
             assert_eq!(status, "RUNNING");
@@ -950,6 +982,22 @@ impl Replicas {
         self.alive.push((shard, name, child));
     }
 
+    /// The index of a replica alive that holds a RUNNING claim of `months`, if one does.
+    async fn holder(&self, pool: &PgPool, months: &[chrono::NaiveDate]) -> Option<usize> {
+        let owners: Vec<String> = sqlx::query_scalar(
+            "SELECT owner FROM job_runs WHERE status = 'RUNNING' AND business_date = ANY($1)",
+        )
+        .bind(months)
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        self.alive.iter().position(|(_, name, _)| {
+            owners
+                .iter()
+                .any(|owner| owner.starts_with(&format!("{name}/")))
+        })
+    }
+
     fn serves(&self, shard: u32) -> bool {
         self.alive.iter().any(|(s, _, _)| *s == shard)
     }
@@ -997,9 +1045,10 @@ impl Drop for Replicas {
 
 /// Two closed months of a 2-shard deployment, each settled once, then late returns keyed into
 /// the later one and libraryd's edits of both months' settled loans: `serve` replicas sweep them
-/// (two of shard 0 at first, one of shard 1), and are SIGKILLed one at a time at random moments, a
-/// peer taking the dead one's claim over or a restarted replica picking it up, the writes slowed
-/// so that the kills land in the sweeps' batches. At the end every late return is settled and
+/// (two of shard 0 at first, one of shard 1), and are SIGKILLed one at a time at random moments,
+/// mostly the one holding a claim of the months, a peer taking the dead one's claim over or a
+/// restarted replica picking it up, the writes slowed so that the kills land in the sweeps'
+/// batches. At the end every late return is settled and
 /// every edit re-priced exactly once, as on a twin database settled by clean runs; the journal is
 /// whole and `verify` says both months are right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1074,9 +1123,23 @@ async fn fault_sweeping_replicas_killed_at_random_moments_settle_every_late_retu
         .unwrap()
     };
     let (mut kills, mut in_sweep, mut progress) = (0, 0, vec![left().await]);
-    for _ in 0..8 {
+    for round in 0..8 {
         tokio::time::sleep(Duration::from_millis(rng.random_range(300..1500))).await;
-        let i = rng.random_range(0..replicas.alive.len());
+        // The first kill waits for a replica sweeping the months and aims at it; the others
+        // aim at one three times in four, when there is one, and else at any replica.
+        if round == 0 {
+            assert!(
+                eventually(60, || async {
+                    replicas.holder(&chaos.pool, &months).await.is_some()
+                })
+                .await,
+                "no replica ever held a claim of the months (seed {seed})"
+            );
+        }
+        let i = match replicas.holder(&chaos.pool, &months).await {
+            Some(i) if round == 0 || rng.random_bool(0.75) => i,
+            _ => rng.random_range(0..replicas.alive.len()),
+        };
         let (shard, held) = replicas.kill(i, &chaos.pool, &months).await;
         kills += 1;
         in_sweep += i32::from(held);

@@ -17,17 +17,8 @@ const READINESS_TIMEOUT: Duration = Duration::from_secs(3);
 /// `serve` on `url` under the usual container limit of 1,024 open files.
 fn serve_with_1024_files(url: &str, env: &[(&str, &str)]) -> ServeProcess {
     use std::os::unix::process::CommandExt;
-    let addr = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .unwrap();
     let mut command = settlementd(Some(url));
-    command
-        .arg("serve")
-        .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
-        .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
-        .envs(env.iter().copied())
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
+    command.arg("serve").envs(env.iter().copied());
     // SAFETY: setrlimit(2) between fork and exec touches no memory of the parent.
     unsafe {
         command.pre_exec(|| {
@@ -41,10 +32,7 @@ fn serve_with_1024_files(url: &str, env: &[(&str, &str)]) -> ServeProcess {
             Ok(())
         });
     }
-    ServeProcess {
-        child: command.spawn().unwrap(),
-        addr,
-    }
+    ServeProcess::spawn(command, None)
 }
 
 /// Raises this process's soft limit of open files to at least `wanted` (up to its hard limit).
