@@ -907,7 +907,11 @@ async fn wait_all_exit(world: &World, within: Duration) {
 
 /// What is still open, in one line; `None` when the world is at rest: every month SUCCESS on every
 /// shard of the count, no return of the months unsettled that the rule can price, no edit queued,
-/// no claim RUNNING, no correction unfinished, no request of the count unserved, no job paused.
+/// no claim RUNNING, no correction unfinished, no request unserved (pending, running, or failed
+/// but for a refusal, which the `requests` check accepts), no job paused. Requests of every shard
+/// count: the replicas serve those accepted before a reshard too (seed 1009), and one
+/// whose claim was just closed as abandoned is still to be served (seed 6: the world was called at
+/// rest in the moment between the two, and the `requests` check found it left `running`).
 async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
     let mut conn = world.connect("campaign").await?;
     let ends: Vec<chrono::NaiveDate> = world.plan.months.iter().map(|m| month_end(*m)).collect();
@@ -925,8 +929,10 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
                  (SELECT count(*) FROM loan_changes),
                  (SELECT count(*) FROM job_runs WHERE status = 'RUNNING'),
                  (SELECT count(*) FROM fine_corrections WHERE completed_at IS NULL),
-                 (SELECT count(*) FROM run_request_shards s JOIN run_requests r USING (request_id)
-                   WHERE s.state IN ('pending', 'running') AND r.shards = $2),
+                 (SELECT count(*) FROM run_request_shards
+                   WHERE state IN ('pending', 'running')
+                      OR (state = 'failed' AND coalesce(detail, '') NOT LIKE '%pinned to%'
+                          AND coalesce(detail, '') NOT LIKE '%correct%')),
                  (SELECT count(*) FROM job_pauses)",
         )
         .bind(&ends)
