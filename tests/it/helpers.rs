@@ -300,17 +300,6 @@ pub async fn wait_for_success(pool: &PgPool, month: BusinessDate) -> String {
     status
 }
 
-/// The address in `serve`'s log line "HTTP endpoints up" (`listen=Some(ADDR)` in text,
-/// `"listen":"Some(ADDR)"` in JSON), if `line` is that line.
-fn listen_address(line: &str) -> Option<std::net::SocketAddr> {
-    if !line.contains("HTTP endpoints up") {
-        return None;
-    }
-    let (_, rest) = line.split_once("Some(")?;
-    let (addr, _) = rest.split_once(')')?;
-    addr.parse().ok()
-}
-
 /// A raw HTTP/1.1 GET: (status, body).
 pub async fn get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut stream = tokio::net::TcpStream::connect(addr).await?;
@@ -330,6 +319,25 @@ pub async fn get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16
     Ok((status, body.to_string()))
 }
 
+/// A free loopback address to hand to a process, its port below Linux's ephemeral range
+/// (32768–60999): a port in that range, found free and released, could be taken by any outgoing
+/// connection on the machine before the process binds it (seen once in CI: "Address already in
+/// use"); below it only an explicit bind takes a port. Never the same port twice in one test run.
+pub fn free_loopback_addr() -> std::net::SocketAddr {
+    use rand::Rng;
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    let mut rng = rand::rng();
+    let port = (0..1000)
+        .map(|_| rng.random_range(20_000..32_000))
+        .find(|port| {
+            !given.contains(port) && std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok()
+        })
+        .expect("no free loopback port in 20000..32000");
+    given.push(port);
+    std::net::SocketAddr::from(([127, 0, 0, 1], port))
+}
+
 /// A `settlementd serve` process on a free loopback port, stopped (SIGTERM, then waited for) on drop.
 pub struct ServeProcess {
     pub child: std::process::Child,
@@ -339,69 +347,16 @@ pub struct ServeProcess {
 impl ServeProcess {
     /// Starts the binary's `serve` on `url` with `env` on top of a clean environment.
     pub fn start(url: &str, env: &[(&str, &str)]) -> Self {
-        let mut command = settlementd(Some(url));
-        command.arg("serve").envs(env.iter().copied());
-        Self::spawn(command, None)
-    }
-
-    /// Spawns `command` (a `serve`; its environment may add to and override what this sets) on
-    /// port 0 of loopback, and learns the port the process bound from its log line "HTTP
-    /// endpoints up". A port picked here and handed over could be taken in between, by any
-    /// connection on the machine (seen once in CI: "Address already in use"). A thread reads the
-    /// process's stderr to its end, copying each line to `log` if there is one. A process that
-    /// exits before it listens gets the address `127.0.0.1:0`, which no request reaches.
-    pub fn spawn(mut command: std::process::Command, log: Option<&std::path::Path>) -> Self {
-        use std::io::{BufRead, Write};
-        let env: Vec<_> = command
-            .get_envs()
-            .map(|(k, v)| (k.to_owned(), v.map(|v| v.to_owned())))
-            .collect();
-        command
-            .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
-            .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2");
-        // What the caller set wins over the defaults above.
-        for (key, value) in env {
-            match value {
-                Some(value) => command.env(key, value),
-                None => command.env_remove(key),
-            };
-        }
-        let mut child = command
+        let addr = free_loopback_addr();
+        let child = settlementd(Some(url))
+            .arg("serve")
+            .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+            .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let mut file = log.map(|path| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .unwrap()
-        });
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr)
-                .lines()
-                .map_while(|l| l.ok())
-            {
-                if let Some(addr) = listen_address(&line) {
-                    let _ = tx.send(addr);
-                }
-                if let Some(file) = &mut file {
-                    let _ = writeln!(file, "{line}");
-                }
-            }
-        });
-        let addr = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
-            Ok(addr) => addr,
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                std::net::SocketAddr::from(([127, 0, 0, 1], 0))
-            }
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                panic!("serve did not say where it listens within 60 s")
-            }
-        };
         Self { child, addr }
     }
 
@@ -534,14 +489,25 @@ pub async fn http(
 }
 
 impl ServeProcess {
-    /// As [`ServeProcess::start`], with the replica's stderr (its logs, in JSON) appended to `log`.
+    /// As [`ServeProcess::start`], with the replica's stderr (its logs) appended to `log`.
     pub fn start_logged(url: &str, env: &[(&str, &str)], log: &std::path::Path) -> Self {
-        let mut command = settlementd(Some(url));
-        command
+        let addr = free_loopback_addr();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let child = settlementd(Some(url))
             .arg("serve")
+            .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+            .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
             .env("SETTLEMENTD__LOG__FORMAT", "json")
-            .envs(env.iter().copied());
-        Self::spawn(command, Some(log))
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(file)
+            .spawn()
+            .unwrap();
+        Self { child, addr }
     }
 
     /// The value of a counter or gauge on `/metrics` for the fine settlement: its series without

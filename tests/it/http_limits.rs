@@ -17,8 +17,15 @@ const READINESS_TIMEOUT: Duration = Duration::from_secs(3);
 /// `serve` on `url` under the usual container limit of 1,024 open files.
 fn serve_with_1024_files(url: &str, env: &[(&str, &str)]) -> ServeProcess {
     use std::os::unix::process::CommandExt;
+    let addr = free_loopback_addr();
     let mut command = settlementd(Some(url));
-    command.arg("serve").envs(env.iter().copied());
+    command
+        .arg("serve")
+        .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+        .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
     // SAFETY: setrlimit(2) between fork and exec touches no memory of the parent.
     unsafe {
         command.pre_exec(|| {
@@ -32,7 +39,10 @@ fn serve_with_1024_files(url: &str, env: &[(&str, &str)]) -> ServeProcess {
             Ok(())
         });
     }
-    ServeProcess::spawn(command, None)
+    ServeProcess {
+        child: command.spawn().unwrap(),
+        addr,
+    }
 }
 
 /// Raises this process's soft limit of open files to at least `wanted` (up to its hard limit).

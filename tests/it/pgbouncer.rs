@@ -18,18 +18,6 @@ struct Bouncer {
     dir: tempfile::TempDir,
 }
 
-/// A free loopback port below Linux's ephemeral range (32768–60999): a port picked here is then
-/// handed to PgBouncer, and one in the ephemeral range could meanwhile be taken by any outgoing
-/// connection on the machine (as once happened to a replica's port in CI).
-fn listen_port_outside_the_ephemeral_range() -> u16 {
-    use rand::Rng;
-    let mut rng = rand::rng();
-    (0..1000)
-        .map(|_| rng.random_range(20_000..32_000))
-        .find(|&port| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok())
-        .expect("no free port in 20000..32000")
-}
-
 impl Bouncer {
     fn start(pool_mode: &str) -> Self {
         let binary = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
@@ -51,7 +39,7 @@ impl Bouncer {
             ),
         };
         let user = server.username().to_string();
-        let port = listen_port_outside_the_ephemeral_range();
+        let port = free_loopback_addr().port();
         let dir = tempfile::tempdir().unwrap();
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let d = dir.path().display();
