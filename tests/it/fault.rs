@@ -1048,9 +1048,9 @@ impl Drop for Replicas {
 /// (two of shard 0 at first, one of shard 1), and are SIGKILLed one at a time at random moments,
 /// mostly the one holding a claim of the months, a peer taking the dead one's claim over or a
 /// restarted replica picking it up, the writes slowed so that the kills land in the sweeps'
-/// batches. At the end every late return is settled and
-/// every edit re-priced exactly once, as on a twin database settled by clean runs; the journal is
-/// whole and `verify` says both months are right.
+/// batches. At the end every late return is settled and every edit re-priced exactly once, as on
+/// a twin database settled by clean runs; the journal is whole and `verify` says both months are
+/// right.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "fault suite: slow; run with --ignored"]
 async fn fault_sweeping_replicas_killed_at_random_moments_settle_every_late_return_and_edit_once() {

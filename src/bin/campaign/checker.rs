@@ -1384,6 +1384,13 @@ fn check_pauses(f: &Facts, out: &mut Vec<Violation>) {
     }
 }
 
+/// Whether a request's shard is where it may end: served, or failed by a refusal (its month pinned
+/// to another rule, or held by a correction). The `requests` check and the quiesce both ask this.
+pub fn request_shard_at_rest(state: &str, detail: Option<&str>) -> bool {
+    let refused = detail.is_some_and(|d| d.contains("pinned to") || d.contains("correct"));
+    state == "succeeded" || (state == "failed" && refused)
+}
+
 fn check_request_shards(f: &Facts, out: &mut Vec<Violation>) {
     let mut served: BTreeMap<(String, i32), usize> = BTreeMap::new();
     for e in &f.events {
@@ -1407,11 +1414,7 @@ fn check_request_shards(f: &Facts, out: &mut Vec<Violation>) {
                 ),
             ));
         }
-        let refused = s
-            .detail
-            .as_deref()
-            .is_some_and(|d| d.contains("pinned to") || d.contains("correct"));
-        if s.state != "succeeded" && !(s.state == "failed" && refused) {
+        if !request_shard_at_rest(&s.state, s.detail.as_deref()) {
             out.push(violation(
                 "requests",
                 format!(

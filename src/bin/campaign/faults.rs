@@ -907,16 +907,16 @@ async fn wait_all_exit(world: &World, within: Duration) {
 
 /// What is still open, in one line; `None` when the world is at rest: every month SUCCESS on every
 /// shard of the count, no return of the months unsettled that the rule can price, no edit queued,
-/// no claim RUNNING, no correction unfinished, no request unserved (pending, running, or failed
-/// but for a refusal, which the `requests` check accepts), no job paused. Requests of every shard
-/// count: the replicas serve those accepted before a reshard too (seed 1009), and one
-/// whose claim was just closed as abandoned is still to be served (seed 6: the world was called at
-/// rest in the moment between the two, and the `requests` check found it left `running`).
+/// no claim RUNNING, no correction unfinished, no request shard unserved
+/// ([`crate::checker::request_shard_at_rest`]), no job paused. Requests of every shard count: the
+/// replicas serve those accepted before a reshard too (seed 1009), and one whose claim was just
+/// closed as abandoned is still to be served (seed 6: the world was called at rest in the moment
+/// between the two, and the `requests` check found it left `running`).
 async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
     let mut conn = world.connect("campaign").await?;
     let ends: Vec<chrono::NaiveDate> = world.plan.months.iter().map(|m| month_end(*m)).collect();
-    type Open = (i64, i64, i64, i64, i64, i64, i64);
-    let (missing, unsettled, edits, running, corrections, requests, paused): Open =
+    type Open = (i64, i64, i64, i64, i64, i64);
+    let (missing, unsettled, edits, running, corrections, paused): Open =
         sqlx::query_as(
             "SELECT
                  (SELECT count(*) FROM unnest($1::date[]) d, generate_series(0, $2 - 1) s
@@ -929,10 +929,6 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
                  (SELECT count(*) FROM loan_changes),
                  (SELECT count(*) FROM job_runs WHERE status = 'RUNNING'),
                  (SELECT count(*) FROM fine_corrections WHERE completed_at IS NULL),
-                 (SELECT count(*) FROM run_request_shards
-                   WHERE state IN ('pending', 'running')
-                      OR (state = 'failed' AND coalesce(detail, '') NOT LIKE '%pinned to%'
-                          AND coalesce(detail, '') NOT LIKE '%correct%')),
                  (SELECT count(*) FROM job_pauses)",
         )
         .bind(&ends)
@@ -941,8 +937,16 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
         .bind(ends[ends.len() - 1])
         .fetch_one(&mut conn)
         .await?;
+    let shards_of_requests: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT state, detail FROM run_request_shards WHERE state <> 'succeeded'")
+            .fetch_all(&mut conn)
+            .await?;
+    let requests = shards_of_requests
+        .iter()
+        .filter(|(state, detail)| !crate::checker::request_shard_at_rest(state, detail.as_deref()))
+        .count();
     let _ = sqlx::Connection::close(conn).await;
-    if missing + unsettled + edits + running + corrections + requests + paused == 0 {
+    if missing + unsettled + edits + running + corrections + paused == 0 && requests == 0 {
         return Ok(None);
     }
     Ok(Some(format!(
