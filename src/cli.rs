@@ -18,7 +18,7 @@ use std::process::ExitCode;
 #[derive(Debug, Parser)]
 #[command(
     name = "settlementd",
-    version,
+    version = crate::version::LONG,
     about = "Idempotent monthly settlement of library-loan fines"
 )]
 pub struct Cli {
@@ -272,7 +272,19 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
     match cli.command {
         Command::Migrate(args) => {
             let migrated = commands::migrate::migrate(&settings, args.embedded_db).await?;
-            println!("migrations applied");
+            match migrated.applied.as_slice() {
+                [] => println!(
+                    "the schema is current: all {} migrations were already applied",
+                    migrated.known
+                ),
+                applied => {
+                    let s = if applied.len() == 1 { "" } else { "s" };
+                    println!("applied {} migration{s}:", applied.len());
+                    for m in applied {
+                        println!("  {} {}", m.version, m.description);
+                    }
+                }
+            }
             if migrated.opened > 0 {
                 println!(
                     "{} settled loans given an opening journal entry",

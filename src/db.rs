@@ -1,5 +1,5 @@
-//! Connecting and migrating. Migrations are embedded at compile time (see build.rs); a PostgreSQL
-//! advisory lock is held while migrating, so N replicas starting together is safe.
+//! Connecting, and checking what is connected to. Migrations, embedded at compile time (see
+//! build.rs), are applied by [`migrations`].
 //!
 //! Every pooled session gets server-side guards at connect ([`connect`]): a session idle inside a
 //! transaction longer than the lease's guard is ended by the server, and TCP keepalives and
@@ -16,21 +16,18 @@
 //! Pooled connections unused for half a heartbeat are closed ([`idle_timeout`]), so a replica
 //! between runs holds only the connection it listens on (docs/OPERATIONS.md, "Connections").
 
+pub mod migrations;
 pub mod options;
 
+pub use migrations::{
+    alters_loans, migrate, schema_is_current, statements, Applied, LOANS_MIGRATIONS, MIGRATOR,
+};
+
 use crate::config::{redact_url, DatabaseSettings, SessionGuards};
-use sqlx::migrate::{Migrate, MigrateError, Migrator};
 use sqlx::postgres::{PgPoolOptions, PgSslMode};
-use sqlx::{Connection, Executor, PgConnection, PgPool, Row};
+use sqlx::{Executor, PgConnection, PgPool, Row};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-
-pub static MIGRATOR: Migrator = sqlx::migrate!();
-
-/// The migrations that alter `loans`, libraryd's table, which only its owner may alter: the
-/// migration role takes the owner's role for these alone ([`migrate`]). A test checks that every
-/// migration naming `loans` is listed.
-pub const LOANS_MIGRATIONS: &[i64] = &[20261130000002, 20261201000001, 20261203000002];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DbError {
@@ -77,6 +74,9 @@ pub enum DbError {
     /// A column of an existing `loans` table is not of a type settlementd can read or write.
     #[error("loans does not fit settlementd: {0}; nothing was written")]
     Schema(String),
+    /// The role may not read or write what it needs: a grant is missing (no restart fixes it).
+    #[error("{0}")]
+    Privilege(String),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database error: {0}")]
@@ -101,6 +101,7 @@ impl DbError {
                 | DbError::Tls { .. }
                 | DbError::TransactionPooler { .. }
                 | DbError::Schema(_)
+                | DbError::Privilege(_)
         )
     }
 }
@@ -439,166 +440,6 @@ fn loans_fit(
         return Err(format!("column {name} is {found}; it must be {needed}"));
     }
     Ok(())
-}
-
-/// Applies the embedded migrations as sqlx's `Migrator::run` does (advisory lock, checksums of
-/// applied migrations compared, each migration in its own transaction, recorded in
-/// `_sqlx_migrations` exactly as sqlx records it, so databases migrated either way stay
-/// interchangeable), with one difference: a migration of [`LOANS_MIGRATIONS`] runs under the role
-/// that owns `loans` (`SET LOCAL ROLE`, for that transaction only) when the migrating role is a
-/// member of it without inheriting its rights (deploy/sql/roles.sql). Every other statement runs
-/// with the migrating role's own rights.
-pub async fn migrate(pool: &PgPool) -> Result<()> {
-    let mut pooled = pool.acquire().await?;
-    let conn: &mut PgConnection = &mut pooled;
-    if MIGRATOR.locking {
-        conn.lock().await?;
-    }
-    let result = apply_missing(conn).await;
-    if MIGRATOR.locking {
-        // Released with the session too, should this fail.
-        let _ = conn.unlock().await;
-    }
-    result
-}
-
-async fn apply_missing(conn: &mut PgConnection) -> Result<()> {
-    conn.ensure_migrations_table().await?;
-    if let Some(version) = conn.dirty_version().await? {
-        return Err(MigrateError::Dirty(version).into());
-    }
-    let applied = conn.list_applied_migrations().await?;
-    if !MIGRATOR.ignore_missing {
-        if let Some(unknown) = applied
-            .iter()
-            .find(|a| !MIGRATOR.iter().any(|m| m.version == a.version))
-        {
-            return Err(MigrateError::VersionMissing(unknown.version).into());
-        }
-    }
-    for migration in MIGRATOR.iter() {
-        if migration.migration_type.is_down_migration() {
-            continue;
-        }
-        match applied.iter().find(|a| a.version == migration.version) {
-            Some(done) if done.checksum != migration.checksum => {
-                return Err(MigrateError::VersionMismatch(migration.version).into())
-            }
-            Some(_) => {}
-            None if LOANS_MIGRATIONS.contains(&migration.version) => {
-                apply_as_loans_owner(conn, migration).await?
-            }
-            None => {
-                conn.apply(migration).await?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// `migration` in one transaction. When the migrating role is a member of the role owning `loans`
-/// but not its owner, the statements that alter `loans` ([`alters_loans`]) run under the owner's
-/// role (`SET LOCAL ROLE`, reset after each), the others (a `CREATE TABLE IF NOT EXISTS loans`,
-/// which needs the right to create in the schema, not the table's ownership) under the migrating
-/// role; otherwise the file runs whole, as sqlx runs it. Recorded as sqlx's `apply` records it.
-async fn apply_as_loans_owner(
-    conn: &mut PgConnection,
-    migration: &sqlx::migrate::Migration,
-) -> Result<()> {
-    let started = std::time::Instant::now();
-    let mut tx = Connection::begin(&mut *conn).await?;
-    let owner: Option<String> = sqlx::query_scalar(
-        "SELECT r.rolname::text FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
-          WHERE c.oid = to_regclass('loans') AND r.rolname <> current_user
-            AND pg_has_role(current_user, r.oid, 'MEMBER')",
-    )
-    .fetch_optional(&mut *tx)
-    .await?;
-    let failed = |e| MigrateError::ExecuteMigration(e, migration.version);
-    match &owner {
-        None => {
-            (&mut *tx).execute(&*migration.sql).await.map_err(failed)?;
-        }
-        Some(owner) => {
-            tracing::info!(version = migration.version, role = %owner, "migrating loans as its owner");
-            for statement in statements(&migration.sql) {
-                let as_owner = alters_loans(&statement);
-                if as_owner {
-                    // SET LOCAL ROLE, with the name as a parameter.
-                    sqlx::query("SELECT set_config('role', $1, true)")
-                        .bind(owner)
-                        .execute(&mut *tx)
-                        .await?;
-                }
-                (&mut *tx)
-                    .execute(statement.as_str())
-                    .await
-                    .map_err(failed)?;
-                if as_owner {
-                    (&mut *tx).execute("RESET ROLE").await?;
-                }
-            }
-        }
-    }
-    sqlx::query(
-        "INSERT INTO _sqlx_migrations ( version, description, success, checksum, execution_time )
-         VALUES ( $1, $2, TRUE, $3, -1 )",
-    )
-    .bind(migration.version)
-    .bind(&*migration.description)
-    .bind(&*migration.checksum)
-    .execute(&mut *tx)
-    .await?;
-    tx.commit().await?;
-    sqlx::query("UPDATE _sqlx_migrations SET execution_time = $1 WHERE version = $2")
-        .bind(started.elapsed().as_nanos() as i64)
-        .bind(migration.version)
-        .execute(&mut *conn)
-        .await?;
-    Ok(())
-}
-
-/// The statements of a migration of [`LOANS_MIGRATIONS`], without comments: those files hold
-/// plain DDL (no dollar quotes, no `;` or `--` inside literals), which a test checks.
-pub fn statements(sql: &str) -> Vec<String> {
-    let code: String = sql
-        .lines()
-        .map(|l| l.split("--").next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("\n");
-    code.split(';')
-        .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
-/// A statement only the owner of `loans` may run: `ALTER TABLE loans`, an index or a trigger on
-/// `loans`, and dropping one of its indexes or triggers.
-pub fn alters_loans(statement: &str) -> bool {
-    let s = statement.to_lowercase();
-    s.starts_with("alter table loans ")
-        || s.starts_with("drop index ")
-        || (s.starts_with("drop trigger ") && s.ends_with(" on loans"))
-        || (s.starts_with("create ") && (s.contains(" on loans ") || s.contains(" on loans(")))
-}
-
-/// True when every embedded migration is applied (what `/readyz` checks). Migrations a newer
-/// release applied as well do not count against it: migrations stay compatible with the release
-/// before them, so an old replica keeps serving during a rolling upgrade (docs/OPERATIONS.md).
-pub async fn schema_is_current(pool: &PgPool) -> Result<bool> {
-    let mine: Vec<i64> = MIGRATOR.iter().map(|m| m.version).collect();
-    let applied: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM _sqlx_migrations WHERE success AND version = ANY($1)",
-    )
-    .bind(&mine)
-    .fetch_one(pool)
-    .await
-    .or_else(|e| match &e {
-        // No migrations table yet: not current.
-        sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01") => Ok(0),
-        _ => Err(e),
-    })?;
-    Ok(applied == mine.len() as i64)
 }
 
 /// Waits until every migration is applied (checking every `every`) or `shutdown`, for a replica

@@ -27,7 +27,8 @@
 --   fine_journal     SELECT, INSERT (the money journal: every change to a fine, append-only)
 --   loan_changes     SELECT, DELETE (libraryd's edits of settled loans, queued by settlementd's
 --                    triggers on loans; a re-pricing deletes what it did)
---   _sqlx_migrations SELECT (/readyz compares it with the binary's migrations)
+--   _sqlx_migrations, settlementd_migrations SELECT (/readyz compares them with the binary's
+--                    migrations: the first holds those up to 20261205000001, the second the later ones)
 -- and nothing else: no DELETE but of the edit queue, a pause, and (retention: `settlementd prune`,
 -- retention.enabled) the audit trail, requests and claims of months closed long ago — never of
 -- the money journal, fine_adjustments, fine_corrections or job_params; no TRUNCATE, no DDL, no
@@ -72,7 +73,7 @@ BEGIN
                                 'job_params', 'fine_corrections', 'fine_adjustments',
                                 'fine_journal', 'loan_changes', 'job_pauses',
                                 'member_fine_statements', 'member_statement_marks',
-                                '_sqlx_migrations'] LOOP
+                                '_sqlx_migrations', 'settlementd_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
         END IF;
@@ -143,7 +144,8 @@ BEGIN
                               ('fine_adjustments', 'SELECT, INSERT'),
                               ('fine_journal', 'SELECT, INSERT'),
                               ('loan_changes', 'SELECT, DELETE'),
-                              ('_sqlx_migrations', 'SELECT')) AS g(tbl, privileges)
+                              ('_sqlx_migrations', 'SELECT'),
+                              ('settlementd_migrations', 'SELECT')) AS g(tbl, privileges)
     LOOP
         CONTINUE WHEN to_regclass(format('public.%I', grant_.tbl)) IS NULL;
         EXECUTE format('GRANT %s ON public.%I TO settlementd_app', grant_.privileges, grant_.tbl);

@@ -188,7 +188,10 @@ impl Asked<'_> {
                 c.business_date, self.business_date
             ));
         }
-        if c.new_rule != self.rule.0 {
+        // By the rule's identity, as pins are compared: a key stored by another release may
+        // record more than rate, grace and cap.
+        let stored = settlement::rule_from_params(&Params(c.new_rule.clone()));
+        if stored.is_none() || stored != settlement::rule_from_params(self.rule) {
             differs.push(format!(
                 "rule {} (this configuration: {})",
                 describe_params(&Params(c.new_rule.clone())),

@@ -7,8 +7,12 @@ use crate::db;
 use crate::settlement::journal;
 
 /// What `migrate` did.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Migrated {
+    /// The migrations applied now, oldest first (none: the schema was current).
+    pub applied: Vec<db::Applied>,
+    /// How many migrations this binary embeds (all applied now).
+    pub known: usize,
     /// Settled loans given an opening journal entry now.
     pub opened: u64,
     /// The migrating role may not read `loans` (a least-privilege migration role,
@@ -25,7 +29,8 @@ pub async fn migrate(settings: &Settings, embedded_db: bool) -> Result<Migrated>
     let database = Database::open(settings, embedded_db).await?;
     let result = async {
         check_schema(&database.pool, settings).await?;
-        db::migrate(&database.pool).await?;
+        let applied = db::migrate(&database.pool).await?;
+        let known = db::MIGRATOR.iter().count();
         let mut conn = database.pool.acquire().await?;
         let batch = i64::from(settings.batch.size.max(1));
         let mut opened = 0;
@@ -34,6 +39,8 @@ pub async fn migrate(settings: &Settings, embedded_db: bool) -> Result<Migrated>
                 Ok(n) => n,
                 Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42501") => {
                     return Ok(Migrated {
+                        applied,
+                        known,
                         opened,
                         opening_left_to_replicas: true,
                     });
@@ -49,6 +56,8 @@ pub async fn migrate(settings: &Settings, embedded_db: bool) -> Result<Migrated>
             }
         }
         Ok(Migrated {
+            applied,
+            known,
             opened,
             opening_left_to_replicas: false,
         })

@@ -181,10 +181,12 @@ async fn run_replica(
     }
     if settings.database.migrate_on_start {
         tokio::select! {
-            migrated = db::migrate(&pool) => migrated?,
+            migrated = db::migrate(&pool) => {
+                let applied = migrated?;
+                tracing::info!(applied = applied.len(), "migrations checked");
+            }
             _ = shutdown.cancelled() => return Ok(()),
         }
-        tracing::info!("migrations applied");
     } else if !db::wait_for_schema(
         &pool,
         Duration::from_secs(settings.lease.heartbeat_secs),

@@ -142,11 +142,9 @@ pub async fn claim_for(
             return Ok(ClaimOutcome::Correcting { correction, since });
         }
         if let Pin::Differs(pinned) = pin {
-            let message = format!(
-                "claimed nothing: the month is pinned to {}; this claimer's is {}",
-                describe(&pinned),
-                describe(mine)
-            );
+            let (was, is) = params::describe_difference(&pinned, mine, describe);
+            let message =
+                format!("claimed nothing: the month is pinned to {was}; this claimer's is {is}");
             events::append_unclaimed(&mut *tx, key, owner, "rule_conflict", request, &message)
                 .await?;
             if let Some(request) = request {

@@ -10,7 +10,12 @@
 //!
 //! The pinned parameters change only through [`repin`] (a correction), which waits for in-flight
 //! claims of the period (they hold the pin's row `FOR SHARE` until they commit) and records the
-//! old value. Parameters are JSON objects compared as `jsonb` (key order does not matter).
+//! old value. Parameters are JSON objects compared by their identity ([`same_identity`]): every
+//! key the claimer states has the same `jsonb` value in the pin (key order does not matter, nor do
+//! keys of the pin that the claimer does not state). That is how a pin written by one release is
+//! read by another: releases up to 4b79e14 also recorded when the fine rule starts (`from`, not
+//! identity) and compared pins exactly; the release at 0d20be2 writes the rule's identity alone
+//! (rate, grace, cap) and compares exactly; this one writes what 0d20be2 compares and reads both.
 //!
 //! A period being corrected is *held* by its correction ([`hold`], in the transaction that
 //! re-pins it): until [`release`], in the transaction that completes the correction, every claim
@@ -52,6 +57,32 @@ pub enum Pin {
     },
 }
 
+/// SQL: true when the pin `pinned` holds every key of `mine` with the same `jsonb` value (a key
+/// missing from the pin differs from any value, `null` included). Keys of the pin that `mine`
+/// does not state are not its identity: releases up to 4b79e14 recorded the fine rule's `from`
+/// there.
+pub fn same_identity(pinned: &str, mine: &str) -> String {
+    format!(
+        "NOT EXISTS (SELECT 1 FROM jsonb_each({mine}::jsonb) AS mine(key, value)
+                      WHERE ({pinned} -> mine.key) IS DISTINCT FROM mine.value)"
+    )
+}
+
+/// A pin and a claimer's parameters that differ, each in words, or as JSON when the words are
+/// the same (a difference the words do not show, such as a key the job does not describe).
+pub fn describe_difference(
+    pinned: &Params,
+    mine: &Params,
+    describe: &dyn Fn(&Params) -> String,
+) -> (String, String) {
+    let (a, b) = (describe(pinned), describe(mine));
+    if a == b {
+        (format!("{a} ({})", pinned.0), format!("{b} ({})", mine.0))
+    } else {
+        (a, b)
+    }
+}
+
 /// Pins `params` for `key`'s period unless it has some, else compares them, inside the claim's
 /// transaction `tx`. A concurrent first claim of the period with other parameters waits on the
 /// pin's primary key, then compares against what that one pinned. The pin's row stays locked
@@ -85,11 +116,12 @@ pub async fn pin_or_compare(
         Option<String>,
         Option<chrono::DateTime<chrono::Utc>>,
     );
-    let (pinned, same, held_by, since): Row = sqlx::query_as(
-        "SELECT params, params = $3, correction_key, correcting_since FROM job_params
-          WHERE job_name = $1 AND business_date = $2
-            FOR SHARE",
-    )
+    let (pinned, same, held_by, since): Row = sqlx::query_as(&format!(
+        "SELECT params, {}, correction_key, correcting_since FROM job_params
+              WHERE job_name = $1 AND business_date = $2
+                FOR SHARE",
+        same_identity("params", "$3")
+    ))
     .bind(&key.job_name)
     .bind(key.business_date)
     .bind(&params.0)

@@ -225,11 +225,9 @@ async fn run_in_span<J: Job>(
             ClaimOutcome::Conflict { pinned } => {
                 metrics::counter!("settlementd_rule_conflicts_total", "job_name" => job.name())
                     .increment(1);
-                return Err(JobError::ParamsConflict {
-                    key,
-                    pinned: describe(&pinned),
-                    mine: describe(&params),
-                });
+                let (pinned, mine) =
+                    super::params::describe_difference(&pinned, &params, &describe);
+                return Err(JobError::ParamsConflict { key, pinned, mine });
             }
             ClaimOutcome::Paused(pause) => {
                 tracing::info!(paused_by = %pause.paused_by, "skipped: the job is paused");

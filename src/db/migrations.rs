@@ -1,0 +1,295 @@
+//! Applying the embedded migrations, and the two ledgers that record them.
+//!
+//! A migration is a message to the release before it, which keeps running beside the new one
+//! during every rolling update and again after a rollback. Releases up to 0.1.0 (commit 0d20be2)
+//! apply migrations as sqlx does and refuse a database whose `_sqlx_migrations` holds a version
+//! they do not know ("migration … was previously applied but is missing"): a rollback with
+//! `database.migrate_on_start = true` would crash-loop on the first migration of a newer release.
+//! So `_sqlx_migrations` holds the migrations up to [`SQLX_LEDGER_LAST`], exactly as sqlx records
+//! them, and every later one is recorded in `settlementd_migrations`, which older releases never
+//! read. This module reads both, and accepts in either a version newer than every migration it
+//! embeds: a newer release applied it, and migrations only expand (docs/OPERATIONS.md, "Upgrades"),
+//! so this release still reads the schema. A version it does not know that is *older* than its
+//! newest is a history it does not share (an edited build, a database of another branch): refused.
+//!
+//! An advisory lock (sqlx's) is held while migrating, so N replicas starting together is safe;
+//! each migration runs in its own transaction with its ledger row.
+
+use super::{DbError, Result};
+use sqlx::migrate::{Migrate, MigrateError, Migration, Migrator};
+use sqlx::{Connection, Executor, PgConnection, PgPool};
+
+pub static MIGRATOR: Migrator = sqlx::migrate!();
+
+/// The last migration recorded in sqlx's `_sqlx_migrations`; later ones go to
+/// `settlementd_migrations` (see the module header).
+pub const SQLX_LEDGER_LAST: i64 = 20261205000001;
+
+/// The migrations that alter `loans`, libraryd's table, which only its owner may alter: the
+/// migration role takes the owner's role for these alone ([`migrate`]). A test checks that every
+/// migration naming `loans` is listed.
+pub const LOANS_MIGRATIONS: &[i64] = &[20261130000002, 20261201000001, 20261203000002];
+
+/// The ledger of migrations after [`SQLX_LEDGER_LAST`]. `release` is the version of the binary
+/// that applied each one, for an operator reading it after a rollback.
+const CREATE_LEDGER: &str = "CREATE TABLE IF NOT EXISTS settlementd_migrations (
+    version        bigint      PRIMARY KEY,
+    description    text        NOT NULL,
+    checksum       bytea       NOT NULL,
+    applied_at     timestamptz NOT NULL DEFAULT now(),
+    execution_time bigint      NOT NULL,
+    release        text        NOT NULL
+)";
+
+/// One migration `migrate` applied.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Applied {
+    pub version: i64,
+    pub description: String,
+}
+
+/// What the database's ledgers hold, read in one place for `migrate` and `/readyz`.
+#[derive(Debug, Default)]
+struct Ledgers {
+    /// Every applied version with its checksum, from both ledgers.
+    applied: Vec<(i64, Vec<u8>)>,
+}
+
+impl Ledgers {
+    async fn read(conn: &mut PgConnection) -> Result<Self> {
+        let mut applied: Vec<(i64, Vec<u8>)> = Vec::new();
+        for table in ["_sqlx_migrations", "settlementd_migrations"] {
+            let sql = format!(
+                "SELECT version, checksum FROM {table} WHERE {} ORDER BY version",
+                if table == "_sqlx_migrations" {
+                    "success"
+                } else {
+                    "true"
+                }
+            );
+            match sqlx::query_as::<_, (i64, Vec<u8>)>(&sql)
+                .fetch_all(&mut *conn)
+                .await
+            {
+                Ok(rows) => applied.extend(rows),
+                // Not created yet: nothing applied there.
+                Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42P01") => {}
+                Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("42501") => {
+                    return Err(DbError::Privilege(format!(
+                        "this role may not read {table} ({}): run deploy/sql/roles.sql again \
+                         after `settlementd migrate`, which grants it",
+                        db.message()
+                    )))
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(Self { applied })
+    }
+
+    fn get(&self, version: i64) -> Option<&[u8]> {
+        self.applied
+            .iter()
+            .find(|(v, _)| *v == version)
+            .map(|(_, c)| c.as_slice())
+    }
+
+    /// An applied version this binary does not embed and that is not newer than all it embeds.
+    fn unknown_older(&self, migrator: &Migrator) -> Option<i64> {
+        let newest = newest(migrator);
+        self.applied
+            .iter()
+            .map(|(v, _)| *v)
+            .find(|v| *v < newest && !migrator.iter().any(|m| m.version == *v))
+    }
+
+    /// Applied versions newer than every migration this binary embeds: a newer release's.
+    fn newer(&self, migrator: &Migrator) -> Vec<i64> {
+        let newest = newest(migrator);
+        self.applied
+            .iter()
+            .map(|(v, _)| *v)
+            .filter(|v| *v > newest)
+            .collect()
+    }
+}
+
+fn newest(migrator: &Migrator) -> i64 {
+    migrator.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+fn up(migrator: &'static Migrator) -> impl Iterator<Item = &'static Migration> {
+    migrator
+        .iter()
+        .filter(|m| !m.migration_type.is_down_migration())
+}
+
+/// Applies the embedded migrations that are missing and returns them, oldest first. Refuses a
+/// database with a dirty sqlx migration, a checksum that differs from the embedded file's, or an
+/// unknown version older than this binary's newest. A migration of [`LOANS_MIGRATIONS`] runs
+/// under the role that owns `loans` (`SET LOCAL ROLE`, for that transaction only) when the
+/// migrating role is a member of it without inheriting its rights (deploy/sql/roles.sql); every
+/// other statement runs with the migrating role's own rights.
+pub async fn migrate(pool: &PgPool) -> Result<Vec<Applied>> {
+    let mut pooled = pool.acquire().await?;
+    let conn: &mut PgConnection = &mut pooled;
+    if MIGRATOR.locking {
+        conn.lock().await?;
+    }
+    let result = apply_missing(conn).await;
+    if MIGRATOR.locking {
+        // Released with the session too, should this fail.
+        let _ = conn.unlock().await;
+    }
+    result
+}
+
+async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
+    conn.ensure_migrations_table().await?;
+    conn.execute(CREATE_LEDGER).await?;
+    if let Some(version) = conn.dirty_version().await? {
+        return Err(MigrateError::Dirty(version).into());
+    }
+    let ledgers = Ledgers::read(conn).await?;
+    if let Some(unknown) = ledgers.unknown_older(&MIGRATOR) {
+        return Err(MigrateError::VersionMissing(unknown).into());
+    }
+    let newer = ledgers.newer(&MIGRATOR);
+    if !newer.is_empty() {
+        tracing::info!(
+            versions = ?newer,
+            "the database holds migrations of a newer release; this one reads their schema"
+        );
+    }
+    let mut applied = Vec::new();
+    for migration in up(&MIGRATOR) {
+        match ledgers.get(migration.version) {
+            Some(checksum) if checksum != &*migration.checksum => {
+                return Err(MigrateError::VersionMismatch(migration.version).into())
+            }
+            Some(_) => continue,
+            None => apply(conn, migration).await?,
+        }
+        tracing::info!(
+            version = migration.version,
+            description = %migration.description,
+            "migration applied"
+        );
+        applied.push(Applied {
+            version: migration.version,
+            description: migration.description.to_string(),
+        });
+    }
+    Ok(applied)
+}
+
+/// `migration` in one transaction with its ledger row. When the migration alters `loans` and the
+/// migrating role is a member of the role owning `loans` but not its owner, the statements that
+/// alter `loans` ([`alters_loans`]) run under the owner's role (`SET LOCAL ROLE`, reset after
+/// each), the others (a `CREATE TABLE IF NOT EXISTS loans`, which needs the right to create in the
+/// schema, not the table's ownership) under the migrating role; otherwise the file runs whole, as
+/// sqlx runs it.
+async fn apply(conn: &mut PgConnection, migration: &Migration) -> Result<()> {
+    let started = std::time::Instant::now();
+    let mut tx = Connection::begin(&mut *conn).await?;
+    let owner: Option<String> = if LOANS_MIGRATIONS.contains(&migration.version) {
+        sqlx::query_scalar(
+            "SELECT r.rolname::text FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+              WHERE c.oid = to_regclass('loans') AND r.rolname <> current_user
+                AND pg_has_role(current_user, r.oid, 'MEMBER')",
+        )
+        .fetch_optional(&mut *tx)
+        .await?
+    } else {
+        None
+    };
+    let failed = |e| DbError::from(MigrateError::ExecuteMigration(e, migration.version));
+    match &owner {
+        None => {
+            (&mut *tx).execute(&*migration.sql).await.map_err(failed)?;
+        }
+        Some(owner) => {
+            tracing::info!(version = migration.version, role = %owner, "migrating loans as its owner");
+            for statement in statements(&migration.sql) {
+                let as_owner = alters_loans(&statement);
+                if as_owner {
+                    // SET LOCAL ROLE, with the name as a parameter.
+                    sqlx::query("SELECT set_config('role', $1, true)")
+                        .bind(owner)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                (&mut *tx)
+                    .execute(statement.as_str())
+                    .await
+                    .map_err(failed)?;
+                if as_owner {
+                    (&mut *tx).execute("RESET ROLE").await?;
+                }
+            }
+        }
+    }
+    let took = started.elapsed().as_nanos() as i64;
+    if migration.version <= SQLX_LEDGER_LAST {
+        // Recorded as sqlx's `apply` records it, so databases migrated either way stay
+        // interchangeable with the releases that read only this ledger.
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations ( version, description, success, checksum, execution_time )
+             VALUES ( $1, $2, TRUE, $3, $4 )",
+        )
+        .bind(migration.version)
+        .bind(&*migration.description)
+        .bind(&*migration.checksum)
+        .bind(took)
+        .execute(&mut *tx)
+        .await?;
+    } else {
+        sqlx::query(
+            "INSERT INTO settlementd_migrations (version, description, checksum, execution_time, release)
+             VALUES ($1, $2, $3, $4, $5)",
+        )
+        .bind(migration.version)
+        .bind(&*migration.description)
+        .bind(&*migration.checksum)
+        .bind(took)
+        .bind(crate::version::VERSION)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The statements of a migration of [`LOANS_MIGRATIONS`], without comments: those files hold
+/// plain DDL (no dollar quotes, no `;` or `--` inside literals), which a test checks.
+pub fn statements(sql: &str) -> Vec<String> {
+    let code: String = sql
+        .lines()
+        .map(|l| l.split("--").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    code.split(';')
+        .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+/// A statement only the owner of `loans` may run: `ALTER TABLE loans`, an index or a trigger on
+/// `loans`, and dropping one of its indexes or triggers.
+pub fn alters_loans(statement: &str) -> bool {
+    let s = statement.to_lowercase();
+    s.starts_with("alter table loans ")
+        || s.starts_with("drop index ")
+        || (s.starts_with("drop trigger ") && s.ends_with(" on loans"))
+        || (s.starts_with("create ") && (s.contains(" on loans ") || s.contains(" on loans(")))
+}
+
+/// True when every embedded migration is applied, in either ledger (what `/readyz` checks).
+/// Migrations a newer release applied as well do not count against it: migrations stay
+/// compatible with the release before them, so an old replica keeps serving during a rolling
+/// upgrade and after a rollback (docs/OPERATIONS.md).
+pub async fn schema_is_current(pool: &PgPool) -> Result<bool> {
+    let mut conn = pool.acquire().await?;
+    let ledgers = Ledgers::read(&mut conn).await?;
+    Ok(up(&MIGRATOR).all(|m| ledgers.get(m.version).is_some()))
+}
