@@ -392,7 +392,7 @@ async fn bench(
     binaries: &Binaries,
 ) -> Result<Vec<Row>, BoxError> {
     let mut db = PgConnection::connect(url).await?;
-    settlementd::db::MIGRATOR.run(&mut db).await?;
+    settlementd::db::migrate_connection(&mut db).await?;
     let shared_buffers: String = sqlx::query_scalar("SHOW shared_buffers")
         .fetch_one(&mut db)
         .await?;
@@ -1329,7 +1329,7 @@ async fn doubling(
     binaries: &Binaries,
 ) -> Result<Doubled, BoxError> {
     let mut db = PgConnection::connect(url).await?;
-    settlementd::db::MIGRATOR.run(&mut db).await?;
+    settlementd::db::migrate_connection(&mut db).await?;
     let month = BusinessDate::parse(MONTH)?;
     let mut tables = Vec::new();
     for (name, table) in [("history", "doubling_1x"), ("history2x", "doubling_2x")] {

@@ -20,7 +20,8 @@ pub mod migrations;
 pub mod options;
 
 pub use migrations::{
-    alters_loans, migrate, schema_is_current, statements, Applied, LOANS_MIGRATIONS, MIGRATOR,
+    alters_loans, embedded, migrate, migrate_connection, schema_is_current, statements, Applied,
+    LOANS_MIGRATIONS,
 };
 
 use crate::config::{redact_url, DatabaseSettings, SessionGuards};

@@ -30,7 +30,7 @@ pub async fn migrate(settings: &Settings, embedded_db: bool) -> Result<Migrated>
     let result = async {
         check_schema(&database.pool, settings).await?;
         let applied = db::migrate(&database.pool).await?;
-        let known = db::MIGRATOR.iter().count();
+        let known = db::embedded().count();
         let mut conn = database.pool.acquire().await?;
         let batch = i64::from(settings.batch.size.max(1));
         let mut opened = 0;

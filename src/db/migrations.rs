@@ -19,7 +19,15 @@ use super::{DbError, Result};
 use sqlx::migrate::{Migrate, MigrateError, Migration, Migrator};
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 
-pub static MIGRATOR: Migrator = sqlx::migrate!();
+/// The embedded migrations. Private: sqlx's own `Migrator::run` would record every one in
+/// `_sqlx_migrations`, where the previous release refuses what it does not know; [`migrate`] and
+/// [`migrate_connection`] are the only way in, [`embedded`] the way to list them.
+static MIGRATOR: Migrator = sqlx::migrate!();
+
+/// The embedded migrations (up migrations only), oldest first.
+pub fn embedded() -> impl Iterator<Item = &'static Migration> {
+    up(&MIGRATOR)
+}
 
 /// The last migration recorded in sqlx's `_sqlx_migrations`; later ones go to
 /// `settlementd_migrations` (see the module header).
@@ -132,7 +140,11 @@ fn up(migrator: &'static Migrator) -> impl Iterator<Item = &'static Migration> {
 /// other statement runs with the migrating role's own rights.
 pub async fn migrate(pool: &PgPool) -> Result<Vec<Applied>> {
     let mut pooled = pool.acquire().await?;
-    let conn: &mut PgConnection = &mut pooled;
+    migrate_connection(&mut pooled).await
+}
+
+/// [`migrate`] on one connection.
+pub async fn migrate_connection(conn: &mut PgConnection) -> Result<Vec<Applied>> {
     if MIGRATOR.locking {
         conn.lock().await?;
     }

@@ -320,11 +320,13 @@ async fn migrations_are_safe_when_replicas_apply_them_at_once() {
     }
     let pool = sqlx::PgPool::connect(&url).await.unwrap();
     assert!(settlementd::db::schema_is_current(&pool).await.unwrap());
-    let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM _sqlx_migrations")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(applied as usize, settlementd::db::MIGRATOR.iter().count());
+    let applied: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM _sqlx_migrations) + (SELECT count(*) FROM settlementd_migrations)",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(applied as usize, settlementd::db::embedded().count());
 }
 
 #[tokio::test]

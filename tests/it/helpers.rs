@@ -69,8 +69,7 @@ pub async fn test_db() -> TestDb {
                 .await
                 .unwrap();
             let mut conn = PgConnection::connect(&url_for(&name)).await.unwrap();
-            settlementd::db::MIGRATOR
-                .run(&mut conn)
+            settlementd::db::migrate_connection(&mut conn)
                 .await
                 .expect("migrate the template");
             conn.close().await.unwrap();
@@ -191,7 +190,12 @@ pub async fn age_heartbeat(
 
 /// The `settlementd` binary with a clean environment pointing at `url` (when given).
 pub fn settlementd(url: Option<&str>) -> std::process::Command {
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_settlementd"));
+    settlementd_at(std::path::Path::new(env!("CARGO_BIN_EXE_settlementd")), url)
+}
+
+/// [`settlementd`] of the binary at `bin` (another release's, for the upgrade tests).
+pub fn settlementd_at(bin: &std::path::Path, url: Option<&str>) -> std::process::Command {
+    let mut cmd = std::process::Command::new(bin);
     for (key, _) in std::env::vars() {
         if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
             cmd.env_remove(key);
@@ -491,13 +495,28 @@ pub async fn http(
 impl ServeProcess {
     /// As [`ServeProcess::start`], with the replica's stderr (its logs) appended to `log`.
     pub fn start_logged(url: &str, env: &[(&str, &str)], log: &std::path::Path) -> Self {
+        Self::start_binary(
+            std::path::Path::new(env!("CARGO_BIN_EXE_settlementd")),
+            url,
+            env,
+            log,
+        )
+    }
+
+    /// As [`ServeProcess::start_logged`], of the binary at `bin` (another release's).
+    pub fn start_binary(
+        bin: &std::path::Path,
+        url: &str,
+        env: &[(&str, &str)],
+        log: &std::path::Path,
+    ) -> Self {
         let addr = free_loopback_addr();
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)
             .unwrap();
-        let child = settlementd(Some(url))
+        let child = settlementd_at(bin, Some(url))
             .arg("serve")
             .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
             .env("SETTLEMENTD__SHUTDOWN__GRACE_SECS", "2")
@@ -603,7 +622,7 @@ impl PrivateCluster {
         .expect("start a private PostgreSQL");
         let url = create_database(&pg, "settle").await;
         let mut conn = PgConnection::connect(&url).await.unwrap();
-        settlementd::db::MIGRATOR.run(&mut conn).await.unwrap();
+        settlementd::db::migrate_connection(&mut conn).await.unwrap();
         Self { pg, url, data }
     }
 

@@ -28,3 +28,4 @@ mod server_fetch;
 mod settle;
 mod status;
 mod tls;
+mod upgrade;

@@ -395,7 +395,7 @@ async fn the_migrator_migrates_libraryds_loans_as_their_owner_and_cannot_read_or
 /// those: a new one left out would fail on a libraryd database with "must be owner of table loans".
 #[test]
 fn the_migrations_taking_the_loans_owners_role_are_exactly_those_that_alter_loans() {
-    for migration in settlementd::db::MIGRATOR.iter() {
+    for migration in settlementd::db::embedded() {
         let code: String = migration
             .sql
             .lines()
@@ -422,7 +422,7 @@ fn the_migrations_taking_the_loans_owners_role_are_exactly_those_that_alter_loan
 /// owner) or a CREATE TABLE (run as the migrator).
 #[test]
 fn the_loans_migrations_split_into_statements_that_each_alter_loans_or_create_a_table() {
-    for migration in settlementd::db::MIGRATOR.iter() {
+    for migration in settlementd::db::embedded() {
         if !settlementd::db::LOANS_MIGRATIONS.contains(&migration.version) {
             continue;
         }
