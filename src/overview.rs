@@ -425,6 +425,19 @@ impl Reader {
         }
     }
 
+    /// The fleet's replicas ([`crate::jobs::fleet::list`]) within the view's budget; `None` when
+    /// the schema predates the registry or it could not be read in time.
+    pub async fn fleet(&self) -> Option<Vec<crate::jobs::fleet::Member>> {
+        match tokio::time::timeout(self.budget, crate::jobs::fleet::list(&self.pool)).await {
+            Ok(Ok(fleet)) => fleet,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "cannot read the fleet");
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
     /// Closes the reader's own pool (a command that is done with it).
     pub async fn close(&self) {
         self.pool.close().await;
@@ -978,6 +991,7 @@ mod tests {
             scanned: 0,
             updated: 0,
             last_error: None,
+            version: None,
         }
     }
 

@@ -19,6 +19,8 @@
 --   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state), DELETE (retention)
 --   job_events       SELECT, INSERT (the audit trail: never updated), DELETE (retention)
 --   job_pauses       SELECT, INSERT, DELETE (pause and resume)
+--   replicas         SELECT, INSERT, UPDATE, DELETE (each serve process's release and readiness,
+--                    upserted every heartbeat; rows not seen for a day are deleted)
 --   member_fine_statements SELECT, INSERT, UPDATE, DELETE (the member-statements job's output)
 --   member_statement_marks SELECT, INSERT, UPDATE (how far each shard's statements follow)
 --   job_params       SELECT, INSERT, UPDATE (each month's pinned fine rule; UPDATE for `correct`)
@@ -29,7 +31,7 @@
 --                    triggers on loans; a re-pricing deletes what it did)
 --   _sqlx_migrations, settlementd_migrations SELECT (/readyz compares them with the binary's
 --                    migrations: the first holds those up to 20261205000001, the second the later ones)
--- and nothing else: no DELETE but of the edit queue, a pause, and (retention: `settlementd prune`,
+-- and nothing else: no DELETE but of the edit queue, a pause, a replica not seen for a day, and (retention: `settlementd prune`,
 -- retention.enabled) the audit trail, requests and claims of months closed long ago — never of
 -- the money journal, fine_adjustments, fine_corrections or job_params; no TRUNCATE, no DDL, no
 -- other column of loans. libraryd's own roles need nothing: the triggers' function runs as its owner, the
@@ -73,7 +75,7 @@ BEGIN
                                 'job_params', 'fine_corrections', 'fine_adjustments',
                                 'fine_journal', 'loan_changes', 'job_pauses',
                                 'member_fine_statements', 'member_statement_marks',
-                                '_sqlx_migrations', 'settlementd_migrations'] LOOP
+                                'replicas', '_sqlx_migrations', 'settlementd_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
         END IF;
@@ -137,6 +139,7 @@ BEGIN
                               ('run_request_shards', 'SELECT, INSERT, UPDATE, DELETE'),
                               ('job_events', 'SELECT, INSERT, DELETE'),
                               ('job_pauses', 'SELECT, INSERT, DELETE'),
+                              ('replicas', 'SELECT, INSERT, UPDATE, DELETE'),
                               ('member_fine_statements', 'SELECT, INSERT, UPDATE, DELETE'),
                               ('member_statement_marks', 'SELECT, INSERT, UPDATE'),
                               ('job_params', 'SELECT, INSERT, UPDATE'),

@@ -12,6 +12,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::config::{Settings, MAX_SHARDS};
 use crate::jobs::claim::JobRunRow;
 use crate::jobs::events::ShardEvent;
+use crate::jobs::fleet::Member;
 use crate::jobs::Cursor;
 use crate::jobs::Words;
 use crate::overview::{self, Month, OverviewError, Scope, Totals, Watch};
@@ -46,6 +47,9 @@ pub struct MonthStatus {
     pub history: Vec<ShardEvent>,
     /// What the job's replicas watch; `None` when it could not be read.
     pub watch: Option<Watch>,
+    /// Every replica that reported in `replicas` ([`crate::jobs::fleet`]); `None` when the
+    /// schema predates it or it could not be read.
+    pub fleet: Option<Vec<Member>>,
 }
 
 pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<MonthStatus> {
@@ -70,6 +74,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
             request.history,
         )
         .await;
+    let fleet = reader.fleet().await;
     reader.close().await;
     database.close().await;
     let view = read.map_err(|e| match e {
@@ -89,6 +94,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
         month,
         history: view.history,
         watch: view.watch,
+        fleet,
     })
 }
 
@@ -166,6 +172,7 @@ impl MonthStatus {
                 "key": key, "since": since,
             })),
             "watch": watch,
+            "replicas": self.fleet,
             "rule": self.month.rule,
             "runs": runs,
             "totals": totals,
@@ -208,18 +215,27 @@ impl MonthStatus {
         }
         let _ = writeln!(
             out,
-            "{:<6} {:<8} {:>7} {:<28} {:>10} {:>12} {:>10} {:>10}  last_error",
-            "shard", "status", "attempt", "owner", "heartbeat", "cursor", "scanned", "updated"
+            "{:<6} {:<8} {:>7} {:<28} {:<12} {:>10} {:>12} {:>10} {:>10}  last_error",
+            "shard",
+            "status",
+            "attempt",
+            "owner",
+            "release",
+            "heartbeat",
+            "cursor",
+            "scanned",
+            "updated"
         );
         for s in 0..self.shards {
             let _ = match self.row(s) {
                 Some(r) => writeln!(
                     out,
-                    "{:<6} {:<8} {:>7} {:<28} {:>9.1}s {:>12} {:>10} {:>10}  {}",
+                    "{:<6} {:<8} {:>7} {:<28} {:<12} {:>9.1}s {:>12} {:>10} {:>10}  {}",
                     s,
                     r.status,
                     r.attempt,
                     r.owner,
+                    r.version.as_deref().unwrap_or("<0.2.0"),
                     r.heartbeat_age_secs,
                     compact(r.cursor()),
                     r.scanned,
@@ -278,6 +294,7 @@ impl MonthStatus {
                 );
             }
         }
+        self.fleet_text(&mut out);
         if !self.history.is_empty() {
             let _ = writeln!(out, "history (newest first):");
         }
@@ -301,6 +318,46 @@ impl MonthStatus {
             );
         }
         out
+    }
+}
+
+impl MonthStatus {
+    /// The fleet's lines: one per replica that reported, and the releases when they differ.
+    fn fleet_text(&self, out: &mut String) {
+        let Some(fleet) = &self.fleet else {
+            let _ = writeln!(out, "replicas: not recorded (the schema predates them)");
+            return;
+        };
+        let releases: std::collections::BTreeSet<&str> =
+            fleet.iter().map(|m| m.version.as_str()).collect();
+        let _ = writeln!(
+            out,
+            "replicas ({} reported{}):",
+            fleet.len(),
+            match releases.len() {
+                0 | 1 => String::new(),
+                _ => format!(
+                    "; mixed fleet: {}",
+                    releases.into_iter().collect::<Vec<_>>().join(", ")
+                ),
+            }
+        );
+        for m in fleet {
+            let _ = writeln!(
+                out,
+                "  {:<28} {:<8} {:<10} shard {} of {}  last report {:.0}s ago  {}",
+                m.owner,
+                m.version,
+                m.commit,
+                m.shard,
+                m.shards,
+                m.seen_age_secs,
+                match (&m.ready, &m.reason) {
+                    (true, _) => "ready".to_string(),
+                    (false, reason) => format!("NOT READY: {}", reason.as_deref().unwrap_or("")),
+                }
+            );
+        }
     }
 }
 

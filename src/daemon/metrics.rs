@@ -59,8 +59,14 @@ pub const LATEST_FIRE_TIMESTAMP: &str = "settlementd_latest_fire_timestamp_secon
 pub const LATEST_MONTH_UNSETTLED_SHARDS: &str = "settlementd_latest_month_unsettled_shards";
 /// The configured `shard.count`, so alerts can compare it with the replicas that report.
 pub const SHARDS: &str = "settlementd_shards";
-/// 1 when `/readyz` would answer 200, else 0; evaluated on every `/readyz` and `/metrics` request.
+/// 1 when `/readyz` would answer 200, else 0; evaluated every heartbeat and on every `/readyz` and
+/// `/metrics` request ([`super::health`]).
 pub const READY: &str = "settlementd_ready";
+/// 1 for the reason the replica is not ready (`database`, `schema`, `starting`, `rule_conflict`),
+/// 0 for the others; all 0 when it is ready.
+pub const NOT_READY: &str = "settlementd_not_ready";
+/// Always 1, labelled with this binary's `version` and `commit`: a fleet's releases in one query.
+pub const BUILD_INFO: &str = "settlementd_build_info";
 /// Requests to the runs API refused for a missing or wrong bearer token (`401`).
 pub const AUTH_REFUSED_TOTAL: &str = "settlementd_auth_refused_total";
 
@@ -183,8 +189,22 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
     );
     describe_gauge!(
         READY,
-        "1 when the database answers and the schema is current (what /readyz checks)"
+        "1 when /readyz would answer 200: the database answers, the schema is current, and no due month is refused for the replica's rule"
     );
+    describe_gauge!(
+        NOT_READY,
+        "1 for the reason the replica is not ready (database, schema, starting, rule_conflict), else 0"
+    );
+    describe_gauge!(
+        BUILD_INFO,
+        "Always 1, labelled with the binary's version and commit"
+    );
+    metrics::gauge!(
+        BUILD_INFO,
+        "version" => crate::version::VERSION,
+        "commit" => crate::version::COMMIT
+    )
+    .set(1.0);
     describe_counter!(
         REQUEST_RUNS_TOTAL,
         "Runs of stored run requests by outcome: settled, failed"

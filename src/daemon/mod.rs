@@ -18,6 +18,7 @@
 //! progress lets its batch commit, is marked FAILED `interrupted: shutdown` so a peer takes over
 //! at once, and `serve` returns within `shutdown.grace_secs` even if the run does not stop.
 
+pub mod health;
 pub mod http;
 pub mod metrics;
 pub mod replica;
@@ -135,6 +136,9 @@ pub async fn serve(
 
     let owner = Owner::for_process();
     let settings = Arc::new(settings);
+    let registry = crate::registry::build(&settings);
+    let jobs: Vec<&'static str> = registry.enabled().map(|job| job.name()).collect();
+    let health = Arc::new(health::Health::new(&jobs));
     let http_stop = CancellationToken::new();
     let local = listener.local_addr().ok();
     let http = tokio::spawn(http::run(
@@ -146,15 +150,34 @@ pub async fn serve(
             clock: clock.clone(),
             owner: owner.0.clone(),
             overview: Arc::new(crate::overview::Reader::new(&pool)),
-            registry: crate::registry::build(&settings),
+            registry,
+            health: health.clone(),
         },
         http_stop.clone().cancelled_owned(),
     ));
     tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics /v1/runs /status");
+    let watch = tokio::spawn(health::watch(
+        health::Reporter {
+            pool: pool.clone(),
+            health: health.clone(),
+            owner: owner.clone(),
+            jobs,
+            shards: settings.shard.count,
+            shard: settings.shard.index,
+            every: Duration::from_secs(settings.lease.heartbeat_secs),
+        },
+        http_stop.clone(),
+    ));
 
-    let result = run_replica(&settings, pool, clock, owner, shutdown).await;
+    let result = run_replica(&settings, pool, clock, owner, health, shutdown).await;
 
     http_stop.cancel();
+    if tokio::time::timeout(Duration::from_secs(2), watch)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the readiness watch did not stop in time");
+    }
     match tokio::time::timeout(Duration::from_secs(2), http).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server stopped with an error"),
@@ -169,6 +192,7 @@ async fn run_replica(
     pool: PgPool,
     clock: Arc<dyn Clock>,
     owner: Owner,
+    health: Arc<health::Health>,
     shutdown: CancellationToken,
 ) -> Result<()> {
     if !wait_for_database(settings, &pool, &shutdown).await? {
@@ -212,6 +236,7 @@ async fn run_replica(
                 shutdown.clone(),
             )
             .with_owner(owner.clone())
+            .with_health(health.clone())
         })
         .collect();
     for replica in &replicas {

@@ -25,11 +25,13 @@
 //!   `settlementd_unsettled_beyond_lookback`, `settlementd_corrections_unfinished`, and this
 //!   shard's waiting and held rows.
 
+use super::health::Health;
 use super::metrics as m;
 use crate::calendar::BusinessDate;
 use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
 use crate::jobs::due::{self, Due, Why};
+use crate::jobs::params::Params;
 use crate::jobs::registry::Registered;
 use crate::jobs::JobKey;
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
@@ -130,6 +132,8 @@ pub struct Replica {
     lookback_months: u32,
     /// Months whose rule conflict has been logged: once per month is enough.
     conflicts_logged: HashSet<BusinessDate>,
+    /// Where each look at what is due leaves the rule conflict it found, for readiness.
+    health: Arc<Health>,
     /// Every log line of this replica carries shard, shards and owner.
     span: tracing::Span,
 }
@@ -182,8 +186,15 @@ impl Replica {
             request_retries: HashMap::new(),
             lookback_months: settings.settle.lookback_months,
             conflicts_logged: HashSet::new(),
+            health: Arc::new(Health::default()),
             span,
         }
+    }
+
+    /// The same replica reporting what it finds to `health` (shared with the process's probes).
+    pub fn with_health(mut self, health: Arc<Health>) -> Self {
+        self.health = health;
+        self
     }
 
     /// The same replica under `owner` (the process's name in claims and in the audit trail, shared
@@ -263,26 +274,30 @@ impl Replica {
         // A paused job claims nothing (its claims would be refused one by one): one look a tick.
         match jobs::pause::of(&self.pool, self.job.name()).await {
             Ok(Some(pause)) => {
+                // Paused on purpose: nothing is asked of it, so nothing to be ready for.
+                self.health.looked_unless_known(self.job.name());
                 return TickOutcome::Paused {
                     since: pause.paused_at,
                     by: pause.paused_by,
-                }
+                };
             }
             Ok(None) => {}
             Err(e) => tracing::debug!(error = %e, "cannot read the job's pause"),
         }
-        // Run requests first: an operator asked for them.
-        if let Some(outcome) = self.serve_a_request(now).await {
-            return outcome;
-        }
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, now) else {
-            return TickOutcome::Idle;
+            self.health.looked_unless_known(self.job.name());
+            return self.serve_a_request(now).await.unwrap_or(TickOutcome::Idle);
         };
         let slot = Slot::new(fire_at);
         self.upkeep().await;
         let scheduled = (self.catch_up || fire_at.with_timezone(&Utc) >= self.started_at)
             .then_some(slot.business_date);
+        // What is due is looked at (and readiness told) before run requests are served, which
+        // come first among the runs: an operator asked for them.
         let (due, held) = self.due(slot.business_date, scheduled).await;
+        if let Some(outcome) = self.serve_a_request(now).await {
+            return outcome;
+        }
         self.retries
             .retain(|month, _| due.iter().any(|d| d.business_date == month.date()));
         // At most one run that claims per tick, oldest month first; a month held by a live peer
@@ -413,7 +428,52 @@ impl Replica {
                 start_waiting: self.catch_up,
             },
         );
+        self.look_at_rules(&due).await;
         (due, held)
+    }
+
+    /// Tells readiness whether a due month is pinned to another rule than this replica's: what
+    /// its claim would refuse ([`jobs::params::conflicts`]). A look that fails leaves the last one.
+    async fn look_at_rules(&self, due: &[Due]) {
+        let mine: Vec<(chrono::NaiveDate, Params)> = due
+            .iter()
+            .filter_map(|d| {
+                let params = self
+                    .job
+                    .params(&self.key(BusinessDate::new(d.business_date).ok()?));
+                Some((d.business_date, params.ok().filter(|p| !p.is_empty())?))
+            })
+            .collect();
+        let found = if mine.is_empty() {
+            Ok(Vec::new())
+        } else {
+            jobs::params::conflicts(&self.pool, self.job.name(), &mine).await
+        };
+        let found = match found {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot compare the due months' rules with this replica's");
+                return;
+            }
+        };
+        let conflict = found.first().and_then(|(date, pinned)| {
+            let (_, ours) = mine.iter().find(|(d, _)| d == date)?;
+            let (was, is) =
+                jobs::params::describe_difference(pinned, ours, &|p| self.job.describe(p));
+            let more = match found.len() {
+                1 => String::new(),
+                n => format!(" ({} more due months refused)", n - 1),
+            };
+            Some(format!(
+                "{} shard {} of {} cannot settle {date}: it is pinned to {was}; this replica's \
+                 rule is {is}{more}. Nothing of it is settled here until the configuration agrees \
+                 (or `settlementd correct` re-pins the month)",
+                self.job.name(),
+                self.shard.index,
+                self.shard.count,
+            ))
+        });
+        self.health.looked(self.job.name(), conflict);
     }
 
     /// The job's upkeep between runs ([`crate::jobs::Job::upkeep`]: for the fine settlement,

@@ -158,8 +158,9 @@ pub async fn claim_for(
     let rule = opts.params.map(|(mine, describe)| describe(mine));
     let inserted: Option<(i32, Option<String>)> = sqlx::query_as(
         "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
-                               started_at, heartbeat_at, request_id)
-         VALUES ($1, $2, $3, $4, 'RUNNING', 1, $5, clock_timestamp(), clock_timestamp(), $6::uuid)
+                               started_at, heartbeat_at, request_id, version)
+         VALUES ($1, $2, $3, $4, 'RUNNING', 1, $5, clock_timestamp(), clock_timestamp(), $6::uuid,
+                 $7)
          ON CONFLICT (job_name, business_date, shards, shard) DO NOTHING
          RETURNING attempt, request_id::text",
     )
@@ -169,6 +170,7 @@ pub async fn claim_for(
     .bind(key.shard as i32)
     .bind(&owner.0)
     .bind(request)
+    .bind(crate::version::VERSION)
     .fetch_optional(&mut *tx)
     .await?;
     let inserted = match inserted {
@@ -212,7 +214,7 @@ pub async fn claim_for(
               FOR UPDATE
          )
          UPDATE job_runs j
-            SET status = 'RUNNING', attempt = j.attempt + 1, owner = $5,
+            SET status = 'RUNNING', attempt = j.attempt + 1, owner = $5, version = $10,
                 started_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
                 finished_at = NULL, last_error = NULL,
                 last_id = CASE WHEN j.status = 'SUCCESS' OR $9 THEN NULL ELSE j.last_id END,
@@ -240,7 +242,8 @@ pub async fn claim_for(
         .bind(ttl.as_secs_f64())
         .bind(opts.force || opts.reopen.is_some())
         .bind(request)
-        .bind(opts.reopen.is_some());
+        .bind(opts.reopen.is_some())
+        .bind(crate::version::VERSION);
     let takeover = if mutant::planted(Mutant::LeaseLocalClock) {
         takeover.bind(chrono::Utc::now())
     } else {
@@ -348,7 +351,7 @@ pub async fn close_abandoned(
 /// campaign's planted bug, on the claimer's own clock (bound as `$10`).
 fn lease_now(sql: &str) -> std::borrow::Cow<'_, str> {
     if mutant::planted(Mutant::LeaseLocalClock) {
-        let local = "$10::timestamptz - make_interval(secs => $6)";
+        let local = "$11::timestamptz - make_interval(secs => $6)";
         sql.replace("clock_timestamp() - make_interval(secs => $6)", local)
             .into()
     } else {
@@ -554,6 +557,9 @@ pub struct JobRunRow {
     pub scanned: i64,
     pub updated: i64,
     pub last_error: Option<String>,
+    /// The release that made the current attempt; `None` for a release before 0.2.0 (which does
+    /// not record it: the migration's trigger clears it when such a release takes a claim over).
+    pub version: Option<String>,
 }
 
 impl JobRunRow {
@@ -637,7 +643,7 @@ pub async fn latest_months(
                   AS month_attempts,
                 j.shard, j.status, j.attempt, j.owner, j.started_at, j.finished_at,
                 extract(epoch FROM clock_timestamp() - j.heartbeat_at)::float8 AS heartbeat_age_secs,
-                j.last_id, j.last_id_desc, j.scanned, j.updated, j.last_error
+                j.last_id, j.last_id_desc, j.scanned, j.updated, j.last_error, j.version
            FROM months m
            JOIN job_runs j
              ON j.job_name = $1 AND j.business_date = m.business_date AND j.shards = $2

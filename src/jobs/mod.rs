@@ -22,6 +22,7 @@
 pub mod claim;
 pub mod due;
 pub mod events;
+pub mod fleet;
 pub mod lease;
 pub mod params;
 pub mod pause;

@@ -229,6 +229,32 @@ pub async fn pinned_for(
     Ok(rows.into_iter().map(|(d, p)| (d, Params(p))).collect())
 }
 
+/// Of `mine`, each period's parameters as a claimer would state them, those whose period is pinned
+/// to other parameters ([`same_identity`]): what a claim of it would refuse, with the pinned ones.
+/// A period held by a correction is not counted (its correction runs it, under its own pin).
+pub async fn conflicts(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    mine: &[(NaiveDate, Params)],
+) -> Result<Vec<(NaiveDate, Params)>> {
+    let dates: Vec<NaiveDate> = mine.iter().map(|(d, _)| *d).collect();
+    let params: Vec<&serde_json::Value> = mine.iter().map(|(_, p)| &p.0).collect();
+    let rows: Vec<(NaiveDate, serde_json::Value)> = sqlx::query_as(&format!(
+        "SELECT p.business_date, p.params
+           FROM unnest($2::date[], $3::jsonb[]) AS m(business_date, mine)
+           JOIN job_params p ON p.job_name = $1 AND p.business_date = m.business_date
+          WHERE p.correction_key IS NULL AND NOT ({})
+          ORDER BY p.business_date",
+        same_identity("p.params", "m.mine")
+    ))
+    .bind(job_name)
+    .bind(&dates)
+    .bind(&params)
+    .fetch_all(db)
+    .await?;
+    Ok(rows.into_iter().map(|(d, p)| (d, Params(p))).collect())
+}
+
 /// Pins `params` for the period of `job_name` and `business_date` whatever was pinned before, inside
 /// `tx`, and returns what was (`None`: nothing). Locks the pin's row first, so it waits for the
 /// claims comparing against it and every later claim compares against `params`.

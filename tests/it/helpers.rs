@@ -405,6 +405,8 @@ pub fn http_state(
         owner: "test-replica".into(),
         overview: std::sync::Arc::new(settlementd::overview::Reader::new(pool)),
         registry: settlementd::registry::build(&settings),
+        // No replica reports to it: ready when the database answers and the schema is current.
+        health: Default::default(),
     }
 }
 
@@ -622,7 +624,9 @@ impl PrivateCluster {
         .expect("start a private PostgreSQL");
         let url = create_database(&pg, "settle").await;
         let mut conn = PgConnection::connect(&url).await.unwrap();
-        settlementd::db::migrate_connection(&mut conn).await.unwrap();
+        settlementd::db::migrate_connection(&mut conn)
+            .await
+            .unwrap();
         Self { pg, url, data }
     }
 

@@ -110,11 +110,15 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
             .args(["verify", "--business-date", "2026-10-31"]),
     );
 
-    // serve as the runtime role: ready (it reads _sqlx_migrations), with migrations left to the
-    // migration role.
+    // serve as the runtime role: ready (it reads both migration ledgers and the month's pin),
+    // with migrations left to the migration role, on the rule the correction pinned (under the
+    // old one it would not be ready: tests/it/rules.rs).
     let replica = ServeProcess::start(
         &app_url,
-        &[("SETTLEMENTD__DATABASE__MIGRATE_ON_START", "false")],
+        &[
+            ("SETTLEMENTD__DATABASE__MIGRATE_ON_START", "false"),
+            ("SETTLEMENTD__FINE__DAILY_RATE_CENTS", "60"),
+        ],
     );
     replica.wait_for("/readyz", 200).await;
     drop(replica);

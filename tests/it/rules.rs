@@ -158,6 +158,36 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
     let log = dir.path().join("stale.log");
     let stale = quick_replica(&db.url, "1", &[(RATE, "99")], &log);
     stale.wait_for("/healthz", 200).await;
+    // Not ready from its first answer on (starting, then the conflict): a rolling update stops at
+    // this pod instead of going on to the next.
+    let mut answers = Vec::new();
+    loop {
+        let answer = get(stale.addr, "/readyz").await.unwrap();
+        let conflict = answer.1.contains("rule conflict");
+        answers.push(answer);
+        if conflict || answers.len() > 400 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        answers.iter().all(|(status, _)| *status == 503),
+        "never ready: {answers:?}"
+    );
+    let (_, reason) = answers.last().unwrap();
+    for needle in [
+        "not ready: rule conflict: fine-settlement shard 1 of 2 cannot settle",
+        "pinned to 37 cents a day",
+        "this replica's rule is 99 cents a day",
+    ] {
+        assert!(reason.contains(needle), "{needle}: {reason}");
+    }
+    let (_, metrics) = get(stale.addr, "/metrics").await.unwrap();
+    assert!(
+        metrics.contains("settlementd_not_ready{reason=\"rule_conflict\"} 1"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("settlementd_ready 0"), "{metrics}");
     assert!(
         eventually(20, || async {
             stale.metric("settlementd_rule_conflicts_total").await >= 3.0
@@ -165,7 +195,7 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
         .await,
         "the replica retries the month with its backoff"
     );
-    stale.wait_for("/readyz", 200).await;
+    assert_eq!(get(stale.addr, "/readyz").await.unwrap().0, 503);
     // A request over HTTP is refused the same way: its shard fails with the reason.
     let token = "0123456789abcdef0123456789abcdef";
     let api = ServeProcess::start(
@@ -247,9 +277,14 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
     let logged = std::fs::read_to_string(&log).unwrap();
     let conflict_lines = logged
         .lines()
-        .filter(|l| l.contains("rule conflict"))
+        .filter(|l| l.contains("rule conflict") && !l.contains("not ready"))
         .count();
     assert_eq!(conflict_lines, 1, "logged once per month:\n{logged}");
+    let not_ready_lines = logged
+        .lines()
+        .filter(|l| l.contains("not ready: rule conflict"))
+        .count();
+    assert_eq!(not_ready_lines, 1, "readiness logged once per change:\n{logged}");
     assert!(events_named(&db.pool, month, "rule_conflict").await.len() >= 3);
     assert_eq!(settled_rows(&db.pool).await, before);
 
@@ -259,6 +294,7 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
         eventually(20, || async { unsettled_in(&db.pool, month).await == 0 }).await,
         "the fixed replica settles shard 1"
     );
+    fixed.wait_for("/readyz", 200).await;
     drop(fixed);
     assert_priced_under(&db.pool, month, rule(37)).await;
 }

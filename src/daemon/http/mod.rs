@@ -42,6 +42,8 @@ pub struct HttpState {
     pub overview: Arc<crate::overview::Reader>,
     /// The jobs of the binary: the runs API and the page serve each.
     pub registry: crate::jobs::registry::Registry,
+    /// What the replicas found at their latest look: `/readyz` and `/metrics` read it.
+    pub health: Arc<crate::daemon::health::Health>,
 }
 
 pub fn router(state: HttpState) -> Router {

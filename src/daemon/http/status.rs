@@ -17,6 +17,7 @@
 
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
+use crate::jobs::fleet::Member;
 use crate::overview::{Month, Overview, Progress, Scope, Shard, State as ShardState, Totals};
 use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
 use axum::extract::State;
@@ -25,6 +26,7 @@ use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
+use std::collections::BTreeMap;
 
 /// The most shards a page may show (the runs API's bound: a guard against typos like 30000).
 pub const MAX_SHARDS: u32 = super::runs::MAX_SHARDS;
@@ -127,6 +129,7 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
         },
     };
     let now = state.clock.now();
+    let fleet = state.overview.fleet().await;
     let read = async {
         let mut views = Vec::new();
         for job in &jobs {
@@ -146,8 +149,10 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
                 owner: &state.owner,
                 shard: state.settings.shard.index,
                 shards: state.settings.shard.count,
+                heartbeat_secs: state.settings.lease.heartbeat_secs,
             };
-            respond(StatusCode::OK, render(&views, &query, &replica, now))
+            let page = render(&views, fleet.as_deref(), &query, &replica, now);
+            respond(StatusCode::OK, page)
         }
         Err(e) => {
             tracing::warn!(error = %e, "status page: cannot read the database");
@@ -181,6 +186,8 @@ struct Replica<'a> {
     owner: &'a str,
     shard: u32,
     shards: u32,
+    /// `lease.heartbeat_secs`: a replica that has not reported for three is shown as gone.
+    heartbeat_secs: u64,
 }
 
 const CSS: &str = "\
@@ -201,7 +208,13 @@ th a,code,.nowrap{white-space:nowrap}
 ";
 
 /// The whole page: a section per job.
-fn render(views: &[Overview], query: &PageQuery, replica: &Replica, now: DateTime<Utc>) -> Markup {
+fn render(
+    views: &[Overview],
+    fleet: Option<&[Member]>,
+    query: &PageQuery,
+    replica: &Replica,
+    now: DateTime<Utc>,
+) -> Markup {
     let tz = views
         .first()
         .map_or(chrono_tz::UTC, |v| v.schedule.timezone);
@@ -241,6 +254,7 @@ fn render(views: &[Overview], query: &PageQuery, replica: &Replica, now: DateTim
                         p { a href=(format!("?shards={}", query.shards)) { "← every month" } }
                     }
                 }
+                (fleet_section(fleet, replica.heartbeat_secs))
                 @for view in views { (job_section(view)) }
                 footer.note {
                     p {
@@ -251,6 +265,66 @@ fn render(views: &[Overview], query: &PageQuery, replica: &Replica, now: DateTim
                         "within " (VIEW_BUDGET.as_secs()) " s of database time per view. "
                         "Heartbeat ages are on the database clock; times are in " (tz.name()) "."
                     }
+                }
+            }
+        }
+    }
+}
+
+/// Every replica that reported in `replicas`: its release, shard, readiness and last report. A
+/// mixed fleet (more than one release among the live ones) is said so above the table.
+fn fleet_section(fleet: Option<&[Member]>, heartbeat_secs: u64) -> Markup {
+    let live_within = 3.0 * heartbeat_secs as f64;
+    let releases: BTreeMap<&str, usize> = fleet
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| m.is_live(live_within))
+        .fold(BTreeMap::new(), |mut by, m| {
+            *by.entry(m.version.as_str()).or_default() += 1;
+            by
+        });
+    html! {
+        section #fleet {
+            h2 { "Fleet" }
+            @match fleet {
+                None => p.note { "The fleet is not recorded here: the schema predates the replicas table (run settlementd migrate)." },
+                Some([]) => p.note { "No replica has reported yet." },
+                Some(members) => {
+                    @if releases.len() > 1 {
+                        p.late #fleet-mixed {
+                            "Mixed fleet: "
+                            @for (i, (version, n)) in releases.iter().enumerate() {
+                                @if i > 0 { ", " }
+                                (n) " on " (version)
+                            }
+                            " (a rolling update, or one that stopped half-way)"
+                        }
+                    }
+                    div.wrap {
+                        table #fleet-table {
+                            thead { tr { th { "replica" } th { "release" } th { "shard" } th { "jobs" } th { "ready" } th { "last report" } } }
+                            tbody {
+                                @for m in members {
+                                    tr data-owner=(m.owner) data-version=(m.version) {
+                                        td { code { (m.owner) } }
+                                        td { (m.version) " " span.small { "(commit " code { (m.commit) } ")" } }
+                                        td.num { (m.shard) " of " (m.shards) }
+                                        td { (m.jobs.join(", ")) }
+                                        @if m.ready {
+                                            td.closed { "ready" }
+                                        } @else {
+                                            td.error { "NOT READY: " (m.reason.as_deref().unwrap_or("")) }
+                                        }
+                                        td.small {
+                                            (age(m.seen_age_secs)) " ago"
+                                            @if !m.is_live(live_within) { " · " strong { "gone?" } " (no report for 3 heartbeats)" }
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    p.note { "Claims without a release were made by a release before 0.2.0, which does not report here." }
                 }
             }
         }
@@ -469,6 +543,7 @@ fn cell(job: &str, date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail
                             " · " strong { "lease expired" } ": a replica of this shard may take it over"
                         }
                     }
+                    div.small { "release " (run.version.as_deref().unwrap_or("before 0.2.0")) }
                     div { (count(run.updated)) " rows updated" }
                     @if let Some(progress) = shard.progress { (bar(progress)) }
                     @if detail {

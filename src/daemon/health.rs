@@ -1,0 +1,185 @@
+//! Readiness: whether this replica can settle what it is asked to, for `/readyz`, the
+//! `settlementd_ready` and `settlementd_not_ready{reason}` metrics, the log and the fleet's
+//! registry ([`crate::jobs::fleet`]).
+//!
+//! A replica is ready when the database answers, every migration of this binary is applied, and
+//! no job of it is refused a due month for its rule. The first two are asked of the database at
+//! each evaluation ([`evaluate`]); the rule is what each [`super::replica::Replica`] found at its
+//! latest look at what is due ([`Health::looked`]), at every tick, so at most one heartbeat old.
+//! Until every job has looked once the replica is not ready ("starting"): a rolling update waits
+//! for the first look, not just for a database that answers.
+//!
+//! Evaluated every heartbeat by the process itself ([`watch`]), which logs each change once and
+//! reports it in `replicas`, and again at every `/readyz` and `/metrics` request.
+
+use crate::jobs::fleet;
+use crate::jobs::Owner;
+use sqlx::PgPool;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How long an evaluation waits for the database before it counts as not answering.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
+/// Why a replica is not ready.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotReady {
+    /// The database did not answer, or answered with an error (its text).
+    Database(String),
+    /// A migration of this binary is not applied.
+    Schema,
+    /// A job has not looked at what is due yet.
+    Starting(&'static str),
+    /// A job is refused a due month for its rule: what it found.
+    RuleConflict(String),
+}
+
+impl NotReady {
+    /// Every value of the metric's `reason` label.
+    pub const LABELS: [&'static str; 4] = ["database", "schema", "starting", "rule_conflict"];
+
+    /// The `reason` label of `settlementd_not_ready`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            NotReady::Database(_) => "database",
+            NotReady::Schema => "schema",
+            NotReady::Starting(_) => "starting",
+            NotReady::RuleConflict(_) => "rule_conflict",
+        }
+    }
+}
+
+impl std::fmt::Display for NotReady {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotReady::Database(e) => write!(f, "{e}"),
+            NotReady::Schema => write!(f, "database schema is not current (run migrations)"),
+            NotReady::Starting(job) => {
+                write!(f, "starting: {job} has not looked at what is due yet")
+            }
+            NotReady::RuleConflict(why) => write!(f, "rule conflict: {why}"),
+        }
+    }
+}
+
+/// What the jobs of this process found at their latest look, shared by its replicas and its HTTP
+/// handlers.
+#[derive(Debug, Default)]
+pub struct Health {
+    /// By job: `None` until its first look, then the rule conflict it found (`Some(None)`: none).
+    rules: Mutex<BTreeMap<&'static str, Option<Option<String>>>>,
+}
+
+impl Health {
+    /// Health for `jobs`, none of which has looked yet.
+    pub fn new(jobs: &[&'static str]) -> Self {
+        Self {
+            rules: Mutex::new(jobs.iter().map(|j| (*j, None)).collect()),
+        }
+    }
+
+    /// `job` looked at what is due: `conflict` is what refuses it, if anything.
+    pub fn looked(&self, job: &'static str, conflict: Option<String>) {
+        self.lock().insert(job, Some(conflict));
+    }
+
+    /// `job` has nothing to look at (paused, or no fire yet): not starting any more, and a conflict
+    /// found before stands.
+    pub fn looked_unless_known(&self, job: &'static str) {
+        self.lock().entry(job).or_insert(None).get_or_insert(None);
+    }
+
+    /// The first job not looked yet, else the first conflict found.
+    pub fn jobs(&self) -> Result<(), NotReady> {
+        let rules = self.lock();
+        if let Some((job, _)) = rules.iter().find(|(_, r)| r.is_none()) {
+            return Err(NotReady::Starting(job));
+        }
+        match rules.values().flatten().flatten().next() {
+            Some(conflict) => Err(NotReady::RuleConflict(conflict.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<&'static str, Option<Option<String>>>> {
+        // A panic while holding this lock leaves a map that is still whole.
+        self.rules.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Whether the replica is ready now; sets `settlementd_ready` and `settlementd_not_ready`.
+pub async fn evaluate(pool: &PgPool, health: &Health) -> Result<(), NotReady> {
+    let result = match tokio::time::timeout(ANSWER_WITHIN, crate::db::schema_is_current(pool)).await
+    {
+        Ok(Ok(true)) => health.jobs(),
+        Ok(Ok(false)) => Err(NotReady::Schema),
+        Ok(Err(e)) => Err(NotReady::Database(e.to_string())),
+        Err(_) => Err(NotReady::Database(
+            "the database did not answer in time".to_string(),
+        )),
+    };
+    publish(&result);
+    result
+}
+
+fn publish(result: &Result<(), NotReady>) {
+    use super::metrics as m;
+    metrics::gauge!(m::READY).set(if result.is_ok() { 1.0 } else { 0.0 });
+    let now = result.as_ref().err().map(NotReady::label);
+    for label in NotReady::LABELS {
+        let value = if now == Some(label) { 1.0 } else { 0.0 };
+        metrics::gauge!(m::NOT_READY, "reason" => label).set(value);
+    }
+}
+
+/// What [`watch`] reports about the process.
+pub struct Reporter {
+    pub pool: PgPool,
+    pub health: Arc<Health>,
+    pub owner: Owner,
+    pub jobs: Vec<&'static str>,
+    pub shards: u32,
+    pub shard: u32,
+    pub every: Duration,
+}
+
+/// Every `every` until `shutdown`: evaluates readiness, logs each change once, and reports the
+/// process in `replicas`. On shutdown, removes its row.
+pub async fn watch(reporter: Reporter, shutdown: CancellationToken) {
+    let started_at = chrono::Utc::now();
+    let mut last: Option<Result<(), NotReady>> = None;
+    loop {
+        let now = evaluate(&reporter.pool, &reporter.health).await;
+        if last.as_ref() != Some(&now) {
+            match &now {
+                Ok(()) => tracing::info!("ready"),
+                Err(why @ NotReady::Starting(_)) => {
+                    tracing::info!(reason = why.label(), "not ready: {why}")
+                }
+                Err(why) => tracing::error!(reason = why.label(), "not ready: {why}"),
+            }
+        }
+        let reason = now.as_ref().err().map(ToString::to_string);
+        let report = fleet::Report {
+            owner: &reporter.owner,
+            jobs: &reporter.jobs,
+            shards: reporter.shards,
+            shard: reporter.shard,
+            started_at,
+            not_ready: reason.as_deref(),
+        };
+        if let Err(e) = fleet::report(&reporter.pool, &report).await {
+            tracing::debug!(error = %e, "cannot report this replica in replicas");
+        }
+        last = Some(now);
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = tokio::time::sleep(reporter.every) => {}
+        }
+    }
+    if let Err(e) = fleet::leave(&reporter.pool, &reporter.owner).await {
+        tracing::debug!(error = %e, "cannot remove this replica from replicas");
+    }
+}
