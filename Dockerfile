@@ -1,4 +1,5 @@
-# settlementd: one replica per container. Build: docker build -t settlementd .   (or podman build)
+# settlementd: one replica per container. Build (or podman build):
+#   docker build --build-arg SETTLEMENTD_COMMIT=$(git rev-parse --short=7 HEAD) -t settlementd .
 # Run: docker run -e DATABASE_URL=postgres://... -e SETTLEMENTD__SHARD__INDEX=0 \
 #        -e SETTLEMENTD__SHARD__COUNT=3 -p 9464:9464 settlementd
 # The dependencies are compiled in a layer of their own (cargo-chef): a change to src/ rebuilds only
@@ -17,7 +18,11 @@ FROM chef AS build
 COPY --from=planner /src/recipe.json recipe.json
 RUN cargo chef cook --release --locked --bin settlementd --recipe-path recipe.json
 COPY . .
-RUN cargo build --release --locked --bin settlementd
+# The commit `settlementd --version` and settlementd_build_info name: the context has no .git, so
+# pass it (docker build --build-arg SETTLEMENTD_COMMIT=$(git rev-parse --short=7 HEAD) .); without
+# it the binary says "unknown". Declared after the dependencies' layer, which it does not change.
+ARG SETTLEMENTD_COMMIT=unknown
+RUN SETTLEMENTD_COMMIT="$SETTLEMENTD_COMMIT" cargo build --release --locked --bin settlementd
 
 FROM debian:bookworm-slim
 RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates tzdata \

@@ -284,7 +284,10 @@ async fn a_replica_with_another_rule_settles_nothing_of_the_month_and_finishes_i
         .lines()
         .filter(|l| l.contains("not ready: rule conflict"))
         .count();
-    assert_eq!(not_ready_lines, 1, "readiness logged once per change:\n{logged}");
+    assert_eq!(
+        not_ready_lines, 1,
+        "readiness logged once per change:\n{logged}"
+    );
     assert!(events_named(&db.pool, month, "rule_conflict").await.len() >= 3);
     assert_eq!(settled_rows(&db.pool).await, before);
 

@@ -21,6 +21,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 const SHARDS: u32 = 3;
+/// This release, as it records itself with its claims and in `replicas`.
+const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The default rule of both releases: 50 cents a day late, no grace, at most 10,000 cents.
 const RATE: i64 = 50;
 const CAP: i64 = 10_000;
@@ -554,6 +556,33 @@ async fn claims_of(pool: &PgPool, month: &str) -> Vec<(i32, i32, String)> {
     .unwrap()
 }
 
+/// The release recorded with the current attempt of `month`'s claim of `shard` (`None`: a release
+/// before 0.2.0 made it).
+async fn version_of(pool: &PgPool, month: &str, shard: i32) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT version FROM job_runs
+          WHERE job_name = 'fine-settlement' AND business_date = $1 AND shard = $2",
+    )
+    .bind(date(month))
+    .bind(shard)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// `status --json` of `month` by this release: what an operator reads.
+fn status_of(url: &str, month: &str) -> serde_json::Value {
+    let out = run_ok(settlementd_at(&binary(Release::This), Some(url)).args([
+        "status",
+        "--business-date",
+        month,
+        "--shards",
+        "3",
+        "--json",
+    ]));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 /// Who pinned `month` (the `pinned_by` owner) and the pin.
 async fn pin_of(pool: &PgPool, month: &str) -> Option<serde_json::Value> {
     sqlx::query_scalar(
@@ -681,6 +710,33 @@ async fn a_rolling_upgrade_from_the_previous_release_and_a_rollback_settle_every
         "May's shard 2 was taken over: {may:?}"
     );
     assert_every_month_right(&pool, &url).await;
+    // Who did what, as `status` shows it: the take-over by this release, and the claims the old
+    // fleet made (no release recorded), beside the replicas that report.
+    assert_eq!(
+        version_of(&pool, "2026-05-31", 2).await.as_deref(),
+        Some(VERSION)
+    );
+    let september = status_of(&url, "2026-09-30");
+    for run in september["runs"].as_array().unwrap() {
+        assert_eq!(run["version"], serde_json::Value::Null, "{september}");
+    }
+    let ready_on = |status: &serde_json::Value| -> Vec<String> {
+        status["replicas"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|r| r["ready"] == true)
+            .map(|r| r["version"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    assert!(
+        eventually(20, || async {
+            ready_on(&status_of(&url, "2026-09-30")) == [VERSION; SHARDS as usize]
+        })
+        .await,
+        "every replica reports this release, ready: {}",
+        status_of(&url, "2026-09-30")
+    );
 
     // 4. A rollback to the previous release, one of its replicas migrating on start (a newer
     // release's migrations must not stop it), and this release's replica killed mid-run taken
@@ -714,6 +770,7 @@ async fn a_rolling_upgrade_from_the_previous_release_and_a_rollback_settle_every
             .any(|(shard, attempt, _)| *shard == 0 && *attempt >= 2),
         "April's shard 0 was taken over by the previous release: {april:?}"
     );
+    assert_eq!(version_of(&pool, "2026-04-30", 0).await, None);
     fleet.assert_all_ready().await;
 
     // 5. Upgraded again.
