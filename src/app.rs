@@ -31,6 +31,13 @@ pub enum AppError {
     /// differ from this replica's, the job is paused, or (`correct`) a live run holds the month.
     #[error("{0}")]
     Refused(String),
+    /// Exit 4: stopped part-way by a pause, after committing some of its work (its claim is
+    /// FAILED `interrupted: paused` and resumes where it stopped). `json`: what `--json` prints.
+    #[error("{message}")]
+    Paused {
+        message: String,
+        json: serde_json::Value,
+    },
 }
 
 impl AppError {
@@ -39,6 +46,7 @@ impl AppError {
             AppError::Invalid(_) => ExitCode::from(2),
             AppError::Failed(_) => ExitCode::from(1),
             AppError::Refused(_) => ExitCode::from(3),
+            AppError::Paused { .. } => ExitCode::from(4),
         }
     }
 }
@@ -64,6 +72,28 @@ impl From<DbError> for AppError {
 }
 impl From<JobError> for AppError {
     fn from(e: JobError) -> Self {
+        if let JobError::Paused {
+            job,
+            by,
+            since,
+            reason,
+            wrote: Some(wrote),
+        } = &e
+        {
+            let json = serde_json::json!({
+                "job": job,
+                "stopped": "paused",
+                "paused_after_batches": wrote.batches,
+                "updated": wrote.updated,
+                "paused_by": by,
+                "paused_at": since,
+                "reason": reason,
+            });
+            return AppError::Paused {
+                message: e.to_string(),
+                json,
+            };
+        }
         match e {
             JobError::ParamsConflict { .. }
             | JobError::BeingCorrected { .. }

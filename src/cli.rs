@@ -181,6 +181,10 @@ pub struct PauseArgs {
     /// Why: shown by status, the page and the log until it is resumed.
     #[arg(long, value_name = "TEXT")]
     pub reason: String,
+    /// Return only once no run of the paused jobs is running anywhere (each stops at its next
+    /// batch; a claim whose holder is gone does not count).
+    #[arg(long)]
+    pub wait: bool,
     #[command(flatten)]
     pub db: DbArgs,
 }
@@ -341,6 +345,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 &settings,
                 args.job.as_deref(),
                 &args.reason,
+                args.wait,
                 args.db.embedded_db,
             )
             .await?;
@@ -479,13 +484,21 @@ async fn run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Re
         };
         let result = commands::run::run_range(settings, &range, &on_progress, &mut on_month).await;
         bar.finish_and_clear();
-        result?;
+        result.inspect_err(|e| print_stopped(args, e))?;
         return Ok(());
     }
     let result = commands::run::run(settings, &request, &on_progress).await;
     bar.finish_and_clear();
-    print(&result?);
+    print(&result.inspect_err(|e| print_stopped(args, e))?);
     Ok(())
+}
+
+/// A run stopped part-way by a pause is a result too: with `--json`, its object on stdout ("paused
+/// after N batches"), besides the line on stderr and exit 4.
+fn print_stopped(args: &RunArgs, e: &crate::app::AppError) {
+    if let (true, crate::app::AppError::Paused { json, .. }) = (args.json, e) {
+        println!("{json}");
+    }
 }
 
 /// A progress bar on stderr when `visible`, else one that draws nothing.

@@ -36,20 +36,22 @@ pub async fn pause_jobs(
     Ok(paused)
 }
 
-/// Resumes `jobs`; returns, per job, the pause it ended (`None`: it was not paused).
+/// Resumes `jobs`, as `by`; returns, per job, the pause it ended (`None`: it was not paused).
 pub async fn resume_jobs(
     database: &Database,
     jobs: &[&'static str],
+    by: &str,
 ) -> Result<Vec<(&'static str, Option<Pause>)>> {
     let mut resumed = Vec::new();
     for job in jobs {
-        resumed.push((*job, pause::resume(&database.pool, job).await?));
+        resumed.push((*job, pause::resume(&database.pool, job, by).await?));
     }
     Ok(resumed)
 }
 
-/// Who pauses from the command line: the OS user at the host.
-pub fn operator() -> String {
+/// Who pauses or resumes from the command line (`command`: `pause`, `resume`): the OS user at the
+/// host.
+pub fn operator(command: &str) -> String {
     let user = std::env::var("USER")
         .or_else(|_| std::env::var("LOGNAME"))
         .unwrap_or_else(|_| "unknown".into());
@@ -57,22 +59,65 @@ pub fn operator() -> String {
         .ok()
         .and_then(|h| h.into_string().ok())
         .unwrap_or_else(|| "unknown-host".into());
-    format!("{user}@{host} (settlementd pause)")
+    format!("{user}@{host} (settlementd {command})")
 }
 
-/// `settlementd pause`.
+/// `settlementd pause` (with `wait`: returns once no run of the jobs is running).
 pub async fn pause_command(
     settings: &Settings,
     job: Option<&str>,
     reason: &str,
+    wait: bool,
     embedded_db: bool,
 ) -> Result<Vec<Pause>> {
     let jobs = targets(settings, job)?;
     let reason = check_reason(reason)?;
     let database = Database::open(settings, embedded_db).await?;
-    let result = pause_jobs(&database, &jobs, &operator(), reason).await;
+    let result = async {
+        let paused = pause_jobs(&database, &jobs, &operator("pause"), reason).await?;
+        if wait {
+            wait_until_stopped(&database, &jobs, settings.lease.ttl_secs).await?;
+        }
+        Ok(paused)
+    }
+    .await;
     database.close().await;
     result
+}
+
+/// Waits until no claim of `jobs` is RUNNING with a live lease (heartbeat younger than
+/// `ttl_secs`): each run stops at its next batch and marks itself FAILED; one whose holder died
+/// is not running. Says once what it waits for.
+async fn wait_until_stopped(database: &Database, jobs: &[&str], ttl_secs: u64) -> Result<()> {
+    let mut said = false;
+    loop {
+        let running: Vec<(String, chrono::NaiveDate, i32, i32)> = sqlx::query_as(
+            "SELECT job_name, business_date, shards, shard FROM job_runs
+              WHERE job_name = ANY($1) AND status = 'RUNNING'
+                AND heartbeat_at > clock_timestamp() - make_interval(secs => $2)
+              ORDER BY 1, 2, 4",
+        )
+        .bind(jobs)
+        .bind(ttl_secs as f64)
+        .fetch_all(&database.pool)
+        .await?;
+        if running.is_empty() {
+            return Ok(());
+        }
+        if !said {
+            let list: Vec<String> = running
+                .iter()
+                .map(|(job, date, shards, shard)| format!("{job} {date} shard {shard} of {shards}"))
+                .collect();
+            eprintln!(
+                "waiting for {} running run(s) to stop at their next batch: {}",
+                running.len(),
+                list.join(", ")
+            );
+            said = true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 /// `settlementd resume`.
@@ -83,7 +128,7 @@ pub async fn resume_command(
 ) -> Result<Vec<(&'static str, Option<Pause>)>> {
     let jobs = targets(settings, job)?;
     let database = Database::open(settings, embedded_db).await?;
-    let result = resume_jobs(&database, &jobs).await;
+    let result = resume_jobs(&database, &jobs, &operator("resume")).await;
     database.close().await;
     result
 }

@@ -191,6 +191,7 @@ fn stopped(e: AppError, month: BusinessDate, from: &str, to: &str) -> AppError {
         AppError::Invalid(_) => AppError::Invalid(how),
         AppError::Failed(_) => AppError::Failed(how),
         AppError::Refused(_) => AppError::Refused(how),
+        AppError::Paused { json, .. } => AppError::Paused { message: how, json },
     }
 }
 

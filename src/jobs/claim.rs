@@ -424,17 +424,34 @@ async fn won(
     Ok(())
 }
 
+/// What [`record_batch`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// The claim holds; the batch's progress is written.
+    Written,
+    /// The claim is lost: the caller must roll the batch back.
+    Lost,
+    /// The job was paused before this write (its statement's snapshot): the caller must roll the
+    /// batch back and stop.
+    Paused,
+}
+
 /// Verifies the claim, renews its heartbeat and records a batch's progress, inside the batch's
-/// transaction. `false` means the claim is lost: the caller must roll the batch back.
-pub async fn record_batch(conn: &mut PgConnection, claim: &Claim, batch: &Batch) -> Result<bool> {
-    let rows = sqlx::query(
+/// transaction, and says whether the job was paused meanwhile ([`Recorded`]).
+pub async fn record_batch(
+    conn: &mut PgConnection,
+    claim: &Claim,
+    batch: &Batch,
+) -> Result<Recorded> {
+    let paused: Option<bool> = sqlx::query_scalar(
         "UPDATE job_runs
             SET heartbeat_at = clock_timestamp(),
                 last_id = COALESCE($6, last_id),
                 last_id_desc = COALESCE($7, last_id_desc),
                 scanned = scanned + $8, updated = updated + $9
           WHERE job_name = $1 AND business_date = $2 AND shards = $3 AND shard = $4
-            AND attempt = $5 AND status = 'RUNNING'",
+            AND attempt = $5 AND status = 'RUNNING'
+         RETURNING EXISTS (SELECT 1 FROM job_pauses p WHERE p.job_name = $1)",
     )
     .bind(&claim.key.job_name)
     .bind(claim.key.business_date)
@@ -445,10 +462,13 @@ pub async fn record_batch(conn: &mut PgConnection, claim: &Claim, batch: &Batch)
     .bind(batch.cursor.last_id_desc)
     .bind(batch.scanned as i64)
     .bind(batch.updated as i64)
-    .execute(conn)
-    .await?
-    .rows_affected();
-    Ok(rows == 1)
+    .fetch_optional(conn)
+    .await?;
+    Ok(match paused {
+        None => Recorded::Lost,
+        Some(true) => Recorded::Paused,
+        Some(false) => Recorded::Written,
+    })
 }
 
 /// Renews the lease, and says whether the job is paused: `Some(paused)`, or `None` when the claim

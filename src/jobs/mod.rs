@@ -435,17 +435,20 @@ pub enum JobError {
     /// claimed or written; a scheduler tries again with its backoff.
     #[error("{key} is not ready: {why}; nothing was run")]
     NotReady { key: JobKey, why: String },
-    /// The job is paused ([`pause`]): nothing new is claimed, and a run in flight stops after its
-    /// batch (marked FAILED `interrupted: paused`, resumed like any interrupted run).
+    /// The job is paused ([`pause`]): nothing new is claimed, and a run in flight stops at its
+    /// next batch (marked FAILED `interrupted: paused`, resumed like any interrupted run). `wrote`:
+    /// what the run had committed when it stopped (`None`: it claimed nothing).
     #[error(
-        "{job} is paused since {} by {by}: {reason} (`settlementd resume` lets it go on)",
-        since.format("%Y-%m-%d %H:%M:%S UTC")
+        "{job} is paused since {} by {by}: {reason}{} (`settlementd resume` lets it go on)",
+        since.format("%Y-%m-%d %H:%M:%S UTC"),
+        wrote.map(|w| w.words()).unwrap_or_else(|| "; nothing was run".to_string())
     )]
     Paused {
         job: String,
         by: String,
         since: chrono::DateTime<chrono::Utc>,
         reason: String,
+        wrote: Option<Wrote>,
     },
     /// The key's period is held by an unfinished correction: nothing was claimed. It ends when
     /// that correction completes (running it again with its key finishes it).
@@ -528,6 +531,31 @@ async fn answered<T>(within: Duration, work: impl Future<Output = Result<T>>) ->
 fn abandon_if_unanswered(conn: &mut PoolConnection<Postgres>, e: &JobError) {
     if matches!(e, JobError::Unanswered { .. }) {
         conn.close_on_drop();
+    }
+}
+
+/// What a run had committed when a pause stopped it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Wrote {
+    /// Batches committed by this attempt.
+    pub batches: u64,
+    /// Items written by them.
+    pub updated: u64,
+}
+
+impl Wrote {
+    fn words(&self) -> String {
+        format!(
+            "; this run stopped after {} committed {} ({} written), its claim FAILED \
+             `interrupted: paused`, to resume where it stopped",
+            self.batches,
+            if self.batches == 1 {
+                "batch"
+            } else {
+                "batches"
+            },
+            self.updated
+        )
     }
 }
 

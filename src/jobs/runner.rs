@@ -10,11 +10,11 @@
 //! The claim is a short transaction on its own connection; each batch is a transaction on the pool
 //! that commits the work together with the fenced progress update; no transaction spans the run.
 
-use super::claim::{self, ClaimOptions, ClaimOutcome, Stated};
+use super::claim::{self, ClaimOptions, ClaimOutcome, Recorded, Stated};
 use super::lease::{Guards, Heartbeat};
 use super::{
-    abandon_if_unanswered, add_notes, answered, events, requests, Job, JobError, JobKey, Notes,
-    Owner, Params, Reopen, Result,
+    abandon_if_unanswered, add_notes, answered, events, requests, Batch, Job, JobError, JobKey,
+    Notes, Owner, Params, Reopen, Result,
 };
 use crate::mutant::{self, Mutant};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -231,7 +231,7 @@ async fn run_in_span<J: Job>(
             }
             ClaimOutcome::Paused(pause) => {
                 tracing::info!(paused_by = %pause.paused_by, "skipped: the job is paused");
-                return Err(paused(pause));
+                return Err(paused(pause, None));
             }
             ClaimOutcome::Correcting { correction, since } => {
                 tracing::info!(correction = %correction, "skipped: the month is held by an unfinished correction");
@@ -387,26 +387,43 @@ async fn work<J: Job>(
         if stops.paused.is_cancelled() {
             let pause = super::pause::of(pool, job_name).await?;
             if let Some(pause) = pause {
-                return Err(paused(pause));
+                return Err(paused(pause, Some(&progress)));
             }
         }
+        // The batch's own progress write says whether the job was paused before it: a pause
+        // committed before that statement rolls the batch back, so once `pause` has returned no
+        // batch of the job commits but those already past it.
         let batch = answered(opts.answer_within(), async {
             let mut tx = conn.begin_with(begin.clone()).await?;
             let batch = job.run_batch(&mut tx, &plan, cursor).await?;
-            let fenced = claim::record_batch(&mut tx, claim, &batch).await?;
-            if !fenced && !mutant::planted(Mutant::FenceOff) {
-                tx.rollback().await?;
-                return Ok(None);
+            match claim::record_batch(&mut tx, claim, &batch).await? {
+                Recorded::Lost if !mutant::planted(Mutant::FenceOff) => {
+                    tx.rollback().await?;
+                    return Ok(Committed::Lost);
+                }
+                Recorded::Paused => {
+                    tx.rollback().await?;
+                    return Ok(Committed::Paused);
+                }
+                Recorded::Written | Recorded::Lost => {}
             }
             tx.commit().await?;
-            Ok(Some(batch))
+            Ok(Committed::Batch(batch))
         })
         .await?;
-        let Some(batch) = batch else {
-            metrics::counter!("settlementd_fencing_rejections_total", "job_name" => job_name)
-                .increment(1);
-            events::fencing_rejected(pool, claim, "batch").await;
-            return Err(lease_lost(claim));
+        let batch = match batch {
+            Committed::Batch(batch) => batch,
+            Committed::Lost => {
+                metrics::counter!("settlementd_fencing_rejections_total", "job_name" => job_name)
+                    .increment(1);
+                events::fencing_rejected(pool, claim, "batch").await;
+                return Err(lease_lost(claim));
+            }
+            // Resumed meanwhile: the batch is done again from the same cursor.
+            Committed::Paused => match super::pause::of(pool, job_name).await? {
+                Some(pause) => return Err(paused(pause, Some(&progress))),
+                None => continue,
+            },
         };
         progress.scanned += batch.scanned;
         progress.updated += batch.updated;
@@ -424,13 +441,26 @@ async fn work<J: Job>(
     }
 }
 
-/// The error of a run stopped, or not started, by `pause`.
-fn paused(pause: super::pause::Pause) -> JobError {
+/// What a batch's transaction ended with.
+enum Committed {
+    Batch(Batch),
+    /// Rolled back: the claim was taken over.
+    Lost,
+    /// Rolled back: the job was paused before the batch's progress write.
+    Paused,
+}
+
+/// The error of a run stopped (after `progress`), or not started, by `pause`.
+fn paused(pause: super::pause::Pause, progress: Option<&Progress>) -> JobError {
     JobError::Paused {
         job: pause.job_name,
         by: pause.paused_by,
         since: pause.paused_at,
         reason: pause.reason,
+        wrote: progress.map(|p| super::Wrote {
+            batches: p.batches,
+            updated: p.updated,
+        }),
     }
 }
 

@@ -51,9 +51,10 @@ async fn record(
         updated: rows,
         ..Batch::default()
     };
-    claim::record_batch(&mut db.pool.acquire().await.unwrap(), claim, &batch)
+    let recorded = claim::record_batch(&mut db.pool.acquire().await.unwrap(), claim, &batch)
         .await
-        .unwrap()
+        .unwrap();
+    recorded == claim::Recorded::Written
 }
 
 async fn set_status(db: &TestDb, status: &str) {

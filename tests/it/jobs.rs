@@ -1543,8 +1543,18 @@ async fn pause_and_resume_over_http_need_the_admin_token() {
             r#"{"job":"payroll","reason":"x"}"#,
             "unknown job",
         ),
+        (
+            "/v1/pause",
+            r#"{"reason":"x","by":"  "}"#,
+            "by must name who asks",
+        ),
         ("/v1/resume", "not json", "invalid request body"),
         ("/v1/resume", r#"{"job":"payroll"}"#, "unknown job"),
+        (
+            "/v1/resume",
+            r#"{"by":"a\u0007b"}"#,
+            "by must name who asks",
+        ),
     ] {
         let answer = post_admin(addr, path, None, body).await;
         assert_eq!(answer.status, 400, "{path} {body}: {answer:?}");
@@ -1558,7 +1568,7 @@ async fn pause_and_resume_over_http_need_the_admin_token() {
         addr,
         "/v1/pause",
         None,
-        r#"{"job":"member-statements","reason":"statements are off"}"#,
+        r#"{"job":"member-statements","reason":"statements are off","by":"alice"}"#,
     )
     .await;
     assert_eq!(answer.status, 200, "{answer:?}");
@@ -1572,7 +1582,7 @@ async fn pause_and_resume_over_http_need_the_admin_token() {
         paused[0]["paused_by"]
             .as_str()
             .unwrap()
-            .starts_with("POST /v1/pause"),
+            .starts_with("alice (POST /v1/pause on "),
         "{paused}"
     );
     // Every job: the statements keep their first pause.
@@ -1618,6 +1628,22 @@ async fn pause_and_resume_over_http_need_the_admin_token() {
     assert!(resumed[0]["was_paused"].is_null(), "{resumed}");
     assert_eq!(resumed[1]["was_paused"]["reason"], "statements are off");
     assert!(pauses(&db.pool).await.is_empty());
+    // Each pause and resume stays in the audit trail, with who asked (the API's too).
+    let history = settlementd::jobs::pause::history(&db.pool, STATEMENTS, 10)
+        .await
+        .unwrap();
+    let told: Vec<(&str, &str)> = history
+        .iter()
+        .map(|c| (c.event.as_str(), c.by.split(" (").next().unwrap_or("")))
+        .collect();
+    assert_eq!(
+        told,
+        [
+            ("resumed", "an unnamed client of the token"),
+            ("paused", "alice")
+        ],
+        "{history:?}"
+    );
     stop.cancel();
     task.await.unwrap();
 }
@@ -2317,4 +2343,116 @@ async fn run_all_jobs_wait_runs_every_job_and_the_statements_wait_for_every_shar
         assert_eq!(jobs, every_job(), "shard {shard}");
     }
     assert_statements(&db.pool, month, 50).await;
+}
+
+/// `run` of the due month in the background while `pause --wait` is given once it has committed a
+/// few batches: what was settled when `pause` returned, what at the end, and how long the run went
+/// on after it. The heartbeat is the default (10 s): the run stops at its next batch, not at its
+/// next heartbeat.
+async fn pause_mid_run(batch_size: &str, loans: i64, slow_secs: f64) {
+    let db = test_db().await;
+    let month = due_month();
+    seed_month_alone(&db.pool, month, loans, 1).await;
+    if slow_secs > 0.0 {
+        slow_updates(&db.pool, slow_secs).await;
+    }
+    let env = [("SETTLEMENTD__BATCH__SIZE", batch_size)];
+    let date = month.to_string();
+    let run = settlementd(Some(&db.url))
+        .envs(env)
+        .args(["run", "--business-date", &date, "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(
+        eventually(60, || async { settled_count(&db.pool).await >= 3 }).await,
+        "the run settles"
+    );
+    let reason = "finance asked to look first";
+    let out = cli(
+        &db.url,
+        &[],
+        &["pause", "--job", SETTLEMENT, "--reason", reason],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    // Once `pause` has returned, at most the batch already past its pause check commits.
+    let at_pause = settled_count(&db.pool).await;
+    let asked = std::time::Instant::now();
+    let out = cli(&db.url, &[], &["pause", "--reason", reason, "--wait"]);
+    let paused_in = asked.elapsed();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    // `--wait` returned: nothing of the job runs any more.
+    let at_return = settled_count(&db.pool).await;
+    let size: i64 = batch_size.parse().unwrap();
+    assert!(
+        at_return - at_pause <= size,
+        "{} loans settled after pause returned, more than the batch in flight ({size})",
+        at_return - at_pause
+    );
+    let status: String = sqlx::query_scalar("SELECT status FROM job_runs WHERE job_name = $1")
+        .bind(SETTLEMENT)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(status, "FAILED", "pause --wait returned while the run ran");
+    let run = run.wait_with_output().unwrap();
+    let after = settled_count(&db.pool).await;
+    assert_eq!(
+        after, at_return,
+        "a batch committed after pause --wait returned"
+    );
+    assert!(after < eligible(&db.pool, month).await, "stopped mid-way");
+
+    // The run says it was stopped, and how much it wrote: exit 4, distinct from a refusal (3).
+    assert_eq!(run.status.code(), Some(4), "{}", stderr_of(&run));
+    let json: serde_json::Value = serde_json::from_slice(&run.stdout).unwrap();
+    assert_eq!(json["stopped"], "paused", "{json}");
+    assert_eq!(json["updated"], after, "{json}");
+    assert_eq!(json["reason"], reason, "{json}");
+    let batches = json["paused_after_batches"].as_u64().unwrap();
+    assert!(batches >= 1, "{json}");
+    let line = stderr_of(&run);
+    assert!(
+        line.contains(&format!("stopped after {batches} committed batch")),
+        "{line}"
+    );
+
+    // The pause and the resume stay in the audit trail: who, why, when.
+    let resumed = cli(&db.url, &[], &["resume", "--job", SETTLEMENT]);
+    assert_eq!(resumed.status.code(), Some(0), "{}", stderr_of(&resumed));
+    let history = settlementd::jobs::pause::history(&db.pool, SETTLEMENT, 10)
+        .await
+        .unwrap();
+    let events: Vec<&str> = history.iter().map(|c| c.event.as_str()).collect();
+    assert_eq!(events, ["resumed", "paused"], "{history:?}");
+    assert!(
+        history[1].by.ends_with("(settlementd pause)"),
+        "{history:?}"
+    );
+    assert_eq!(history[1].message.as_deref(), Some(reason));
+    assert!(
+        history[0].by.ends_with("(settlementd resume)"),
+        "{history:?}"
+    );
+    assert!(
+        history[0].message.as_deref().unwrap_or("").contains(reason),
+        "{history:?}"
+    );
+    eprintln!(
+        "batch size {batch_size}: {} loans settled after pause returned; pause --wait returned \
+         {:.2} s after it was asked; {after} loans settled in {batches} batches",
+        at_return - at_pause,
+        paused_in.as_secs_f64(),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_stops_a_run_at_its_next_batch_and_run_says_how_much_it_wrote_at_batch_size_1() {
+    pause_mid_run("1", 200, 0.05).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_stops_a_run_at_its_next_batch_at_the_default_batch_size() {
+    pause_mid_run("10000", 60_000, 0.0).await;
 }

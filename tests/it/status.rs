@@ -141,7 +141,10 @@ async fn claim_with_one_batch(
         .run_batch(&mut tx, &plan, Cursor::default())
         .await
         .unwrap();
-    assert!(claim::record_batch(&mut tx, &claim, &done).await.unwrap());
+    assert_eq!(
+        claim::record_batch(&mut tx, &claim, &done).await.unwrap(),
+        claim::Recorded::Written
+    );
     tx.commit().await.unwrap();
     claim
 }

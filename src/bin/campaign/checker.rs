@@ -1533,6 +1533,12 @@ fn check_exits(world: &World, out: &mut Vec<Violation>) {
                 || log.contains("being corrected")
                 || log.contains("correct")
                 || log.contains("is paused since"));
+        // Stopped part-way by a pause the campaign made: exit 4, saying how much it wrote.
+        let refused = refused
+            || (code == 4
+                && matches!(p.role, Role::Run { .. })
+                && log.contains("is paused since")
+                && log.contains("stopped after"));
         let faulted = sent("TERM")
             || sent("STOP")
             || faults
