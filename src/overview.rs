@@ -175,6 +175,16 @@ pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
     parts.join(", ")
 }
 
+/// A month's verdict ([`Month::verdict`]).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Verdict {
+    pub closed: bool,
+    /// "closed", or "not closed: " and every reason.
+    pub words: String,
+    /// What resolves it: the command, the event or the wait; `None` when closed.
+    pub next: Option<String>,
+}
+
 /// Items of a month whose every shard is SUCCESS: waiting for a run, and held for an operator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Waiting {
@@ -242,13 +252,108 @@ impl Month {
         self.unsettled.map_or(0, |u| u.held)
     }
 
-    /// Every shard SUCCESS, nothing known to wait, no correction holding it: what the month's own
-    /// rows allow is done (held rows stay, named, until they are fixed). Not closed while its
-    /// waiting items could not be counted.
+    /// Every shard SUCCESS and none refused, nothing known to wait or held, no correction holding
+    /// it ([`Month::verdict`] says why not). Not closed while its waiting items could not be
+    /// counted.
     pub fn closed(&self) -> bool {
         self.all_success()
-            && self.unsettled.is_some_and(|u| u.late == 0)
+            && self.unsettled.is_some_and(|u| u.late == 0 && u.held == 0)
             && self.correction.is_none()
+            && self.shards.iter().all(|s| s.conflict.is_none())
+    }
+
+    /// Closed or not, and why, in words an operator acts on: the one judgement `status` (text and
+    /// JSON) and the page show. Closed only when every shard is SUCCESS and nothing waits, is held,
+    /// is refused or is being corrected; otherwise each of those is named, and what resolves it —
+    /// which, while the job is `paused`, is its resume.
+    pub fn verdict(&self, words: Words, paused: Option<&Pause>) -> Verdict {
+        let mut open = Vec::new();
+        let mut next = Vec::new();
+        if let Some((key, since)) = &self.correction {
+            open.push(format!(
+                "being corrected under key {key:?} since {}",
+                since.format("%Y-%m-%d %H:%M:%S UTC")
+            ));
+            next.push("`settlementd correct` with the same key finishes it".to_string());
+        }
+        let shards = self.open_shards();
+        let refused = self.shards.iter().any(|s| s.conflict.is_some());
+        if !shards.is_empty() {
+            open.push(shards);
+        } else if self.unsettled.is_none() {
+            open.push(format!(
+                "every shard SUCCESS; {} not counted",
+                words.waiting
+            ));
+            next.push("the count did not fit in the view's database time".to_string());
+        }
+        if self.late_returns() > 0 {
+            open.push(format!("{} {}", self.late_returns(), words.waiting));
+        }
+        if self.held() > 0 {
+            open.push(format!("{} {}", self.held(), words.held));
+            next.push(
+                "fix them in libraryd (`settlementd verify` names them); the next run takes them"
+                    .to_string(),
+            );
+        }
+        if open.is_empty() {
+            return Verdict {
+                closed: true,
+                words: "closed".into(),
+                next: None,
+            };
+        }
+        let waits = !self.all_success() || self.late_returns() > 0;
+        if refused {
+            next.push(
+                "a replica's rule is not the month's: fix its configuration, or `settlementd \
+                 correct` re-pins the month"
+                    .to_string(),
+            );
+        }
+        match paused {
+            Some(p) if waits => next.push(format!(
+                "the job is paused since {} by {}: nothing runs until `settlementd resume`",
+                p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                p.paused_by
+            )),
+            None if waits && !refused && self.correction.is_none() => {
+                next.push("a replica of each shard runs what waits within a heartbeat".to_string())
+            }
+            _ => {}
+        }
+        Verdict {
+            closed: false,
+            words: format!("not closed: {}", open.join("; ")),
+            next: (!next.is_empty()).then(|| next.join("; ")),
+        }
+    }
+
+    /// "shard 1 RUNNING; shards 2, 3 missing; shard 3 refused (rule conflict)"; empty when every
+    /// shard is SUCCESS and none was refused.
+    pub fn open_shards(&self) -> String {
+        let by_state = [State::Running, State::Failed, State::Missing]
+            .into_iter()
+            .map(|state| (self.in_state(state), state.word()));
+        let conflicts: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|s| s.conflict.is_some())
+            .map(|s| s.index)
+            .collect();
+        by_state
+            .chain([(conflicts, "refused (rule conflict)")])
+            .filter_map(|(shards, word)| {
+                let list: Vec<String> = shards.iter().map(u32::to_string).collect();
+                match shards.len() {
+                    0 => None,
+                    1 => Some(format!("shard {} {word}", list[0])),
+                    _ => Some(format!("shards {} {word}", list.join(", "))),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     /// The shards in `state`.
@@ -1039,16 +1144,100 @@ mod tests {
         assert_eq!(one_failed.in_state(State::Failed), vec![0]);
     }
 
+    const WORDS: Words = Words {
+        waiting: "late returns or edits waiting",
+        held: "rows held (bad dates)",
+        done: "settled",
+        runs: "settles",
+    };
+
+    fn a_pause() -> Pause {
+        Pause {
+            job_name: "fine-settlement".into(),
+            paused_by: "ops@bastion (settlementd pause)".into(),
+            paused_at: Utc::now(),
+            reason: "audit".into(),
+        }
+    }
+
     #[test]
-    fn a_month_with_late_returns_waiting_is_not_closed_and_held_rows_do_not_keep_it_open() {
+    fn a_month_with_late_returns_waiting_or_rows_held_is_not_closed_and_says_what_resolves_it() {
         let mut month = month(vec![Some(run(0, "SUCCESS", 1.0))]);
         let counted = |late, held| Waiting { late, held };
         month.unsettled = Some(counted(2, 0));
         assert!(month.all_success() && !month.closed());
         assert_eq!(month.late_returns(), 2);
+        let verdict = month.verdict(WORDS, None);
+        assert_eq!(verdict.words, "not closed: 2 late returns or edits waiting");
+        assert!(verdict.next.unwrap().contains("within a heartbeat"));
         month.unsettled = Some(counted(0, 3));
-        assert!(month.closed());
+        assert!(!month.closed(), "held rows are not done");
         assert_eq!(month.held(), 3);
+        let verdict = month.verdict(WORDS, None);
+        assert_eq!(verdict.words, "not closed: 3 rows held (bad dates)");
+        assert!(verdict.next.unwrap().contains("settlementd verify"));
+        month.unsettled = Some(counted(0, 0));
+        assert_eq!(
+            month.verdict(WORDS, Some(&a_pause())),
+            Verdict {
+                closed: true,
+                words: "closed".into(),
+                next: None
+            },
+            "a closed month of a paused job is closed"
+        );
+    }
+
+    #[test]
+    fn what_waits_behind_a_pause_or_a_rule_conflict_is_never_said_to_run_within_a_heartbeat() {
+        let mut month = month(vec![Some(run(0, "SUCCESS", 1.0)), None]);
+        month.unsettled = Some(Waiting { late: 1, held: 0 });
+        let paused = month.verdict(WORDS, Some(&a_pause()));
+        assert!(!paused.closed);
+        let next = paused.next.unwrap();
+        assert!(
+            next.contains("paused") && next.contains("settlementd resume"),
+            "{next}"
+        );
+        assert!(!next.contains("heartbeat"), "{next}");
+        month.shards[1].run = Some(run(1, "SUCCESS", 1.0));
+        month.shards[1].conflict = Some("pinned to 50 cents a day".into());
+        assert!(!month.closed(), "a refused shard is not done");
+        let refused = month.verdict(WORDS, None);
+        assert_eq!(
+            refused.words,
+            "not closed: shard 1 refused (rule conflict); 1 late returns or edits waiting"
+        );
+        let next = refused.next.unwrap();
+        assert!(
+            next.contains("settlementd correct") && !next.contains("heartbeat"),
+            "{next}"
+        );
+    }
+
+    #[test]
+    fn closed_and_the_verdict_never_disagree() {
+        for late in [0, 1] {
+            for held in [0, 1] {
+                for conflict in [false, true] {
+                    for correcting in [false, true] {
+                        for status in ["SUCCESS", "RUNNING", "FAILED"] {
+                            let mut m = month(vec![Some(run(0, status, 1.0))]);
+                            m.unsettled = Some(Waiting { late, held });
+                            if conflict {
+                                m.shards[0].conflict = Some("other rule".into());
+                            }
+                            if correcting {
+                                m.correction = Some(("K".into(), Utc::now()));
+                            }
+                            let verdict = m.verdict(WORDS, None);
+                            assert_eq!(verdict.closed, m.closed(), "{verdict:?}");
+                            assert_eq!(verdict.words == "closed", m.closed(), "{verdict:?}");
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]

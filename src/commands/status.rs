@@ -103,28 +103,15 @@ impl MonthStatus {
         self.month.shards.get(shard as usize)?.run.as_ref()
     }
 
-    /// "closed", "being corrected under key K since T", "closed, 2 late returns or edits
-    /// waiting" or "not closed".
-    pub fn verdict(&self) -> String {
-        let m = &self.month;
-        if let Some((key, since)) = &m.correction {
-            format!(
-                "being corrected under key {key:?} since {}",
-                since.format("%Y-%m-%d %H:%M:%S UTC")
-            )
-        } else if m.closed() {
-            "closed".into()
-        } else if m.all_success() && m.unsettled.is_none() {
-            format!("every shard SUCCESS; {} not counted", self.words.waiting)
-        } else if m.all_success() {
-            format!("closed, {} {}", m.late_returns(), self.words.waiting)
-        } else {
-            "not closed".into()
-        }
+    /// The month's verdict ([`Month::verdict`]): the same judgement as the page's.
+    pub fn verdict(&self) -> overview::Verdict {
+        let paused = self.watch.as_ref().and_then(|w| w.paused.as_ref());
+        self.month.verdict(self.words, paused)
     }
 
     /// The `status --json` object.
     pub fn to_json(&self) -> serde_json::Value {
+        let verdict = self.verdict();
         let runs: Vec<serde_json::Value> = self
             .month
             .shards
@@ -164,8 +151,9 @@ impl MonthStatus {
             "job": self.job,
             "business_date": self.business_date.to_string(),
             "shards": self.shards,
-            "closed": self.month.closed(),
-            "verdict": self.verdict(),
+            "closed": verdict.closed,
+            "verdict": verdict.words,
+            "next": verdict.next,
             "late_returns": self.month.unsettled.map(|u| u.late),
             "held": self.month.unsettled.map(|u| u.held),
             "correction": self.month.correction.as_ref().map(|(key, since)| serde_json::json!({
@@ -199,8 +187,11 @@ impl MonthStatus {
             self.job,
             self.business_date,
             self.shards,
-            self.verdict()
+            self.verdict().words
         );
+        if let Some(next) = self.verdict().next {
+            let _ = writeln!(out, "next: {next}");
+        }
         let _ = match &self.month.rule_text {
             Some(rule) => writeln!(out, "rule: {rule}"),
             None => writeln!(out, "rule: none pinned yet (no claim of the month)"),

@@ -344,7 +344,14 @@ async fn a_run_of_a_closed_month_settles_its_late_returns_under_the_pinned_rule(
         ],
     ));
     assert_eq!(status["closed"], false, "{status}");
-    assert_eq!(status["verdict"], "closed, 1 late returns or edits waiting");
+    assert_eq!(
+        status["verdict"],
+        "not closed: 1 late returns or edits waiting"
+    );
+    assert_eq!(
+        status["next"],
+        "a replica of each shard runs what waits within a heartbeat"
+    );
     assert_eq!(status["late_returns"], 1);
     let out = cli(
         &db.url,

@@ -418,17 +418,18 @@ impl FourMonths {
             .collect();
         assert!(rows.windows(2).all(|w| w[0] < w[1]), "newest month first");
         assert_eq!(text_of(dom, &format!("verdict-{closed}")), "closed");
+        let next = "a replica of each shard runs what waits within a heartbeat";
         assert_eq!(
             text_of(dom, &format!("verdict-{missing}")),
-            "not closed shard 2 missing"
+            format!("not closed: shard 2 missing {next}")
         );
         assert_eq!(
             text_of(dom, &format!("verdict-{failed}")),
-            "not closed shard 1 FAILED"
+            format!("not closed: shard 1 FAILED {next}")
         );
         assert_eq!(
             text_of(dom, &format!("verdict-{running}")),
-            "not closed shard 1 RUNNING"
+            format!("not closed: shard 1 RUNNING {next}")
         );
 
         // The cells: status in words, attempt, owner, heartbeat age, progress, error.
@@ -512,7 +513,8 @@ impl FourMonths {
         assert_eq!(
             text_of(dom, "latest-fire"),
             format!(
-                "{}, settles {running}: not closed (shard 1 RUNNING)",
+                "{}, settles {running}: not closed: shard 1 RUNNING a replica of each shard runs \
+                 what waits within a heartbeat",
                 first_of(&self.latest)
             )
         );

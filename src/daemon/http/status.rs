@@ -18,7 +18,7 @@
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
 use crate::jobs::fleet::Member;
-use crate::overview::{Month, Overview, Progress, Scope, Shard, State as ShardState, Totals};
+use crate::overview::{Month, Overview, Progress, Scope, Shard, Totals};
 use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
@@ -404,8 +404,7 @@ fn schedule(view: &Overview) -> Markup {
                         (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", " (view.words.runs) " "
                         a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) } ": "
                         @match view.month(slot.business_date.date()) {
-                            Some(month) if month.all_success() => (verdict(month, view.words)),
-                            Some(month) => { span.open { "not closed" } " (" (open_shards(month)) ")" }
+                            Some(month) => (verdict(month, view)),
                             None => { span.open { "not closed" } " (no shard of " (view.shards) " has claimed it)" }
                         }
                     }
@@ -457,7 +456,7 @@ fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
     html! {
         tr #{ (job) "-month-" (date) } {
             th { a href=(month_link_date(date, view.shards)) { (date) } }
-            td.verdict #{ (job) "-verdict-" (date) } { (verdict(month, view.words)) }
+            td.verdict #{ (job) "-verdict-" (date) } { (verdict(month, view)) }
             td.totals #{ (job) "-totals-" (date) } { (totals(&month.totals, view.words, detail)) }
             td.rule.small #{ (job) "-rule-" (date) } {
                 @match &month.rule_text {
@@ -472,24 +471,19 @@ fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
 
 /// Closed; being corrected; closed but for items waiting; or not closed and why. Held rows are
 /// named either way: they are what the month's own data keeps from being done.
-fn verdict(month: &Month, words: crate::jobs::Words) -> Markup {
+fn verdict(month: &Month, view: &Overview) -> Markup {
+    let paused = view.watch.as_ref().and_then(|w| w.paused.as_ref());
+    let verdict = month.verdict(view.words, paused);
     html! {
-        @if let Some((key, since)) = &month.correction {
-            span.open { "being corrected under key " code { (key) } " since " (since.format("%Y-%m-%d %H:%M:%S UTC")) }
-            br; span.small { "never closed until that correction completes (`settlementd correct` with the same key finishes it)" }
-        } @else if month.closed() {
-            span.closed { "closed" }
-        } @else if month.all_success() && month.unsettled.is_none() {
-            span.late { "every shard SUCCESS; " (words.waiting) " not counted" }
-            br; span.small { "(the count did not fit in this view's database time)" }
-        } @else if month.all_success() {
-            span.late { "closed, " (month.late_returns()) " " (words.waiting) }
-            br; span.small { "a replica of their shard runs them within a heartbeat" }
+        @if verdict.closed {
+            span.closed { (verdict.words) }
+        } @else if month.all_success() && month.correction.is_none() {
+            span.late { (verdict.words) }
         } @else {
-            span.open { "not closed" } br; span.small { (open_shards(month)) }
+            span.open { (verdict.words) }
         }
-        @if month.held() > 0 {
-            br; span.late.held { (month.held()) " " (words.held) }
+        @if let Some(next) = &verdict.next {
+            br; span.small.next { (next) }
         }
     }
 }
@@ -641,31 +635,6 @@ fn notice(title: &str, message: &str) -> Markup {
 }
 
 // ---- Formatting ---------------------------------------------------------------------------
-
-/// "shard 1 RUNNING; shards 2, 3 missing; shard 3 refused (rule conflict)".
-fn open_shards(month: &Month) -> String {
-    let by_state = [ShardState::Running, ShardState::Failed, ShardState::Missing]
-        .into_iter()
-        .map(|state| (month.in_state(state), state.word()));
-    let conflicts: Vec<u32> = month
-        .shards
-        .iter()
-        .filter(|s| s.conflict.is_some())
-        .map(|s| s.index)
-        .collect();
-    by_state
-        .chain([(conflicts, "refused (rule conflict)")])
-        .filter_map(|(shards, word)| {
-            let list: Vec<String> = shards.iter().map(u32::to_string).collect();
-            match shards.len() {
-                0 => None,
-                1 => Some(format!("shard {} {word}", list[0])),
-                _ => Some(format!("shards {} {word}", list.join(", "))),
-            }
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
-}
 
 fn month_link(month: BusinessDate, shards: u32) -> String {
     month_link_date(month.date(), shards)
