@@ -8,8 +8,8 @@
 //! - that fine is the month's rule's for the loan's dates;
 //! - no return of the month is left unsettled, none is held, no edit of one of its loans waits to
 //!   be re-priced, and no settled loan of it lacks a journal entry;
-//! - the journal's chain is whole for its loans: no entry ahead of its loan's `fine_seq`, no loan
-//!   gone without its deletion recorded.
+//! - the journal's chain is whole for its loans: no entry ahead of its loan's `fine_seq`, no
+//!   settled loan gone without its deletion recorded (one whose return was undone owes nothing).
 //!
 //! The rule is the month's pinned one ([`crate::jobs::params`]); a month claimed before pins
 //! existed is checked against the rule the configuration gives it, and the report says so. A
@@ -261,13 +261,16 @@ async fn journal_side(
                                  OR NOT {in_month})
               THEN NOT {queued} ELSE false END"
     );
+    // A loan gone from `loans` is whole when its deletion is recorded (the partial index on the
+    // deletion entries' loans finds it), queued, or when the month's last entry of it unsettled
+    // it (a return undone: an unsettled loan's deletion is not queued, nothing is owed).
     let broken = format!(
         "(present AND (l_seq IS NULL OR l_seq < seq))
          OR (cur AND kind = 'deleted')
-         OR CASE WHEN NOT present
+         OR CASE WHEN NOT present AND last_here IS DISTINCT FROM 'reversed'
                  THEN NOT {queued} AND NOT EXISTS (
                           SELECT 1 FROM fine_journal d
-                           WHERE d.kind = 'deleted' AND c.loan_id = ANY (d.loan_ids))
+                           WHERE d.kind = 'deleted' AND d.loan_ids @> ARRAY[c.loan_id])
                  ELSE false END"
     );
     let sql = format!(
@@ -281,6 +284,8 @@ async fn journal_side(
              SELECT e.kind, e.loan_id, e.seq, e.due_on, e.returned_on, e.after_cents,
                     l.id IS NOT NULL AS present, l.fine_seq AS l_seq,
                     l.fine_seq IS NOT DISTINCT FROM e.seq AS cur,
+                    first_value(e.kind) OVER (PARTITION BY e.loan_id ORDER BY e.seq DESC)
+                      AS last_here,
                     l.fine_cents::bigint AS l_fine, l.fine_settled_at IS NOT NULL AS l_settled,
                     l.due_on AS l_due, l.returned_on AS l_ret,
                     {HELD_ROW} AS l_held,

@@ -92,7 +92,8 @@ pub(crate) async fn journal_breaks(pool: &PgPool) -> Vec<String> {
                     END",
         ),
         (
-            "a loan gone from loans neither ends with its deletion nor has it queued",
+            "a loan gone from loans neither ends with its deletion nor has it queued (nor was \
+             unsettled by its last entry)",
             "WITH last AS (
                  SELECT DISTINCT ON (loan_id) loan_id, seq, kind, after_cents
                    FROM fine_journal_entries ORDER BY loan_id, seq DESC
@@ -100,7 +101,7 @@ pub(crate) async fn journal_breaks(pool: &PgPool) -> Vec<String> {
              SELECT format('loan %s: last entry %s %s to %s', loan_id, seq, kind, after_cents)
                FROM last e
               WHERE NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = e.loan_id)
-                AND NOT (e.kind = 'deleted' AND e.after_cents = 0)
+                AND NOT (e.kind IN ('deleted', 'reversed') AND e.after_cents = 0)
                 AND NOT EXISTS (SELECT 1 FROM loan_changes c
                                  WHERE c.loan_id = e.loan_id AND c.deleted)",
         ),
@@ -1725,5 +1726,37 @@ async fn a_batch_of_queued_edits_reads_about_what_it_takes_not_the_whole_queue()
     assert!(
         read < 200,
         "a batch of 10 read {read} index entries of a queue of {waiting}"
+    );
+}
+
+/// Before, a loan whose return was undone (reversed, unsettled) and which libraryd then deleted
+/// kept `verify` at "not right" for ever: an unsettled loan's deletion is not queued, so no
+/// deletion entry follows its reversal, and the vanished loan counted as a broken chain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loan_deleted_after_its_return_was_undone_leaves_its_month_right() {
+    let db = test_db().await;
+    insert_loan(&db.pool, 3, "2026-10-01", Some("2026-10-21")).await;
+    insert_loan(&db.pool, 4, "2026-10-01", Some("2026-10-11")).await;
+    run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
+    sql(&db.pool, "UPDATE loans SET returned_on = NULL WHERE id = 3").await;
+    run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
+    assert_eq!(loan(&db.pool, 3).await, (0, false, Some(2)));
+    sql(&db.pool, "DELETE FROM loans WHERE id = 3").await;
+    assert_verified(&db.url, &[], "2026-10-31");
+    assert_journal_whole(&db.pool).await;
+    // A settled loan deleted behind settlementd's back (the edit triggers off) is still broken.
+    sqlx::raw_sql(
+        "SET session_replication_role = replica; DELETE FROM loans WHERE id = 4;
+         RESET session_replication_role",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let (code, report) = verify(&db.url, &[], "2026-10-31");
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(
+        report["journal"]["broken"],
+        serde_json::json!({"count": 1, "ids": [4]}),
+        "{report}"
     );
 }
