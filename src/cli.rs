@@ -259,16 +259,34 @@ pub fn parse() -> std::result::Result<Cli, ExitCode> {
                 ExitCode::SUCCESS
             }
             _ => {
-                let text = e.render().to_string();
-                let first = text
-                    .lines()
-                    .find(|l| !l.trim().is_empty())
-                    .unwrap_or("invalid arguments");
-                eprintln!("{} (see --help)", first.trim());
+                eprintln!("{} (see --help)", one_line(&e.render().to_string()));
                 ExitCode::from(2)
             }
         }
     })
+}
+
+/// clap's message in one line: its first paragraph (for a missing argument, the arguments it
+/// names) and its tips (a similar argument, a value that exists), without the usage.
+fn one_line(rendered: &str) -> String {
+    let mut paragraphs = rendered.split("\n\n").map(|p| {
+        p.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join(" ")
+    });
+    let first = paragraphs.next().unwrap_or_default();
+    let tips: Vec<String> = paragraphs.filter(|p| p.starts_with("tip:")).collect();
+    let first = if first.is_empty() {
+        "invalid arguments".to_string()
+    } else {
+        first
+    };
+    std::iter::once(first)
+        .chain(tips)
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// Runs one parsed command to completion and prints what it produced on stdout.

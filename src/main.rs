@@ -33,6 +33,15 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(code) => return code,
     };
+    if !matches!(cli.command, Command::Serve(_) | Command::Demo) {
+        // A command whose reader went away (`settlementd schedule --next 1000 | head -1`) ends
+        // quietly, as Unix tools do, instead of panicking on the closed pipe. Not for `serve` and
+        // the demo, which hold sockets: a peer gone is an error to handle there, not an exit.
+        // SAFETY: signal(2) with SIG_DFL, before any thread is started.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let settings = match settlementd::registry::load(cli.config.as_deref()) {
         Ok(settings) => settings,
         Err(e) => {

@@ -472,3 +472,53 @@ async fn run_of_a_paused_job_is_refused_with_exit_3_and_claims_nothing() {
         Some(eligible(&db.pool, bd("2026-10-31")).await)
     );
 }
+
+/// Before, clap's message was cut to its first line: "the following required arguments were not
+/// provided: (see --help)", naming none; a misspelt flag lost clap's suggestion.
+#[test]
+fn a_missing_or_misspelt_argument_is_named_in_one_line_with_clap_s_suggestion() {
+    let out = settlementd(None).arg("pause").output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("the following required arguments were not provided: --reason <TEXT>"),
+        "{err}"
+    );
+    let out = settlementd(None)
+        .args(["run", "--job-name", "x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("unexpected argument '--job-name'")
+            && err.contains("a similar argument exists: '--job'"),
+        "{err}"
+    );
+}
+
+/// Before, `settlementd schedule --next 1000 | head -1` panicked on the closed pipe (exit 101,
+/// a backtrace on stderr).
+#[test]
+fn a_reader_that_goes_away_ends_the_command_quietly_as_unix_tools_do() {
+    use std::io::BufRead;
+    use std::os::unix::process::ExitStatusExt;
+    let mut child = settlementd(None)
+        .args(["schedule", "--next", "100000"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.contains("settles"), "{first}");
+    // The reader is dropped here: the pipe closes with most of the output unwritten.
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}", out.status);
+    let err = String::from_utf8(out.stderr).unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+}
