@@ -231,7 +231,7 @@ async fn run_in_span<J: Job>(
             }
             ClaimOutcome::Paused(pause) => {
                 tracing::info!(paused_by = %pause.paused_by, "skipped: the job is paused");
-                return Err(paused(pause));
+                return Err(pause.into());
             }
             ClaimOutcome::Correcting { correction, since } => {
                 tracing::info!(correction = %correction, "skipped: the month is held by an unfinished correction");
@@ -387,7 +387,7 @@ async fn work<J: Job>(
         if stops.paused.is_cancelled() {
             let pause = super::pause::of(pool, job_name).await?;
             if let Some(pause) = pause {
-                return Err(paused(pause));
+                return Err(pause.into());
             }
         }
         let batch = answered(opts.answer_within(), async {
@@ -421,16 +421,6 @@ async fn work<J: Job>(
         if batch.done {
             return Ok((progress, notes));
         }
-    }
-}
-
-/// The error of a run stopped, or not started, by `pause`.
-fn paused(pause: super::pause::Pause) -> JobError {
-    JobError::Paused {
-        job: pause.job_name,
-        by: pause.paused_by,
-        since: pause.paused_at,
-        reason: pause.reason,
     }
 }
 

@@ -5,10 +5,10 @@
 //! rule, reason, shard count: the same key again with the same request changes nothing and
 //! reports the first result, with another it is refused (`commands::correct`). It
 //! 1. re-pins the month to the configured rule and holds it ([`begin`], one transaction; the only
-//!    way a pin ever changes), refusing while a live run holds any shard of the month or another
-//!    correction of it is unfinished: from then until it completes, no run, sweep or takeover of
-//!    the month's claims but its own can run (`jobs::params::hold`), and `status` says "being
-//!    corrected";
+//!    way a pin ever changes), refusing while the job is paused, a live run holds any shard of the
+//!    month or another correction of it is unfinished — a refusal leaves the pin and the hold as
+//!    they were: from then until it completes, no run, sweep or takeover of the month's claims
+//!    but its own can run (`jobs::params::hold`), and `status` says "being corrected";
 //! 2. runs [`FineCorrection`] on every shard of the month, through the job layer like every run
 //!    (claim, lease, fencing): each batch re-prices the edits queued for the month, then the
 //!    month's loans — those whose last journal entry is in it, and its unsettled returns — by
@@ -71,12 +71,16 @@ pub enum Begun {
     Running(Vec<String>),
     /// Another correction of the month is unfinished: nothing was recorded.
     Unfinished(Correction),
+    /// The job is paused: nothing was recorded, the pin and its hold are as they were.
+    Paused(crate::jobs::pause::Pause),
 }
 
 /// Records the correction `key` of `business_date` under `shards`, re-pinning the month to `rule`
-/// and holding it ([`params::hold`]), in one transaction that first locks the month's pin
-/// (waiting for claims comparing against it) and refuses while any run of the month, under any
-/// shard count, holds a live lease, or another correction of the month is unfinished.
+/// and holding it ([`params::hold`]), in one transaction. It refuses while the job is paused
+/// (checked first, before anything is written), then locks the month's pin (waiting for claims
+/// comparing against it) and refuses while any run of the month, under any shard count, holds a
+/// live lease, or another correction of the month is unfinished. Every refusal rolls the
+/// transaction back: the pin and the hold are left exactly as they were, and nothing is recorded.
 #[allow(clippy::too_many_arguments)]
 pub async fn begin(
     conn: &mut PgConnection,
@@ -92,6 +96,14 @@ pub async fn begin(
         return Ok(Begun::Existing(existing));
     }
     let mut tx = conn.begin().await?;
+    // A pause stops a correction as it stops a claim: before the month is touched.
+    if let Some(pause) = crate::jobs::pause::of(&mut *tx, super::JOB_NAME)
+        .await
+        .map_err(job_to_sqlx)?
+    {
+        tx.rollback().await?;
+        return Ok(Begun::Paused(pause));
+    }
     let old = params::repin(&mut tx, super::JOB_NAME, business_date.date(), rule, owner)
         .await
         .map_err(job_to_sqlx)?;

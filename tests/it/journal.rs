@@ -22,7 +22,7 @@ use std::process::{Output, Stdio};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
-const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
+pub(crate) const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
 
 /// The journal's invariant over the whole database, every violation named:
 /// - each loan's entries are numbered 1..n, without gaps or repeats, an opening entry only first;
@@ -124,7 +124,7 @@ fn day(text: &str) -> NaiveDate {
 }
 
 /// A loan borrowed two weeks before it is due; `returned` `None`: still out.
-async fn insert_loan(pool: &PgPool, id: i64, due: &str, returned: Option<&str>) {
+pub(crate) async fn insert_loan(pool: &PgPool, id: i64, due: &str, returned: Option<&str>) {
     sqlx::query(
         "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
          VALUES ($1, 7, 7, $2::date - 14, $2::date, $3::date)",
@@ -137,7 +137,7 @@ async fn insert_loan(pool: &PgPool, id: i64, due: &str, returned: Option<&str>) 
     .unwrap();
 }
 
-async fn sql(pool: &PgPool, statement: &str) {
+pub(crate) async fn sql(pool: &PgPool, statement: &str) {
     sqlx::query(statement).execute(pool).await.unwrap();
 }
 
@@ -161,7 +161,7 @@ fn run_shard(url: &str, env: &[(&str, &str)], month: &str, shard: u32, shards: u
 }
 
 /// [`run_shard`], which must exit 0; its report.
-fn run_ok_json(
+pub(crate) fn run_ok_json(
     url: &str,
     env: &[(&str, &str)],
     month: &str,
@@ -179,7 +179,13 @@ fn run_ok_json(
 }
 
 /// `settlementd correct` of `month` under `key`.
-fn correct(url: &str, env: &[(&str, &str)], month: &str, key: &str, reason: &str) -> Output {
+pub(crate) fn correct(
+    url: &str,
+    env: &[(&str, &str)],
+    month: &str,
+    key: &str,
+    reason: &str,
+) -> Output {
     cli(
         url,
         env,
@@ -199,7 +205,7 @@ fn correct(url: &str, env: &[(&str, &str)], month: &str, key: &str, reason: &str
 /// One loan's journal entries in order: (seq, kind, month's first day, before, after).
 type Entry = (i32, String, NaiveDate, Option<i64>, i64);
 
-async fn entries(pool: &PgPool, loan: i64) -> Vec<Entry> {
+pub(crate) async fn entries(pool: &PgPool, loan: i64) -> Vec<Entry> {
     sqlx::query_as(
         "SELECT seq, kind, month, before_cents, after_cents FROM fine_journal_entries
           WHERE loan_id = $1 ORDER BY seq",
@@ -210,12 +216,12 @@ async fn entries(pool: &PgPool, loan: i64) -> Vec<Entry> {
     .unwrap()
 }
 
-fn entry(seq: i32, kind: &str, month: &str, before: i64, after: i64) -> Entry {
+pub(crate) fn entry(seq: i32, kind: &str, month: &str, before: i64, after: i64) -> Entry {
     (seq, kind.to_string(), day(month), Some(before), after)
 }
 
 /// A loan's (fine_cents, settled, fine_seq).
-async fn loan(pool: &PgPool, id: i64) -> (i64, bool, Option<i32>) {
+pub(crate) async fn loan(pool: &PgPool, id: i64) -> (i64, bool, Option<i32>) {
     sqlx::query_as(
         "SELECT fine_cents, fine_settled_at IS NOT NULL, fine_seq FROM loans WHERE id = $1",
     )
@@ -239,7 +245,7 @@ async fn statuses(pool: &PgPool, month: BusinessDate, shards: i32) -> Vec<String
     .unwrap()
 }
 
-async fn count(pool: &PgPool, query: &str) -> i64 {
+pub(crate) async fn count(pool: &PgPool, query: &str) -> i64 {
     sqlx::query_scalar(query).fetch_one(pool).await.unwrap()
 }
 
