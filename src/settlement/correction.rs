@@ -390,19 +390,22 @@ impl Job for FineCorrection {
             .map_err(sqlx::Error::Protocol)?
             .rule;
         let (shards, shard) = (i64::from(key.shards), i64::from(key.shard));
-        let after = claim.resume.last_id.unwrap_or(i64::MIN);
+        // `None`: from the first id, i64::MIN included (a bound of i64::MIN, exclusive, left the
+        // loan with that id out).
+        let after = claim.resume.last_id;
         let mut tx = pool.begin_with(self.settlement.begin_batch()).await?;
         let loans: Vec<(i64, Option<i32>)> = sqlx::query_as(&format!(
             "SELECT DISTINCT ON (id) id, seq FROM (
                  SELECT x.loan_id AS id, x.seq
                    FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
-                  WHERE j.month = $1::date AND x.loan_id > $4
+                  WHERE j.month = $1::date AND ($4::bigint IS NULL OR x.loan_id > $4)
                     AND ($2 = 1 OR (x.loan_id % $2 + $2) % $2 = $3)
                  UNION ALL
                  SELECT l.id::bigint, NULL FROM loans l
                   WHERE {MONTH_KEY_L} = $1::date::timestamp
                     AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
-                    AND l.id + 0 > $4 AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
+                    AND ($4::bigint IS NULL OR l.id + 0 > $4)
+                    AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
              ) t
              ORDER BY id, seq DESC NULLS FIRST"
         ))
@@ -444,8 +447,10 @@ impl Job for FineCorrection {
                 ..Batch::default()
             });
         }
-        let after = cursor.last_id.unwrap_or(i64::MIN);
-        let start = plan.loans.partition_point(|(id, _)| *id <= after);
+        let start = match cursor.last_id {
+            Some(after) => plan.loans.partition_point(|(id, _)| *id <= after),
+            None => 0,
+        };
         let page = &plan.loans[start..plan.loans.len().min(start + limit as usize)];
         let Some(&(last, _)) = page.last() else {
             return Ok(Batch {

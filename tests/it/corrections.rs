@@ -6,7 +6,48 @@
 //! Each test's doc comment says what the code before (main at f7161ac) did instead.
 
 use crate::helpers::*;
-use crate::journal::{assert_journal_whole, correct, count, run_ok_json, RATE};
+use crate::journal::{assert_journal_whole, correct, count, insert_loan, loan, run_ok_json, RATE};
+use sqlx::PgPool;
+
+/// The `fine_adjustments` rows, by loan: (loan, old, new).
+async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
+    sqlx::query_as("SELECT loan_id, old_cents, new_cents FROM fine_adjustments ORDER BY loan_id")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Before, a correction's plan read the loans after i64::MIN, exclusive: the loan with that id was
+/// never corrected (it kept the old rule's 500 cents, the new rule gives 600).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correction_corrects_every_id_from_i64_min_to_i64_max() {
+    let db = test_db().await;
+    let ids = [i64::MIN, -1, 0, 5, i64::MAX];
+    for id in ids {
+        insert_loan(&db.pool, id, "2026-10-01", Some("2026-10-11")).await;
+    }
+    for shard in 0..2 {
+        run_ok_json(&db.url, &[], "2026-10-31", shard, 2);
+    }
+    let new_rule = [(RATE, "60")];
+    let out = correct(
+        &db.url,
+        &new_rule,
+        "2026-10-31",
+        "RATE-60",
+        "the rate is 60",
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert_eq!(json_of(&out)["changed"], ids.len());
+    for id in ids {
+        assert_eq!(loan(&db.pool, id).await, (600, true, Some(2)), "loan {id}");
+    }
+    let mut expected: Vec<(i64, i64, i64)> = ids.iter().map(|id| (*id, 500, 600)).collect();
+    expected.sort();
+    assert_eq!(adjustments(&db.pool).await, expected);
+    assert_verified(&db.url, &new_rule, "2026-10-31");
+    assert_journal_whole(&db.pool).await;
+}
 
 /// Before, `correct` on a paused job re-pinned the month to the new rule and held it, then exited
 /// 3 when its first claim found the pause: the month stayed pinned to a rule nothing had applied,
