@@ -338,10 +338,11 @@ pub fn reopen(correction: &Correction) -> Reopen {
 #[derive(Debug)]
 pub struct CorrectionPlan {
     /// The shard's loans of the month, by id: each with the seq of its last journal entry in the
-    /// month, or `None` for an unsettled return. Whether that entry is still the loan's last is
-    /// checked when the batch locks the loan (a loan that has left the month since, or was
-    /// re-priced meanwhile, is passed over); checking it here too read every loan a second time,
-    /// 125 of the plan's 150 ms on 55,000 loans.
+    /// month, or `None` for an unsettled return. Whether that entry is still the loan's last (and
+    /// the return still unsettled) is checked when the batch locks the loan (a loan that has left
+    /// the month since, or was re-priced meanwhile, is passed over, and so are its queued edits);
+    /// checking it here too read every loan a second time, 125 of the plan's 150 ms on 55,000
+    /// loans.
     loans: Vec<(i64, Option<i32>)>,
     by: Repricer,
 }

@@ -6,8 +6,22 @@
 //! Each test's doc comment says what the code before (main at f7161ac) did instead.
 
 use crate::helpers::*;
-use crate::journal::{assert_journal_whole, correct, count, insert_loan, loan, run_ok_json, RATE};
+use crate::journal::{
+    assert_journal_whole, correct, count, entries, entry, insert_loan, loan, run_ok_json, sql, RATE,
+};
+use settlementd::jobs::Owner;
+use settlementd::settlement::{self, correction};
 use sqlx::PgPool;
+use std::time::Duration;
+
+/// The queued edits of `id`.
+async fn queued(pool: &PgPool, id: i64) -> i64 {
+    count(
+        pool,
+        &format!("SELECT count(*) FROM loan_changes WHERE loan_id = {id}"),
+    )
+    .await
+}
 
 /// The `fine_adjustments` rows, by loan: (loan, old, new).
 async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
@@ -15,6 +29,147 @@ async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
         .fetch_all(pool)
         .await
         .unwrap()
+}
+
+/// Before, a correction deleted the queued edits of every loan of its plan, taken or not: loan 1,
+/// corrected in August long ago and settled in September since, lost the edit libraryd queued
+/// under September while August was corrected, and kept 2,500 cents where the rule gives 1,750.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correction_takes_only_its_own_months_queued_edits() {
+    let db = test_db().await;
+    insert_loan(&db.pool, 1, "2026-08-01", Some("2026-08-11")).await;
+    insert_loan(&db.pool, 2, "2026-08-01", Some("2026-08-05")).await;
+    run_ok_json(&db.url, &[], "2026-08-31", 0, 1);
+    // Loan 1 moves to September: reversed in August, settled in September.
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = '2026-09-20' WHERE id = 1",
+    )
+    .await;
+    run_ok_json(&db.url, &[], "2026-08-31", 0, 1);
+    run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
+    assert_eq!(loan(&db.pool, 1).await, (2500, true, Some(3)));
+
+    // libraryd edits both: loan 1's edit is September's money, loan 2's August's.
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = '2026-09-05' WHERE id = 1",
+    )
+    .await;
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = '2026-08-07' WHERE id = 2",
+    )
+    .await;
+    let out = correct(&db.url, &[], "2026-08-31", "AUG-1", "recheck August");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+
+    // August's edit was taken by its correction; September's waits for September.
+    assert_eq!(queued(&db.pool, 2).await, 0);
+    assert_eq!(loan(&db.pool, 2).await, (300, true, Some(2)));
+    assert_eq!(queued(&db.pool, 1).await, 1, "September's edit was dropped");
+    assert_eq!(loan(&db.pool, 1).await, (2500, true, Some(3)));
+    assert_verified(&db.url, &[], "2026-08-31");
+
+    let report = run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
+    assert_eq!(report["updated"], 1, "{report}");
+    assert_eq!(loan(&db.pool, 1).await, (1750, true, Some(4)));
+    assert_eq!(
+        entries(&db.pool, 1).await[3],
+        entry(4, "repriced", "2026-09-01", 2500, 1750)
+    );
+    for month in ["2026-08-31", "2026-09-30"] {
+        assert_verified(&db.url, &[], month);
+    }
+    assert_journal_whole(&db.pool).await;
+}
+
+/// Before, a settled loan libraryd moved back into October while October was being corrected lost
+/// its queued edit to the correction (its plan held the loan's old October entry): October's
+/// `verify` said right with the loan missing from `returned`, and no later run re-priced it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loan_moved_into_a_month_being_corrected_is_repriced_and_counted_by_verify() {
+    let db = test_db().await;
+    // Loan 10 is October's, then moves to September (reversed in October, late in September).
+    insert_loan(&db.pool, 10, "2026-09-01", Some("2026-10-11")).await;
+    insert_loan(&db.pool, 11, "2026-10-01", Some("2026-10-03")).await;
+    insert_loan(&db.pool, 12, "2026-09-01", Some("2026-09-11")).await;
+    run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
+    run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = '2026-09-21' WHERE id = 10",
+    )
+    .await;
+    run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
+    run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
+    assert_eq!(loan(&db.pool, 10).await, (1000, true, Some(3)));
+
+    // October's correction begins: the month is re-pinned and held.
+    let s = settings(&[]);
+    let rule = settlementd::app::settlement_job(&s)
+        .rule_of(bd("2026-10-31").date())
+        .unwrap()
+        .rule;
+    let mut conn = db.pool.acquire().await.unwrap();
+    let begun = correction::begin(
+        &mut conn,
+        "OCT-1",
+        bd("2026-10-31"),
+        1,
+        "recheck October",
+        &settlement::rule_params(&rule),
+        &Owner("test".into()),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(begun, correction::Begun::Started(_)), "{begun:?}");
+    drop(conn);
+
+    // While it is held, libraryd moves two settled September loans into October: loan 12 is
+    // re-priced out of September at once (an unsettled October return for the correction), loan
+    // 10's edit still waits in September's queue when the correction runs.
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = '2026-10-08' WHERE id = 12",
+    )
+    .await;
+    run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
+    assert_eq!(loan(&db.pool, 12).await, (0, false, Some(2)));
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = '2026-10-06' WHERE id = 10",
+    )
+    .await;
+    let out = correct(&db.url, &[], "2026-10-31", "OCT-1", "recheck October");
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert_eq!(loan(&db.pool, 12).await, (1850, true, Some(3)));
+
+    // Loan 10 is October's now, its edit not re-priced yet: October is not right, and says why.
+    assert_eq!(
+        queued(&db.pool, 10).await,
+        1,
+        "the correction dropped its edit"
+    );
+    let (code, report) = verify(&db.url, &[], "2026-10-31");
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(
+        report["journal"]["edits_waiting"]["ids"],
+        serde_json::json!([10])
+    );
+
+    // September's sweep takes its money out; October's next run settles it under October's pin.
+    run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
+    let report = run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
+    assert_eq!(report["updated"], 1, "{report}");
+    assert_eq!(loan(&db.pool, 10).await, (1750, true, Some(5)));
+    let (code, report) = verify(&db.url, &[], "2026-10-31");
+    assert_eq!(code, Some(0), "{report}");
+    assert_eq!(report["returned"], 3, "{report}");
+    assert_eq!(report["totals"]["fine_cents_sum"], 100 + 1750 + 1850);
+    assert_verified(&db.url, &[], "2026-09-30");
+    assert_journal_whole(&db.pool).await;
 }
 
 /// Before, a correction's plan read the loans after i64::MIN, exclusive: the loan with that id was
