@@ -12,10 +12,13 @@
 //! 2. runs [`FineCorrection`] on every shard of the month, through the job layer like every run
 //!    (claim, lease, fencing): each batch re-prices the edits queued for the month, then the
 //!    month's loans — those whose last journal entry is in it, and its unsettled returns — by
-//!    primary key ([`journal::reprice`]): a settled fine that differs from the rule is changed, a
-//!    return not settled yet is settled, a loan no longer returned in the month is unsettled
-//!    again, a held row is left alone; each change gets its journal entry (`corrected`, with the
-//!    key) and a `fine_adjustments` row (old and new cents) in the same transaction;
+//!    primary key ([`journal::reprice`]), from the first id (i64::MIN included): a settled fine
+//!    that differs from the rule is changed, a return not settled yet is settled, a loan no longer
+//!    returned in the month is unsettled again, a held row is left alone; each change gets its
+//!    journal entry (`corrected`, with the key), and each whose cents change a `fine_adjustments`
+//!    row (old and new cents), in the same transaction. A loan whose money has left the month
+//!    since the plan (settled or re-priced in another month) is passed over with its queued edits,
+//!    which its own month's run takes;
 //! 3. appends a `corrected` event per shard (key, reason, old and new rule, rows changed, net
 //!    cents), marks the correction complete and releases the month, in one transaction
 //!    ([`complete`]), once: a second process with the same key finds it complete.

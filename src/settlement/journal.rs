@@ -161,8 +161,8 @@ pub enum Source<'a> {
 }
 
 /// Re-prices the loans of `source` under `by.rule` inside the caller's (fenced) transaction, and
-/// writes their journal entries (and, for a correction, their `fine_adjustments`) in the same
-/// statement:
+/// writes their journal entries (and, for a correction, a `fine_adjustments` row for each fine
+/// whose cents change: none where old = new) in the same statement:
 /// - a settled loan still returned in the month with dates the rule can price: the rule's fine
 ///   (`repriced`; for a correction `corrected`, only when it changes);
 /// - a settled loan that is not: unsettled again, fine 0 (`reversed`);
@@ -313,7 +313,7 @@ fn statement(targets: &str, settles_returns: bool) -> String {
              SELECT $10, id, $12, before, after
                FROM (SELECT id, before, after FROM priced
                      UNION ALL SELECT id, before, after FROM reversed) x
-              WHERE $10::text IS NOT NULL
+              WHERE $10::text IS NOT NULL AND before IS DISTINCT FROM after
          ), dequeued AS (
              DELETE FROM loan_changes c USING {dequeued} t WHERE c.loan_id = t.loan_id
          )

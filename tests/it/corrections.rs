@@ -204,6 +204,64 @@ async fn a_correction_corrects_every_id_from_i64_min_to_i64_max() {
     assert_journal_whole(&db.pool).await;
 }
 
+/// Before, a correction wrote a `fine_adjustments` row with old = new for every queued edit it
+/// re-priced to the same fine and every return it settled at 0, and counted each one as changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_correction_writes_no_adjustment_for_a_fine_that_did_not_change() {
+    let db = test_db().await;
+    insert_loan(&db.pool, 1, "2026-10-01", Some("2026-10-11")).await; // 500, 600 at 60
+    insert_loan(&db.pool, 2, "2026-10-20", Some("2026-10-18")).await; // 0, edited: still 0
+    insert_loan(&db.pool, 3, "2026-03-01", Some("2026-10-10")).await; // the cap, edited: still
+    insert_loan(&db.pool, 4, "2026-10-20", Some("2026-10-18")).await; // 0, untouched
+    run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
+    insert_loan(&db.pool, 5, "2026-10-20", Some("2026-10-15")).await; // unsettled, 0
+    sql(
+        &db.pool,
+        "UPDATE loans SET returned_on = returned_on + 1 WHERE id IN (2, 3)",
+    )
+    .await;
+
+    let new_rule = [(RATE, "60")];
+    let out = correct(
+        &db.url,
+        &new_rule,
+        "2026-10-31",
+        "RATE-60",
+        "the rate is 60",
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let reply = json_of(&out);
+    assert_eq!(adjustments(&db.pool).await, [(1, 500, 600)]);
+    assert_eq!(
+        (reply["changed"].as_i64(), reply["net_cents"].as_i64()),
+        (Some(1), Some(100))
+    );
+
+    // The journal follows what changed besides the fine: the edited dates, the first settlement.
+    let dates = |id: i64| {
+        sqlx::query_scalar::<_, chrono::NaiveDate>(
+            "SELECT returned_on FROM fine_journal_entries WHERE loan_id = $1
+              ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(id)
+        .fetch_one(&db.pool)
+    };
+    assert_eq!(dates(2).await.unwrap().to_string(), "2026-10-19");
+    assert_eq!(dates(3).await.unwrap().to_string(), "2026-10-11");
+    assert_eq!(
+        entries(&db.pool, 5).await,
+        [entry(1, "corrected", "2026-10-01", 0, 0)]
+    );
+    // A fine and dates that did not change get no entry at all.
+    assert_eq!(
+        entries(&db.pool, 4).await,
+        [entry(1, "settled", "2026-10-01", 0, 0)]
+    );
+    assert_eq!(loan(&db.pool, 3).await, (10_000, true, Some(2)));
+    assert_verified(&db.url, &new_rule, "2026-10-31");
+    assert_journal_whole(&db.pool).await;
+}
+
 /// Before, `correct` on a paused job re-pinned the month to the new rule and held it, then exited
 /// 3 when its first claim found the pause: the month stayed pinned to a rule nothing had applied,
 /// and held by a correction nobody had asked to finish.
