@@ -23,6 +23,37 @@ async fn queued(pool: &PgPool, id: i64) -> i64 {
     .await
 }
 
+/// libraryd moves loan `id`'s return to `date`, in its own transaction.
+async fn move_return(pool: &PgPool, id: i64, date: &str) {
+    sqlx::query("UPDATE loans SET returned_on = $2::date WHERE id = $1")
+        .bind(id)
+        .bind(date)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// `correct`, which must exit 0; its `--json` reply.
+fn correct_ok(
+    url: &str,
+    env: &[(&str, &str)],
+    month: &str,
+    key: &str,
+    reason: &str,
+) -> serde_json::Value {
+    let out = correct(url, env, month, key, reason);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    json_of(&out)
+}
+
+/// The rule the corrections of October apply: 60 cents a day.
+const NEW_RULE: [(&str, &str); 1] = [(RATE, "60")];
+
+/// The correction of October to [`NEW_RULE`], which must exit 0; its `--json` reply.
+fn correct_to_60(url: &str) -> serde_json::Value {
+    correct_ok(url, &NEW_RULE, "2026-10-31", "RATE-60", "the rate is 60")
+}
+
 /// The `fine_adjustments` rows, by loan: (loan, old, new).
 async fn adjustments(pool: &PgPool) -> Vec<(i64, i64, i64)> {
     sqlx::query_as("SELECT loan_id, old_cents, new_cents FROM fine_adjustments ORDER BY loan_id")
@@ -41,28 +72,15 @@ async fn a_correction_takes_only_its_own_months_queued_edits() {
     insert_loan(&db.pool, 2, "2026-08-01", Some("2026-08-05")).await;
     run_ok_json(&db.url, &[], "2026-08-31", 0, 1);
     // Loan 1 moves to September: reversed in August, settled in September.
-    sql(
-        &db.pool,
-        "UPDATE loans SET returned_on = '2026-09-20' WHERE id = 1",
-    )
-    .await;
+    move_return(&db.pool, 1, "2026-09-20").await;
     run_ok_json(&db.url, &[], "2026-08-31", 0, 1);
     run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
     assert_eq!(loan(&db.pool, 1).await, (2500, true, Some(3)));
 
     // libraryd edits both: loan 1's edit is September's money, loan 2's August's.
-    sql(
-        &db.pool,
-        "UPDATE loans SET returned_on = '2026-09-05' WHERE id = 1",
-    )
-    .await;
-    sql(
-        &db.pool,
-        "UPDATE loans SET returned_on = '2026-08-07' WHERE id = 2",
-    )
-    .await;
-    let out = correct(&db.url, &[], "2026-08-31", "AUG-1", "recheck August");
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    move_return(&db.pool, 1, "2026-09-05").await;
+    move_return(&db.pool, 2, "2026-08-07").await;
+    correct_ok(&db.url, &[], "2026-08-31", "AUG-1", "recheck August");
 
     // August's edit was taken by its correction; September's waits for September.
     assert_eq!(queued(&db.pool, 2).await, 0);
@@ -96,11 +114,7 @@ async fn a_loan_moved_into_a_month_being_corrected_is_repriced_and_counted_by_ve
     insert_loan(&db.pool, 12, "2026-09-01", Some("2026-09-11")).await;
     run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
     run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
-    sql(
-        &db.pool,
-        "UPDATE loans SET returned_on = '2026-09-21' WHERE id = 10",
-    )
-    .await;
+    move_return(&db.pool, 10, "2026-09-21").await;
     run_ok_json(&db.url, &[], "2026-10-31", 0, 1);
     run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
     assert_eq!(loan(&db.pool, 10).await, (1000, true, Some(3)));
@@ -130,20 +144,11 @@ async fn a_loan_moved_into_a_month_being_corrected_is_repriced_and_counted_by_ve
     // While it is held, libraryd moves two settled September loans into October: loan 12 is
     // re-priced out of September at once (an unsettled October return for the correction), loan
     // 10's edit still waits in September's queue when the correction runs.
-    sql(
-        &db.pool,
-        "UPDATE loans SET returned_on = '2026-10-08' WHERE id = 12",
-    )
-    .await;
+    move_return(&db.pool, 12, "2026-10-08").await;
     run_ok_json(&db.url, &[], "2026-09-30", 0, 1);
     assert_eq!(loan(&db.pool, 12).await, (0, false, Some(2)));
-    sql(
-        &db.pool,
-        "UPDATE loans SET returned_on = '2026-10-06' WHERE id = 10",
-    )
-    .await;
-    let out = correct(&db.url, &[], "2026-10-31", "OCT-1", "recheck October");
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    move_return(&db.pool, 10, "2026-10-06").await;
+    correct_ok(&db.url, &[], "2026-10-31", "OCT-1", "recheck October");
     assert_eq!(loan(&db.pool, 12).await, (1850, true, Some(3)));
 
     // Loan 10 is October's now, its edit not re-priced yet: October is not right, and says why.
@@ -184,23 +189,15 @@ async fn a_correction_corrects_every_id_from_i64_min_to_i64_max() {
     for shard in 0..2 {
         run_ok_json(&db.url, &[], "2026-10-31", shard, 2);
     }
-    let new_rule = [(RATE, "60")];
-    let out = correct(
-        &db.url,
-        &new_rule,
-        "2026-10-31",
-        "RATE-60",
-        "the rate is 60",
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    assert_eq!(json_of(&out)["changed"], ids.len());
+    let reply = correct_to_60(&db.url);
+    assert_eq!(reply["changed"], ids.len());
     for id in ids {
         assert_eq!(loan(&db.pool, id).await, (600, true, Some(2)), "loan {id}");
     }
     let mut expected: Vec<(i64, i64, i64)> = ids.iter().map(|id| (*id, 500, 600)).collect();
     expected.sort();
     assert_eq!(adjustments(&db.pool).await, expected);
-    assert_verified(&db.url, &new_rule, "2026-10-31");
+    assert_verified(&db.url, &NEW_RULE, "2026-10-31");
     assert_journal_whole(&db.pool).await;
 }
 
@@ -221,16 +218,7 @@ async fn a_correction_writes_no_adjustment_for_a_fine_that_did_not_change() {
     )
     .await;
 
-    let new_rule = [(RATE, "60")];
-    let out = correct(
-        &db.url,
-        &new_rule,
-        "2026-10-31",
-        "RATE-60",
-        "the rate is 60",
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    let reply = json_of(&out);
+    let reply = correct_to_60(&db.url);
     assert_eq!(adjustments(&db.pool).await, [(1, 500, 600)]);
     assert_eq!(
         (reply["changed"].as_i64(), reply["net_cents"].as_i64()),
@@ -258,7 +246,7 @@ async fn a_correction_writes_no_adjustment_for_a_fine_that_did_not_change() {
         [entry(1, "settled", "2026-10-01", 0, 0)]
     );
     assert_eq!(loan(&db.pool, 3).await, (10_000, true, Some(2)));
-    assert_verified(&db.url, &new_rule, "2026-10-31");
+    assert_verified(&db.url, &NEW_RULE, "2026-10-31");
     assert_journal_whole(&db.pool).await;
 }
 
@@ -278,18 +266,11 @@ async fn correct_on_a_paused_job_is_refused_before_it_repins_or_holds_the_month(
     };
     let before = params().await.unwrap();
     let fines = loans_snapshot(&db.pool).await;
-    run_ok(settlementd(Some(&db.url)).args([
-        "pause",
-        "--job",
-        "fine-settlement",
-        "--reason",
-        "an audit of October",
-    ]));
+    pause_settlement(&db.url, "an audit of October");
 
-    let new_rule = [(RATE, "60")];
     let out = correct(
         &db.url,
-        &new_rule,
+        &NEW_RULE,
         "2026-10-31",
         "RATE-60",
         "the rate is 60",
@@ -312,14 +293,8 @@ async fn correct_on_a_paused_job_is_refused_before_it_repins_or_holds_the_month(
     assert_eq!(loans_snapshot(&db.pool).await, fines);
 
     run_ok(settlementd(Some(&db.url)).args(["resume", "--job", "fine-settlement"]));
-    let out = correct(
-        &db.url,
-        &new_rule,
-        "2026-10-31",
-        "RATE-60",
-        "the rate is 60",
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    assert_verified(&db.url, &new_rule, "2026-10-31");
+    let reply = correct_to_60(&db.url);
+    assert!(reply["changed"].as_i64() > Some(0), "{reply}");
+    assert_verified(&db.url, &NEW_RULE, "2026-10-31");
     assert_journal_whole(&db.pool).await;
 }
