@@ -124,6 +124,7 @@ pub async fn correct(settings: &Settings, request: &CorrectRequest) -> Result<Co
                         )))
                     }
                     Begun::Unfinished(other) => return Err(unfinished(&other)),
+                    Begun::Paused(pause) => return Err(jobs::JobError::from(pause).into()),
                 }
             }
         };

@@ -39,6 +39,20 @@ pub struct Pause {
     pub reason: String,
 }
 
+/// The refusal of anything the pause stops: a run not started or stopped by it, a correction not
+/// begun.
+impl From<Pause> for super::JobError {
+    fn from(pause: Pause) -> Self {
+        super::JobError::Paused {
+            job: pause.job_name,
+            by: pause.paused_by,
+            since: pause.paused_at,
+            reason: pause.reason,
+            wrote: None,
+        }
+    }
+}
+
 /// Pauses `job_name` (a pause already in place is kept as it was: who paused first, and why).
 /// Returns the pause in force.
 pub async fn pause(

@@ -231,7 +231,7 @@ async fn run_in_span<J: Job>(
             }
             ClaimOutcome::Paused(pause) => {
                 tracing::info!(paused_by = %pause.paused_by, "skipped: the job is paused");
-                return Err(paused(pause, None));
+                return Err(pause.into());
             }
             ClaimOutcome::Correcting { correction, since } => {
                 tracing::info!(correction = %correction, "skipped: the month is held by an unfinished correction");
@@ -387,7 +387,7 @@ async fn work<J: Job>(
         if stops.paused.is_cancelled() {
             let pause = super::pause::of(pool, job_name).await?;
             if let Some(pause) = pause {
-                return Err(paused(pause, Some(&progress)));
+                return Err(paused(pause, &progress));
             }
         }
         // The batch's own progress write says whether the job was paused before it: a pause
@@ -421,7 +421,7 @@ async fn work<J: Job>(
             }
             // Resumed meanwhile: the batch is done again from the same cursor.
             Committed::Paused => match super::pause::of(pool, job_name).await? {
-                Some(pause) => return Err(paused(pause, Some(&progress))),
+                Some(pause) => return Err(paused(pause, &progress)),
                 None => continue,
             },
         };
@@ -450,18 +450,16 @@ enum Committed {
     Paused,
 }
 
-/// The error of a run stopped (after `progress`), or not started, by `pause`.
-fn paused(pause: super::pause::Pause, progress: Option<&Progress>) -> JobError {
-    JobError::Paused {
-        job: pause.job_name,
-        by: pause.paused_by,
-        since: pause.paused_at,
-        reason: pause.reason,
-        wrote: progress.map(|p| super::Wrote {
-            batches: p.batches,
-            updated: p.updated,
-        }),
+/// The error of a run stopped by `pause` after `progress`.
+fn paused(pause: super::pause::Pause, progress: &Progress) -> JobError {
+    let mut stopped = JobError::from(pause);
+    if let JobError::Paused { wrote, .. } = &mut stopped {
+        *wrote = Some(super::Wrote {
+            batches: progress.batches,
+            updated: progress.updated,
+        });
     }
+    stopped
 }
 
 fn lease_lost(claim: &claim::Claim) -> JobError {

@@ -5,17 +5,20 @@
 //! rule, reason, shard count: the same key again with the same request changes nothing and
 //! reports the first result, with another it is refused (`commands::correct`). It
 //! 1. re-pins the month to the configured rule and holds it ([`begin`], one transaction; the only
-//!    way a pin ever changes), refusing while a live run holds any shard of the month or another
-//!    correction of it is unfinished: from then until it completes, no run, sweep or takeover of
-//!    the month's claims but its own can run (`jobs::params::hold`), and `status` says "being
-//!    corrected";
+//!    way a pin ever changes), refusing while the job is paused, a live run holds any shard of the
+//!    month or another correction of it is unfinished — a refusal leaves the pin and the hold as
+//!    they were: from then until it completes, no run, sweep or takeover of the month's claims
+//!    but its own can run (`jobs::params::hold`), and `status` says "being corrected";
 //! 2. runs [`FineCorrection`] on every shard of the month, through the job layer like every run
 //!    (claim, lease, fencing): each batch re-prices the edits queued for the month, then the
 //!    month's loans — those whose last journal entry is in it, and its unsettled returns — by
-//!    primary key ([`journal::reprice`]): a settled fine that differs from the rule is changed, a
-//!    return not settled yet is settled, a loan no longer returned in the month is unsettled
-//!    again, a held row is left alone; each change gets its journal entry (`corrected`, with the
-//!    key) and a `fine_adjustments` row (old and new cents) in the same transaction;
+//!    primary key ([`journal::reprice`]), from the first id (i64::MIN included): a settled fine
+//!    that differs from the rule is changed, a return not settled yet is settled, a loan no longer
+//!    returned in the month is unsettled again, a held row is left alone; each change gets its
+//!    journal entry (`corrected`, with the key), and each whose cents change a `fine_adjustments`
+//!    row (old and new cents), in the same transaction. A loan whose money has left the month
+//!    since the plan (settled or re-priced in another month) is passed over with its queued edits,
+//!    which its own month's run takes;
 //! 3. appends a `corrected` event per shard (key, reason, old and new rule, rows changed, net
 //!    cents), marks the correction complete and releases the month, in one transaction
 //!    ([`complete`]), once: a second process with the same key finds it complete.
@@ -71,12 +74,16 @@ pub enum Begun {
     Running(Vec<String>),
     /// Another correction of the month is unfinished: nothing was recorded.
     Unfinished(Correction),
+    /// The job is paused: nothing was recorded, the pin and its hold are as they were.
+    Paused(crate::jobs::pause::Pause),
 }
 
 /// Records the correction `key` of `business_date` under `shards`, re-pinning the month to `rule`
-/// and holding it ([`params::hold`]), in one transaction that first locks the month's pin
-/// (waiting for claims comparing against it) and refuses while any run of the month, under any
-/// shard count, holds a live lease, or another correction of the month is unfinished.
+/// and holding it ([`params::hold`]), in one transaction. It refuses while the job is paused
+/// (checked first, before anything is written), then locks the month's pin (waiting for claims
+/// comparing against it) and refuses while any run of the month, under any shard count, holds a
+/// live lease, or another correction of the month is unfinished. Every refusal rolls the
+/// transaction back: the pin and the hold are left exactly as they were, and nothing is recorded.
 #[allow(clippy::too_many_arguments)]
 pub async fn begin(
     conn: &mut PgConnection,
@@ -92,6 +99,14 @@ pub async fn begin(
         return Ok(Begun::Existing(existing));
     }
     let mut tx = conn.begin().await?;
+    // A pause stops a correction as it stops a claim: before the month is touched.
+    if let Some(pause) = crate::jobs::pause::of(&mut *tx, super::JOB_NAME)
+        .await
+        .map_err(job_to_sqlx)?
+    {
+        tx.rollback().await?;
+        return Ok(Begun::Paused(pause));
+    }
     let old = params::repin(&mut tx, super::JOB_NAME, business_date.date(), rule, owner)
         .await
         .map_err(job_to_sqlx)?;
@@ -326,10 +341,11 @@ pub fn reopen(correction: &Correction) -> Reopen {
 #[derive(Debug)]
 pub struct CorrectionPlan {
     /// The shard's loans of the month, by id: each with the seq of its last journal entry in the
-    /// month, or `None` for an unsettled return. Whether that entry is still the loan's last is
-    /// checked when the batch locks the loan (a loan that has left the month since, or was
-    /// re-priced meanwhile, is passed over); checking it here too read every loan a second time,
-    /// 125 of the plan's 150 ms on 55,000 loans.
+    /// month, or `None` for an unsettled return. Whether that entry is still the loan's last (and
+    /// the return still unsettled) is checked when the batch locks the loan (a loan that has left
+    /// the month since, or was re-priced meanwhile, is passed over, and so are its queued edits);
+    /// checking it here too read every loan a second time, 125 of the plan's 150 ms on 55,000
+    /// loans.
     loans: Vec<(i64, Option<i32>)>,
     by: Repricer,
 }
@@ -378,19 +394,22 @@ impl Job for FineCorrection {
             .map_err(sqlx::Error::Protocol)?
             .rule;
         let (shards, shard) = (i64::from(key.shards), i64::from(key.shard));
-        let after = claim.resume.last_id.unwrap_or(i64::MIN);
+        // `None`: from the first id, i64::MIN included (a bound of i64::MIN, exclusive, left the
+        // loan with that id out).
+        let after = claim.resume.last_id;
         let mut tx = pool.begin_with(self.settlement.begin_batch()).await?;
         let loans: Vec<(i64, Option<i32>)> = sqlx::query_as(&format!(
             "SELECT DISTINCT ON (id) id, seq FROM (
                  SELECT x.loan_id AS id, x.seq
                    FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
-                  WHERE j.month = $1::date AND x.loan_id > $4
+                  WHERE j.month = $1::date AND ($4::bigint IS NULL OR x.loan_id > $4)
                     AND ($2 = 1 OR (x.loan_id % $2 + $2) % $2 = $3)
                  UNION ALL
                  SELECT l.id::bigint, NULL FROM loans l
                   WHERE {MONTH_KEY_L} = $1::date::timestamp
                     AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
-                    AND l.id + 0 > $4 AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
+                    AND ($4::bigint IS NULL OR l.id + 0 > $4)
+                    AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
              ) t
              ORDER BY id, seq DESC NULLS FIRST"
         ))
@@ -432,8 +451,10 @@ impl Job for FineCorrection {
                 ..Batch::default()
             });
         }
-        let after = cursor.last_id.unwrap_or(i64::MIN);
-        let start = plan.loans.partition_point(|(id, _)| *id <= after);
+        let start = match cursor.last_id {
+            Some(after) => plan.loans.partition_point(|(id, _)| *id <= after),
+            None => 0,
+        };
         let page = &plan.loans[start..plan.loans.len().min(start + limit as usize)];
         let Some(&(last, _)) = page.last() else {
             return Ok(Batch {

@@ -161,15 +161,17 @@ pub enum Source<'a> {
 }
 
 /// Re-prices the loans of `source` under `by.rule` inside the caller's (fenced) transaction, and
-/// writes their journal entries (and, for a correction, their `fine_adjustments`) in the same
-/// statement:
+/// writes their journal entries (and, for a correction, a `fine_adjustments` row for each fine
+/// whose cents change: none where old = new) in the same statement:
 /// - a settled loan still returned in the month with dates the rule can price: the rule's fine
 ///   (`repriced`; for a correction `corrected`, only when it changes);
 /// - a settled loan that is not: unsettled again, fine 0 (`reversed`);
 /// - a loan queued as deleted that is gone: its fine taken out (`deleted`);
 /// - an unsettled return of the month the rule can price (corrections only): settled (`corrected`).
 ///
-/// Queued edits of the loans it took are deleted. Rows are locked (`FOR UPDATE`) before they are
+/// Queued edits of the loans it took are deleted: from the queue, every edit of each loan it found;
+/// a correction's, only those of the loans it took, still in the month (a loan whose money has
+/// left the month since the correction's plan keeps its edits for its own month's run). Rows are locked (`FOR UPDATE`) before they are
 /// read, so a concurrent edit in libraryd is waited for and priced as it ends.
 pub async fn reprice(
     tx: &mut PgConnection,
@@ -232,12 +234,30 @@ fn statement(targets: &str, settles_returns: bool) -> String {
             "$10::text",
         )
     };
-    // Which rows are priced: settled ones (queue), or also the month's unsettled returns
-    // (a correction settles them).
-    let eligible = if settles_returns {
-        "true"
+    // Which rows are taken. From the queue: settled ones (their earliest edit says their money is
+    // in the month). A correction's: a loan still at the seq of its last entry in the month, or a
+    // return still unsettled; a loan whose money has left the month since the plan (re-priced,
+    // reversed or settled in another month) is another month's, and so are its queued edits.
+    let taken = if settles_returns {
+        "CASE WHEN t.seq IS NULL THEN l.fine_settled_at IS NULL ELSE l.fine_seq = t.seq END"
     } else {
         "l.fine_settled_at IS NOT NULL"
+    };
+    // A deletion waiting in the queue is the month's when its loan's money was: any the queue
+    // finds (its earliest edit is in the month), a correction's only at its seq.
+    let gone_taken = if settles_returns {
+        "c.old_fine_seq = t.seq"
+    } else {
+        "true"
+    };
+    // The queued edits that go with the batch: every edit of the loans the queue found, and of a
+    // correction's only those of the loans it took (`cur`, `gone`). Deleting the edits of every
+    // loan it was given dropped another month's edits: a loan corrected in August, since settled
+    // in September and edited there, lost its edit and kept September's fine for its old dates.
+    let dequeued = if settles_returns {
+        "(SELECT id AS loan_id FROM cur UNION ALL SELECT id FROM gone)"
+    } else {
+        "targets"
     };
     // A correction over the journal's loans writes only the fines it changes. An edit from the
     // queue is always written, its fine changed or not: the entry carries the loan's new dates,
@@ -255,7 +275,7 @@ fn statement(targets: &str, settles_returns: bool) -> String {
                     c.old_due_on AS due_on, c.old_returned_on AS returned_on,
                     c.old_fine_cents::bigint AS before, 0::bigint AS after
                FROM loan_changes c JOIN targets t ON t.loan_id = c.loan_id
-              WHERE c.deleted
+              WHERE c.deleted AND {gone_taken}
                 AND NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = c.loan_id)
               ORDER BY c.loan_id, c.id DESC
          ), cur AS MATERIALIZED (
@@ -266,7 +286,7 @@ fn statement(targets: &str, settles_returns: bool) -> String {
                     CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
                          THEN NULL ELSE {fine} END AS new
                FROM targets t JOIN loans l ON l.id = t.loan_id
-              WHERE {shard} AND {eligible} AND (t.seq IS NULL OR l.fine_seq = t.seq)
+              WHERE {shard} AND {taken}
                 FOR UPDATE OF l
          ), priced AS (
              UPDATE loans l
@@ -293,9 +313,9 @@ fn statement(targets: &str, settles_returns: bool) -> String {
              SELECT $10, id, $12, before, after
                FROM (SELECT id, before, after FROM priced
                      UNION ALL SELECT id, before, after FROM reversed) x
-              WHERE $10::text IS NOT NULL
+              WHERE $10::text IS NOT NULL AND before IS DISTINCT FROM after
          ), dequeued AS (
-             DELETE FROM loan_changes c USING targets t WHERE c.loan_id = t.loan_id
+             DELETE FROM loan_changes c USING {dequeued} t WHERE c.loan_id = t.loan_id
          )
          SELECT (SELECT count(*) FROM targets), (SELECT count(*) FROM priced),
                 (SELECT count(*) FROM reversed), (SELECT count(*) FROM gone),

@@ -448,13 +448,7 @@ async fn run_of_a_paused_job_is_refused_with_exit_3_and_claims_nothing() {
     let db = test_db().await;
     seed_month(&db.pool, bd("2026-10-31"), 30, 1).await;
     let run = ["run", "--business-date", "2026-10-31", "--force", "--json"];
-    run_ok(settlementd(Some(&db.url)).args([
-        "pause",
-        "--job",
-        "fine-settlement",
-        "--reason",
-        "an audit of October",
-    ]));
+    pause_settlement(&db.url, "an audit of October");
     let refused = settlementd(Some(&db.url)).args(run).output().unwrap();
     let err = stderr_of(&refused);
     assert_eq!(refused.status.code(), Some(3), "{err}");

@@ -607,11 +607,13 @@ async fn fault_a_correction_killed_at_random_moments_is_finished_by_its_key_and_
         "never applied twice"
     );
     // Every fine the correction changed has exactly one entry under its key (`corrected`, or
-    // `reversed` for a return moved out of the month), saying what its adjustment says; the queued
-    // deletions one `deleted` entry each.
+    // `reversed` for a return moved out of the month), saying what its adjustment says; an entry
+    // whose cents did not change (a date edit priced to the same fine, a 0 reversed) has none; the
+    // queued deletions one `deleted` entry each.
     let keyed: Vec<(i64, i64, i64)> = sqlx::query_as(
         "SELECT loan_id, before_cents, after_cents FROM fine_journal_entries
           WHERE correction_key = 'RATE-60' AND kind IN ('corrected', 'reversed')
+            AND before_cents <> after_cents
           ORDER BY loan_id, seq",
     )
     .fetch_all(&chaos.pool)

@@ -216,6 +216,11 @@ pub fn cli(url: &str, env: &[(&str, &str)], args: &[&str]) -> std::process::Outp
         .unwrap()
 }
 
+/// `settlementd pause` of the fine settlement, which must succeed.
+pub fn pause_settlement(url: &str, reason: &str) {
+    run_ok(settlementd(Some(url)).args(["pause", "--job", "fine-settlement", "--reason", reason]));
+}
+
 /// What a finished process wrote on stderr.
 pub fn stderr_of(out: &std::process::Output) -> String {
     String::from_utf8_lossy(&out.stderr).into_owned()

@@ -22,7 +22,7 @@ use std::process::{Output, Stdio};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
-const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
+pub(crate) const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
 
 /// The journal's invariant over the whole database, every violation named:
 /// - each loan's entries are numbered 1..n, without gaps or repeats, an opening entry only first;
@@ -125,7 +125,7 @@ fn day(text: &str) -> NaiveDate {
 }
 
 /// A loan borrowed two weeks before it is due; `returned` `None`: still out.
-async fn insert_loan(pool: &PgPool, id: i64, due: &str, returned: Option<&str>) {
+pub(crate) async fn insert_loan(pool: &PgPool, id: i64, due: &str, returned: Option<&str>) {
     sqlx::query(
         "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
          VALUES ($1, 7, 7, $2::date - 14, $2::date, $3::date)",
@@ -138,7 +138,7 @@ async fn insert_loan(pool: &PgPool, id: i64, due: &str, returned: Option<&str>) 
     .unwrap();
 }
 
-async fn sql(pool: &PgPool, statement: &str) {
+pub(crate) async fn sql(pool: &PgPool, statement: &str) {
     sqlx::query(statement).execute(pool).await.unwrap();
 }
 
@@ -162,7 +162,7 @@ fn run_shard(url: &str, env: &[(&str, &str)], month: &str, shard: u32, shards: u
 }
 
 /// [`run_shard`], which must exit 0; its report.
-fn run_ok_json(
+pub(crate) fn run_ok_json(
     url: &str,
     env: &[(&str, &str)],
     month: &str,
@@ -180,7 +180,13 @@ fn run_ok_json(
 }
 
 /// `settlementd correct` of `month` under `key`.
-fn correct(url: &str, env: &[(&str, &str)], month: &str, key: &str, reason: &str) -> Output {
+pub(crate) fn correct(
+    url: &str,
+    env: &[(&str, &str)],
+    month: &str,
+    key: &str,
+    reason: &str,
+) -> Output {
     cli(
         url,
         env,
@@ -200,7 +206,7 @@ fn correct(url: &str, env: &[(&str, &str)], month: &str, key: &str, reason: &str
 /// One loan's journal entries in order: (seq, kind, month's first day, before, after).
 type Entry = (i32, String, NaiveDate, Option<i64>, i64);
 
-async fn entries(pool: &PgPool, loan: i64) -> Vec<Entry> {
+pub(crate) async fn entries(pool: &PgPool, loan: i64) -> Vec<Entry> {
     sqlx::query_as(
         "SELECT seq, kind, month, before_cents, after_cents FROM fine_journal_entries
           WHERE loan_id = $1 ORDER BY seq",
@@ -211,12 +217,12 @@ async fn entries(pool: &PgPool, loan: i64) -> Vec<Entry> {
     .unwrap()
 }
 
-fn entry(seq: i32, kind: &str, month: &str, before: i64, after: i64) -> Entry {
+pub(crate) fn entry(seq: i32, kind: &str, month: &str, before: i64, after: i64) -> Entry {
     (seq, kind.to_string(), day(month), Some(before), after)
 }
 
 /// A loan's (fine_cents, settled, fine_seq).
-async fn loan(pool: &PgPool, id: i64) -> (i64, bool, Option<i32>) {
+pub(crate) async fn loan(pool: &PgPool, id: i64) -> (i64, bool, Option<i32>) {
     sqlx::query_as(
         "SELECT fine_cents, fine_settled_at IS NOT NULL, fine_seq FROM loans WHERE id = $1",
     )
@@ -240,7 +246,7 @@ async fn statuses(pool: &PgPool, month: BusinessDate, shards: i32) -> Vec<String
     .unwrap()
 }
 
-async fn count(pool: &PgPool, query: &str) -> i64 {
+pub(crate) async fn count(pool: &PgPool, query: &str) -> i64 {
     sqlx::query_scalar(query).fetch_one(pool).await.unwrap()
 }
 
@@ -982,7 +988,8 @@ async fn two_correct_processes_with_one_key_correct_once_and_the_second_replays(
 
 /// Before, a correction settled the month's unsettled returns but wrote `fine_adjustments` only
 /// for fines it changed on loans already settled: money it charged for the first time was on no
-/// record of the correction.
+/// record of the correction. A return settled at 0 charges nothing: its entry records the
+/// settlement, and no adjustment says 0 → 0 (issue 34).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn returns_a_correction_settles_for_the_first_time_get_an_adjustment_and_a_corrected_entry() {
     let db = test_db().await;
@@ -996,14 +1003,15 @@ async fn returns_a_correction_settles_for_the_first_time_get_an_adjustment_and_a
     let reply = json_of(&out);
 
     for (id, fine) in [(100_000, 500), (100_001, 0)] {
-        let adjustment: (String, i64, i64) = sqlx::query_as(
+        let adjustment: Option<(String, i64, i64)> = sqlx::query_as(
             "SELECT correction_key, old_cents, new_cents FROM fine_adjustments WHERE loan_id = $1",
         )
         .bind(id)
-        .fetch_one(&db.pool)
+        .fetch_optional(&db.pool)
         .await
         .unwrap();
-        assert_eq!(adjustment, ("RATE-50".to_string(), 0, fine), "loan {id}");
+        let charged = (fine != 0).then(|| ("RATE-50".to_string(), 0, fine));
+        assert_eq!(adjustment, charged, "loan {id}");
         assert_eq!(
             entries(&db.pool, id).await,
             [entry(1, "corrected", "2026-10-01", 0, fine)],

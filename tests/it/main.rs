@@ -6,6 +6,7 @@ mod helpers;
 
 mod claim;
 mod cli;
+mod corrections;
 mod daemon;
 mod demo;
 mod deploy;

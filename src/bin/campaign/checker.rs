@@ -19,7 +19,8 @@
 //!   returned and its due date can be priced (held rows and loans still out never are);
 //! - `journal`: each loan's entries numbered 1, 2, … without a gap, each `before` the previous
 //!   `after`, the last one equal to the loan (`fine_seq`, `fine_cents`, settled or not, or gone);
-//!   no journal row changed or deleted; every correction's `fine_adjustments` on its journal;
+//!   no journal row changed or deleted; every correction's `fine_adjustments` on its journal,
+//!   none with old = new;
 //! - `fines`: every returned loan of the months that the rule can price settled at the fine its
 //!   month's pinned rule gives its final dates; held rows and loans still out unsettled;
 //! - `requests`: every request answered, every answer to one key the same, stored once, each
@@ -1187,6 +1188,14 @@ fn check_journal(f: &Facts, out: &mut Vec<Violation>) {
         }
     }
     for (key, loan, old, new) in &f.adjustments {
+        if old == new {
+            report(
+                out,
+                format!(
+                    "correction {key} wrote a no-op adjustment of loan {loan} ({old} -> {new})"
+                ),
+            );
+        }
         match recorded.get_mut(&(key.clone(), *loan, *old, *new)) {
             Some(n) if *n > 0 => *n -= 1,
             _ => report(
