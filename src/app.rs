@@ -134,11 +134,18 @@ impl From<sqlx::Error> for AppError {
 
 pub type Result<T, E = AppError> = std::result::Result<T, E>;
 
+/// `default_level` for settlementd's own messages, with the cron scheduler's routine ones ("Job
+/// creator created", each tick's bookkeeping) kept to warnings: they say nothing an operator acts
+/// on. `RUST_LOG` replaces the whole filter.
+fn quiet(default_level: &str) -> String {
+    format!("{default_level},tokio_cron_scheduler=warn")
+}
+
 /// Sets up logging on stderr (stdout is for command output).
 pub fn init_logging(format: LogFormat, default_level: &str) {
     use tracing_subscriber::EnvFilter;
     let filter =
-        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(quiet(default_level)));
     let json = match format {
         LogFormat::Json => true,
         LogFormat::Text => false,
