@@ -417,17 +417,60 @@ pub struct LogSettings {
     pub format: LogFormat,
 }
 
-/// Parses a six-field cron expression (seconds first), the dialect tokio-cron-scheduler uses.
+/// The fields of a cron expression, in order (tokio-cron-scheduler's dialect, seconds first; a
+/// seventh, the year, is optional).
+const CRON_FIELDS: [&str; 7] = [
+    "seconds",
+    "minutes",
+    "hours",
+    "day of month",
+    "month",
+    "day of week",
+    "year",
+];
+
+/// Parses a six-field cron expression (seconds first), the dialect tokio-cron-scheduler uses, and
+/// refuses one that never fires. A refusal names the field at fault.
 pub fn parse_cron(text: &str) -> Result<Cron> {
-    croner::parser::CronParser::builder()
-        .seconds(croner::parser::Seconds::Required)
-        .build()
-        .parse(text)
-        .map_err(|e| {
-            ConfigError(format!(
-                "cron '{text}' is not a 6-field cron expression: {e}"
-            ))
-        })
+    let parse = |text: &str| {
+        croner::parser::CronParser::builder()
+            .seconds(croner::parser::Seconds::Required)
+            .build()
+            .parse(text)
+    };
+    let fields: Vec<&str> = text.split_whitespace().collect();
+    let cron = parse(text).map_err(|e| {
+        if !(6..=7).contains(&fields.len()) {
+            return ConfigError(format!(
+                "cron '{text}' has {} fields; it needs 6 (seconds, minutes, hours, day of month, \
+                 month, day of week) or 7 (and a year)",
+                fields.len()
+            ));
+        }
+        // The first field that spoils a pattern that parses, in its place.
+        let good = ["0", "0", "0", "1", "1", "*", "*"];
+        let wrong = fields.iter().enumerate().find_map(|(i, field)| {
+            let mut probe: Vec<&str> = good[..fields.len()].to_vec();
+            probe[i] = field;
+            parse(&probe.join(" ")).is_err().then_some(i)
+        });
+        match wrong {
+            Some(i) => ConfigError(format!(
+                "cron '{text}': its {} field '{}' is not valid ({e})",
+                CRON_FIELDS[i], fields[i]
+            )),
+            None => ConfigError(format!("cron '{text}' is not a valid cron expression: {e}")),
+        }
+    })?;
+    if cron
+        .find_next_occurrence(&chrono::Utc::now(), false)
+        .is_err()
+    {
+        return Err(ConfigError(format!(
+            "cron '{text}' never fires (no date matches its day of month, month and day of week)"
+        )));
+    }
+    Ok(cron)
 }
 
 pub fn parse_tz(text: &str) -> Result<Tz> {
@@ -889,6 +932,23 @@ fn one_line(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cron_refused_names_its_field_and_one_that_never_fires_is_refused() {
+        let refused = |text: &str| parse_cron(text).unwrap_err().to_string();
+        assert!(
+            refused("0 30 25 1 * *").contains("its hours field '25' is not valid"),
+            "{}",
+            refused("0 30 25 1 * *")
+        );
+        assert!(refused("0 61 2 1 * *").contains("its minutes field '61'"));
+        assert!(refused("0 30 2 1 13 *").contains("its month field '13'"));
+        assert!(refused("30 2 1 * *").contains("has 5 fields; it needs 6"));
+        assert!(refused("0 0 0 31 2 *").contains("never fires"));
+        assert!(refused("0 0 0 1 1 * 2020").contains("never fires"));
+        assert!(parse_cron("0 30 2 1 * *").is_ok());
+        assert!(parse_cron("0 30 2 1 * * 2099").is_ok());
+    }
 
     fn load(env: &[(&str, &str)]) -> Result<Settings> {
         Settings::load_from(
