@@ -26,11 +26,14 @@ pub async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
     }
 }
 
-/// The database answers within [`READY_TIMEOUT`] and every migration is applied. Also sets the
+/// The database answers within [`READY_TIMEOUT`], takes writes, and every migration is applied. Also sets the
 /// `settlementd_ready` gauge, so the metric is as fresh as the last probe or scrape.
 async fn check_ready(pool: &PgPool) -> Result<(), String> {
-    let result = match tokio::time::timeout(READY_TIMEOUT, crate::db::schema_is_current(pool)).await
-    {
+    let ready = async {
+        crate::db::writable(pool).await?;
+        crate::db::schema_is_current(pool).await
+    };
+    let result = match tokio::time::timeout(READY_TIMEOUT, ready).await {
         Ok(Ok(true)) => Ok(()),
         Ok(Ok(false)) => Err("database schema is not current (run migrations)".to_string()),
         Ok(Err(e)) => Err(e.to_string()),
