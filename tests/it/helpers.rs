@@ -622,7 +622,9 @@ impl PrivateCluster {
         .expect("start a private PostgreSQL");
         let url = create_database(&pg, "settle").await;
         let mut conn = PgConnection::connect(&url).await.unwrap();
-        settlementd::db::migrate_connection(&mut conn).await.unwrap();
+        settlementd::db::migrate_connection(&mut conn)
+            .await
+            .unwrap();
         Self { pg, url, data }
     }
 

@@ -128,7 +128,10 @@ async fn a_pin_recorded_with_its_from_by_an_older_release_is_the_same_rule_and_a
         }))
     };
     pin("2026-06-30", RATE).execute(&db.pool).await.unwrap();
-    pin("2026-07-31", RATE + 10).execute(&db.pool).await.unwrap();
+    pin("2026-07-31", RATE + 10)
+        .execute(&db.pool)
+        .await
+        .unwrap();
 
     let june = cli(&db.url, &[], &["run", "--business-date", "2026-06-30"]);
     assert!(june.status.success(), "{}", stderr_of(&june));
@@ -269,13 +272,19 @@ impl Fleet {
 
     /// Stops `shard`'s replica as an orchestrator does (SIGTERM, then waits for it).
     fn stop(&mut self, shard: u32) {
-        let replica = self.replicas.remove(&shard).expect("a replica of the shard");
+        let replica = self
+            .replicas
+            .remove(&shard)
+            .expect("a replica of the shard");
         drop(replica.process);
     }
 
     /// SIGKILLs `shard`'s replica.
     fn kill(&mut self, shard: u32) {
-        let mut replica = self.replicas.remove(&shard).expect("a replica of the shard");
+        let mut replica = self
+            .replicas
+            .remove(&shard)
+            .expect("a replica of the shard");
         replica.process.child.kill().unwrap();
         replica.process.child.wait().unwrap();
         std::mem::forget(replica.process);
@@ -401,7 +410,10 @@ async fn assert_every_month_right(pool: &PgPool, url: &str) {
         .filter(|(_, due, ret, fine, _)| *fine != oracle_fine(*due, *ret))
         .take(5)
         .collect();
-    assert!(wrong.is_empty(), "fines the oracle disagrees with: {wrong:?}");
+    assert!(
+        wrong.is_empty(),
+        "fines the oracle disagrees with: {wrong:?}"
+    );
     // The journal: each loan's entries numbered 1, 2, 3…, each one's before the previous one's
     // after, the last one's after the loan's fine; settled exactly once.
     let entries: Vec<(i64, i32, String, Option<i64>, i64)> = sqlx::query_as(
@@ -430,7 +442,11 @@ async fn assert_every_month_right(pool: &PgPool, url: &str) {
         for (n, entry) in chain.iter().enumerate() {
             assert_eq!(entry.0, n as i32 + 1, "loan {id}'s seqs: {chain:?}");
             if n > 0 {
-                assert_eq!(entry.2, Some(chain[n - 1].3), "loan {id}'s chain: {chain:?}");
+                assert_eq!(
+                    entry.2,
+                    Some(chain[n - 1].3),
+                    "loan {id}'s chain: {chain:?}"
+                );
             }
         }
         assert_eq!(chain.last().unwrap().3, *fine, "loan {id}: {chain:?}");
@@ -477,7 +493,12 @@ async fn gate_on(pool: &PgPool, id: i64, key: i64) -> sqlx::PgConnection {
 
 /// Waits for a batch at the gate, SIGKILLs `shard`'s replica, ends the batch's backend (as the
 /// server does on finding the connection gone: it never commits) and opens the gate.
-async fn kill_at_the_gate(pool: &PgPool, fleet: &mut Fleet, shard: u32, holder: sqlx::PgConnection) {
+async fn kill_at_the_gate(
+    pool: &PgPool,
+    fleet: &mut Fleet,
+    shard: u32,
+    holder: sqlx::PgConnection,
+) {
     let waiting = || async {
         sqlx::query_scalar::<_, Option<i32>>(
             "SELECT max(pid) FROM pg_stat_activity
@@ -599,7 +620,10 @@ async fn a_rolling_upgrade_from_the_previous_release_and_a_rollback_settle_every
     // October becomes due on shard 1 alone: the old fleet claims it first, and pins it.
     key_loans(&pool, &mut next_id, "2026-10-01", &[1], 30).await;
     assert!(
-        eventually(60, || async { settled_of(&pool, "2026-10-01", 1).await.0 == 30 }).await,
+        eventually(60, || async {
+            settled_of(&pool, "2026-10-01", 1).await.0 == 30
+        })
+        .await,
         "the old replica of shard 1 settles October past June's refusal\n{}",
         fleet.tail(1)
     );
@@ -611,7 +635,10 @@ async fn a_rolling_upgrade_from_the_previous_release_and_a_rollback_settle_every
     // the old shards, whose claims compare with that pin; October's other shards too.
     key_loans(&pool, &mut next_id, "2026-11-01", &[0], 30).await;
     assert!(
-        eventually(60, || async { settled_of(&pool, "2026-11-01", 0).await.0 == 30 }).await,
+        eventually(60, || async {
+            settled_of(&pool, "2026-11-01", 0).await.0 == 30
+        })
+        .await,
         "this release's replica of shard 0 settles November\n{}",
         fleet.tail(0)
     );
@@ -647,7 +674,8 @@ async fn a_rolling_upgrade_from_the_previous_release_and_a_rollback_settle_every
     wait_at_rest(&pool, &fleet, "the upgraded fleet").await;
     let may = claims_of(&pool, "2026-05-31").await;
     assert!(
-        may.iter().any(|(shard, attempt, _)| *shard == 2 && *attempt >= 2),
+        may.iter()
+            .any(|(shard, attempt, _)| *shard == 2 && *attempt >= 2),
         "May's shard 2 was taken over: {may:?}"
     );
     assert_every_month_right(&pool, &url).await;
@@ -679,7 +707,9 @@ async fn a_rolling_upgrade_from_the_previous_release_and_a_rollback_settle_every
     wait_at_rest(&pool, &fleet, "the rolled-back fleet").await;
     let april = claims_of(&pool, "2026-04-30").await;
     assert!(
-        april.iter().any(|(shard, attempt, _)| *shard == 0 && *attempt >= 2),
+        april
+            .iter()
+            .any(|(shard, attempt, _)| *shard == 0 && *attempt >= 2),
         "April's shard 0 was taken over by the previous release: {april:?}"
     );
     fleet.assert_all_ready().await;
