@@ -292,6 +292,9 @@ impl Replica {
             (Some(_), None) => TickOutcome::AlreadyDone { slot },
             (None, _) => TickOutcome::Idle,
         };
+        // Read again: the look above may have waited out acquire timeouts (a database that was
+        // down or read-only until a moment ago), and a retry due meanwhile runs now, not a tick later.
+        let now = self.clock.now();
         for d in due {
             let Ok(month) = BusinessDate::new(d.business_date) else {
                 continue;
