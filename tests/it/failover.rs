@@ -452,19 +452,12 @@ async fn oracle_holds(pool: &PgPool, month: BusinessDate) {
     }
 }
 
-async fn settled(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT count(*) FROM loans WHERE fine_settled_at IS NOT NULL")
-        .fetch_one(pool)
-        .await
-        .unwrap_or(-1)
-}
-
 /// Three `serve` shards settle a month through a proxy in front of the primary; mid-run the old
 /// primary leaves as `how` says, the standby is promoted and the proxy switched to it. Every loan
 /// ends settled once, at the oracle's fine; each shard's run ends as one clean SUCCESS; `/readyz`
 /// is not ready while only a read-only server answers. Returns the time from the promotion to the
-/// next committed batch.
-async fn fail_over(how: OldPrimary) -> Duration {
+/// next committed batch, and to a committed batch of every run that was in flight.
+async fn fail_over(how: OldPrimary) -> (Duration, Duration) {
     let month = due_month();
     let mut primary = PrivateCluster::start().await;
     let pool = primary.pool().await;
@@ -524,7 +517,7 @@ async fn fail_over(how: OldPrimary) -> Duration {
         replica.wait_for("/readyz", 200).await;
     }
     assert!(
-        eventually(30, || async { settled(&pool).await > 0 }).await,
+        eventually(30, || async { settled_count(&pool).await > 0 }).await,
         "no batch committed"
     );
 
@@ -562,10 +555,10 @@ async fn fail_over(how: OldPrimary) -> Duration {
                 unfinished.iter().any(|r| r.2 != "SUCCESS"),
                 "every shard finished before the failover: {unfinished:?}"
             );
-            let before = settled(&standby_pool).await;
+            let before = progress(&standby_pool, month).await;
             let promoted = promote(&standby).await;
             proxy.switch(standby.socket(), !keep_open);
-            let took = next_batch_after(&standby_pool, before, promoted).await;
+            let took = resumed_after(&standby_pool, month, &before, promoted).await;
             finish(&standby_pool, &replicas, month).await;
             pool.close().await;
             primary.pg.stop_immediately();
@@ -590,7 +583,14 @@ async fn fail_over(how: OldPrimary) -> Duration {
         OldPrimary::Stopped => {
             pool.close().await;
             primary.pg.stop_immediately();
-            // The endpoint moves first: only the standby, read-only, answers.
+            // Until the failover is detected the endpoint leads nowhere: every try fails at once,
+            // and an uncapped backoff would have grown to 8–16 s by the end of it.
+            let outage = Instant::now();
+            for replica in &replicas {
+                replica.wait_for("/readyz", 503).await;
+            }
+            tokio::time::sleep(DEAD_ENDPOINT.saturating_sub(outage.elapsed())).await;
+            // Then the endpoint moves first: only the standby, read-only, answers.
             proxy.switch(standby.socket(), true);
             for replica in &replicas {
                 wait_not_ready(replica, READ_ONLY_REASON, 30).await;
@@ -600,9 +600,9 @@ async fn fail_over(how: OldPrimary) -> Duration {
                 unfinished.iter().any(|r| r.2 != "SUCCESS"),
                 "every shard finished before the failover: {unfinished:?}"
             );
-            let before = settled(&standby_pool).await;
+            let before = progress(&standby_pool, month).await;
             let promoted = promote(&standby).await;
-            let took = next_batch_after(&standby_pool, before, promoted).await;
+            let took = resumed_after(&standby_pool, month, &before, promoted).await;
             finish(&standby_pool, &replicas, month).await;
             check(
                 &standby_pool,
@@ -613,9 +613,43 @@ async fn fail_over(how: OldPrimary) -> Duration {
                 &log,
             )
             .await;
+            // Each replica failed again and again while the endpoint led nowhere, and yet never
+            // paused longer than the lease before its next try (uncapped: 4–8 s at the fourth).
+            for shard in 0..SHARDS {
+                let pauses = retry_pauses(&log(shard));
+                assert!(pauses.len() >= 4, "shard {shard}: {pauses:?}");
+                assert!(
+                    pauses.iter().all(|p| *p <= 3.0),
+                    "shard {shard} paused longer than the lease: {pauses:?}"
+                );
+            }
             took
         }
     }
+}
+
+/// How long the endpoint leads nowhere after the old primary stopped.
+const DEAD_ENDPOINT: Duration = Duration::from_secs(20);
+
+/// The longest every run in flight may take to commit a batch after the promotion: a retry pause
+/// (an outage's is at most the lease), the lease (a claim whose heartbeat stopped is stale by
+/// then), a heartbeat (the replica's tick), and one acquire timeout (a database call begun while
+/// only the read-only server answered).
+const RESUMED_WITHIN: Duration = Duration::from_secs(3 + 3 + 1 + 2);
+
+/// The pauses (s) before the retries of the fine settlement that `log` (a replica's JSON log)
+/// scheduled after a failed run.
+fn retry_pauses(log: &std::path::Path) -> Vec<f64> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|j| {
+            j["message"] == "run failed; retrying with backoff"
+                && j["span"]["job"] == settlement::JOB_NAME
+        })
+        .filter_map(|j| j["retry_in_secs"].as_f64())
+        .collect()
 }
 
 /// Promotes `standby`; the instant it takes writes.
@@ -626,17 +660,52 @@ async fn promote(standby: &EmbeddedPg) -> Instant {
     Instant::now()
 }
 
-/// The time from `promoted` until a batch commits on the new primary (more than `before` loans
-/// settled).
-async fn next_batch_after(pool: &PgPool, before: i64, promoted: Instant) -> Duration {
+/// A shard's committed progress: (shard, cursor's two ends, SUCCESS).
+type Progress = (i32, Option<i64>, Option<i64>, bool);
+
+/// The progress of every settlement row of `month`.
+async fn progress(pool: &PgPool, month: BusinessDate) -> Vec<Progress> {
+    sqlx::query_as(
+        "SELECT shard, last_id, last_id_desc, status = 'SUCCESS' FROM job_runs
+          WHERE job_name = $1 AND business_date = $2 ORDER BY shard",
+    )
+    .bind(settlement::JOB_NAME)
+    .bind(month.date())
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default()
+}
+
+/// How long after `promoted` the new primary committed its first batch, and a batch of every
+/// shard that was not SUCCESS `before` (its cursor moved on, or it finished). Prints both.
+async fn resumed_after(
+    pool: &PgPool,
+    month: BusinessDate,
+    before: &[Progress],
+    promoted: Instant,
+) -> (Duration, Duration) {
     let deadline = promoted + Duration::from_secs(90);
+    let mut first = None;
     while Instant::now() < deadline {
-        if settled(pool).await > before {
-            return promoted.elapsed();
+        let now = progress(pool, month).await;
+        // A shard in flight committed a batch: its cursor moved, or it finished.
+        let moved = |p: &Progress| before.iter().any(|b| b.0 == p.0 && !b.3 && p != b);
+        let waiting = before.iter().filter(|b| !b.3).count();
+        let resumed = now.iter().filter(|p| moved(p)).count();
+        if resumed > 0 && first.is_none() {
+            first = Some(promoted.elapsed());
+        }
+        if let (Some(first), true) = (first, resumed == waiting) {
+            let all = promoted.elapsed();
+            assert!(
+                all <= RESUMED_WITHIN,
+                "every run in flight resumed only {all:?} after the promotion"
+            );
+            return (first, all);
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!("no batch committed within 90 s of the promotion");
+    panic!("the runs in flight did not resume within 90 s of the promotion");
 }
 
 /// Waits until every shard is SUCCESS on the new primary and every replica is ready again.
@@ -697,21 +766,21 @@ async fn check(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs a primary and a streaming standby and fails over: run with --ignored"]
 async fn a_failover_with_the_old_primary_left_read_only_settles_every_loan_once() {
-    let took = fail_over(OldPrimary::ReadOnly { keep_open: false }).await;
-    println!("failover, old primary read-only, connections cut: promotion to next committed batch {took:?}");
+    let (first, all) = fail_over(OldPrimary::ReadOnly { keep_open: false }).await;
+    println!("failover, old primary read-only, connections cut: promotion to the next committed batch {first:?}, to every run resumed {all:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs a primary and a streaming standby and fails over: run with --ignored"]
 async fn a_failover_whose_endpoint_keeps_connections_to_the_read_only_old_primary_writes_nothing_through_them(
 ) {
-    let took = fail_over(OldPrimary::ReadOnly { keep_open: true }).await;
-    println!("failover, old primary read-only, connections to it kept open: promotion to next committed batch {took:?}");
+    let (first, all) = fail_over(OldPrimary::ReadOnly { keep_open: true }).await;
+    println!("failover, old primary read-only, connections to it kept open: promotion to the next committed batch {first:?}, to every run resumed {all:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "runs a primary and a streaming standby and fails over: run with --ignored"]
 async fn a_failover_with_the_old_primary_stopped_settles_every_loan_once() {
-    let took = fail_over(OldPrimary::Stopped).await;
-    println!("failover, old primary stopped: promotion to next committed batch {took:?}");
+    let (first, all) = fail_over(OldPrimary::Stopped).await;
+    println!("failover, old primary stopped: promotion to the next committed batch {first:?}, to every run resumed {all:?}");
 }
