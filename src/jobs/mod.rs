@@ -574,10 +574,20 @@ impl JobError {
             JobError::WritesRefused { .. }
             | JobError::Unanswered { .. }
             | JobError::NoConnection { .. } => true,
-            JobError::Db(e) => matches!(
-                e,
-                sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Tls(_)
-            ),
+            // A connection that broke, in the handshake too (an endpoint that accepts TCP with no
+            // server behind it answers nothing that makes sense), or none to be had.
+            JobError::Db(
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed,
+            ) => true,
+            // connection_exception, too_many_connections.
+            JobError::Db(sqlx::Error::Database(db)) => {
+                let code = db.code().unwrap_or_default();
+                code.starts_with("08") || code == "53300"
+            }
             _ => false,
         }
     }
@@ -618,7 +628,31 @@ pub type Result<T, E = JobError> = std::result::Result<T, E>;
 
 #[cfg(test)]
 mod tests {
-    use super::Cursor;
+    use super::{Cursor, JobError};
+
+    #[test]
+    fn a_broken_connection_or_none_to_be_had_is_an_outage_and_a_sql_error_is_not() {
+        let outages = [
+            JobError::Db(sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())),
+            JobError::Db(sqlx::Error::Protocol(
+                "unexpected response from SSLRequest".into(),
+            )),
+            JobError::Db(sqlx::Error::PoolTimedOut),
+            JobError::NoConnection { reason: None },
+            JobError::Unanswered {
+                waited: std::time::Duration::from_secs(9),
+            },
+            JobError::WritesRefused {
+                refusal: super::server::Refusal::ReadOnly,
+                detail: "25006".into(),
+            },
+        ];
+        for e in outages {
+            assert!(e.is_outage() && e.is_retryable(), "{e}");
+        }
+        assert!(!JobError::Db(sqlx::Error::RowNotFound).is_outage());
+        assert!(!JobError::Interrupted.is_outage());
+    }
 
     fn cursor(last_id: Option<i64>, last_id_desc: Option<i64>) -> Cursor {
         Cursor {
