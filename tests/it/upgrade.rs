@@ -352,14 +352,14 @@ async fn wait_at_rest(pool: &PgPool, fleet: &Fleet, what: &str) {
     let rested = eventually(120, || async { at_rest(pool).await.is_ok() }).await;
     if !rested {
         let last = at_rest(pool).await.err().unwrap_or_default();
-        let claims: Vec<(String, NaiveDate, i32, i32, String, i32, Option<String>)> =
-            sqlx::query_as(
-                "SELECT job_name, business_date, shards, shard, status, attempt, error FROM job_runs
+        type Claim = (String, NaiveDate, i32, i32, String, i32, Option<String>);
+        let claims: Vec<Claim> = sqlx::query_as(
+            "SELECT job_name, business_date, shards, shard, status, attempt, error FROM job_runs
                   WHERE status <> 'SUCCESS' ORDER BY 2, 4",
-            )
-            .fetch_all(pool)
-            .await
-            .unwrap();
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap();
         let logs: Vec<String> = fleet.replicas.keys().map(|s| fleet.tail(*s)).collect();
         panic!(
             "{what}: never at rest: {last}\nopen claims: {claims:#?}\nlogs:\n{}",
@@ -423,7 +423,8 @@ async fn assert_every_month_right(pool: &PgPool, url: &str) {
     .fetch_all(pool)
     .await
     .unwrap();
-    let mut chains: BTreeMap<i64, Vec<(i32, String, Option<i64>, i64)>> = BTreeMap::new();
+    type Entry = (i32, String, Option<i64>, i64);
+    let mut chains: BTreeMap<i64, Vec<Entry>> = BTreeMap::new();
     for (loan, seq, kind, before, after) in entries {
         chains
             .entry(loan)
