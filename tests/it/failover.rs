@@ -57,6 +57,21 @@ async fn backend_exists(pool: &PgPool, pid: i32) -> bool {
         .unwrap()
 }
 
+/// `error` is a refusal of writes by a read-only server: retryable, an outage.
+fn assert_refused_as_read_only(error: &JobError) {
+    assert!(
+        matches!(
+            error,
+            JobError::WritesRefused {
+                refusal: Refusal::ReadOnly,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.is_retryable() && error.is_outage(), "{error}");
+}
+
 /// settlementd's pool on `url` (with its hooks), giving up after 1 s, holding idle connections
 /// for 30 s.
 fn settlementd_pool(url: &str) -> PgPool {
@@ -105,17 +120,7 @@ async fn a_pool_hands_out_no_connection_to_a_read_only_server_and_connect_says_r
         Err(sqlx::Error::PoolTimedOut)
     ));
     let error = jobs::acquire(&pool).await.unwrap_err();
-    assert!(
-        matches!(
-            error,
-            JobError::WritesRefused {
-                refusal: Refusal::ReadOnly,
-                ..
-            }
-        ),
-        "{error}"
-    );
-    assert!(error.is_retryable() && error.is_outage(), "{error}");
+    assert_refused_as_read_only(&error);
     pool.close().await;
 
     let s = settings(&[("DATABASE__ACQUIRE_TIMEOUT_SECS", "1")]);
@@ -213,17 +218,7 @@ async fn a_run_whose_writes_are_refused_ends_retryable_closes_its_connection_and
     )
     .await
     .unwrap_err();
-    assert!(
-        matches!(
-            error,
-            JobError::WritesRefused {
-                refusal: Refusal::ReadOnly,
-                ..
-            }
-        ),
-        "{error}"
-    );
-    assert!(error.is_retryable() && error.is_outage(), "{error}");
+    assert_refused_as_read_only(&error);
     // The refused connection was closed, not returned to the pool (which keeps idle ones 30 s).
     let refused = job.backend.lock().unwrap().expect("the refused batch ran");
     assert!(
@@ -435,15 +430,7 @@ async fn claimed_attempts(pool: &PgPool, month: BusinessDate, shard: i32) -> Vec
 /// The fine of each loan returned in `month`, computed here from its dates under the default rule
 /// (50 cents a day late, no grace, at most 100.00), independently of settlementd's own.
 async fn oracle_holds(pool: &PgPool, month: BusinessDate) {
-    let rows: Vec<(i64, chrono::NaiveDate, chrono::NaiveDate, i64, bool)> = sqlx::query_as(
-        "SELECT id, due_on, returned_on, fine_cents, fine_settled_at IS NOT NULL FROM loans
-          WHERE returned_on BETWEEN $1 AND $2 ORDER BY id",
-    )
-    .bind(month.first_day())
-    .bind(month.date())
-    .fetch_all(pool)
-    .await
-    .unwrap();
+    let rows = returns_of(pool, month).await;
     assert!(rows.len() > 20_000, "{} loans", rows.len());
     for (id, due, returned, fine, settled) in rows {
         let expected = ((returned - due).num_days().max(0) * 50).min(10_000);
@@ -521,7 +508,8 @@ async fn fail_over(how: OldPrimary) -> (Duration, Duration) {
         "no batch committed"
     );
 
-    match how {
+    // Up to the promotion; what the proxy does after it (`Some(cut_open)`: switch to the new primary).
+    let switch_after = match how {
         OldPrimary::ReadOnly { keep_open } => {
             sqlx::query("ALTER SYSTEM SET default_transaction_read_only = on")
                 .execute(&pool)
@@ -550,35 +538,7 @@ async fn fail_over(how: OldPrimary) -> (Duration, Duration) {
                 .await,
                 "the standby did not catch up"
             );
-            let unfinished = runs(&standby_pool, month).await;
-            assert!(
-                unfinished.iter().any(|r| r.2 != "SUCCESS"),
-                "every shard finished before the failover: {unfinished:?}"
-            );
-            let before = progress(&standby_pool, month).await;
-            let promoted = promote(&standby).await;
-            proxy.switch(standby.socket(), !keep_open);
-            let took = resumed_after(&standby_pool, month, &before, promoted).await;
-            finish(&standby_pool, &replicas, month).await;
-            pool.close().await;
-            primary.pg.stop_immediately();
-            check(
-                &standby_pool,
-                &standby_url,
-                &clean.pool,
-                month,
-                replicas,
-                &log,
-            )
-            .await;
-            let logs: String = (0..SHARDS)
-                .map(|shard| std::fs::read_to_string(log(shard)).unwrap())
-                .collect();
-            assert!(
-                logs.contains("the database refused the run's writes: the server is read-only"),
-                "no run met the read-only server"
-            );
-            took
+            Some(!keep_open)
         }
         OldPrimary::Stopped => {
             pool.close().await;
@@ -595,24 +555,43 @@ async fn fail_over(how: OldPrimary) -> (Duration, Duration) {
             for replica in &replicas {
                 wait_not_ready(replica, READ_ONLY_REASON, 30).await;
             }
-            let unfinished = runs(&standby_pool, month).await;
+            None
+        }
+    };
+    let unfinished = runs(&standby_pool, month).await;
+    assert!(
+        unfinished.iter().any(|r| r.2 != "SUCCESS"),
+        "every shard finished before the failover: {unfinished:?}"
+    );
+    let before = progress(&standby_pool, month).await;
+    let promoted = promote(&standby).await;
+    if let Some(cut_open) = switch_after {
+        proxy.switch(standby.socket(), cut_open);
+    }
+    let took = resumed_after(&standby_pool, month, &before, promoted).await;
+    finish(&standby_pool, &replicas, month).await;
+    pool.close().await;
+    primary.pg.stop_immediately();
+    check(
+        &standby_pool,
+        &standby_url,
+        &clean.pool,
+        month,
+        replicas,
+        &log,
+    )
+    .await;
+    match how {
+        OldPrimary::ReadOnly { .. } => {
+            let logs: String = (0..SHARDS)
+                .map(|shard| std::fs::read_to_string(log(shard)).unwrap())
+                .collect();
             assert!(
-                unfinished.iter().any(|r| r.2 != "SUCCESS"),
-                "every shard finished before the failover: {unfinished:?}"
+                logs.contains("the database refused the run's writes: the server is read-only"),
+                "no run met the read-only server"
             );
-            let before = progress(&standby_pool, month).await;
-            let promoted = promote(&standby).await;
-            let took = resumed_after(&standby_pool, month, &before, promoted).await;
-            finish(&standby_pool, &replicas, month).await;
-            check(
-                &standby_pool,
-                &standby_url,
-                &clean.pool,
-                month,
-                replicas,
-                &log,
-            )
-            .await;
+        }
+        OldPrimary::Stopped => {
             // Each replica failed again and again while the endpoint led nowhere, and yet never
             // paused longer than the lease before its next try (uncapped: 4–8 s at the fourth).
             for shard in 0..SHARDS {
@@ -623,9 +602,9 @@ async fn fail_over(how: OldPrimary) -> (Duration, Duration) {
                     "shard {shard} paused longer than the lease: {pauses:?}"
                 );
             }
-            took
         }
     }
+    took
 }
 
 /// How long the endpoint leads nowhere after the old primary stopped.
