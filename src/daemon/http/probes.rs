@@ -1,5 +1,5 @@
 //! The operational endpoints: `GET /healthz` (200 while the process runs), `GET /readyz` (200
-//! when the database answers and every migration is applied, else 503) and `GET /metrics`
+//! when the database answers, takes writes and every migration is applied, else 503) and `GET /metrics`
 //! (Prometheus text, with `settlementd_ready` re-evaluated at every scrape).
 
 use super::HttpState;
@@ -26,8 +26,8 @@ pub async fn readyz(State(state): State<HttpState>) -> (StatusCode, String) {
     }
 }
 
-/// The database answers within [`READY_TIMEOUT`], takes writes, and every migration is applied. Also sets the
-/// `settlementd_ready` gauge, so the metric is as fresh as the last probe or scrape.
+/// The database answers within [`READY_TIMEOUT`], takes writes, and every migration is applied.
+/// Also sets the `settlementd_ready` gauge, so the metric is as fresh as the last probe or scrape.
 async fn check_ready(pool: &PgPool) -> Result<(), String> {
     let ready = async {
         crate::db::writable(pool).await?;
