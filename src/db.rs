@@ -15,10 +15,19 @@
 //!
 //! Pooled connections unused for half a heartbeat are closed ([`idle_timeout`]), so a replica
 //! between runs holds only the connection it listens on (docs/OPERATIONS.md, "Connections").
+//!
+//! Nothing is written through a connection to a read-only server (a standby, or a primary with
+//! `default_transaction_read_only`, as the old primary is during a failover): every connection is
+//! checked when it is made (in the round trip of the session guards) and again each time the pool
+//! hands it out ([`crate::jobs::server`]); one to a read-only server is closed instead. A pool whose
+//! endpoint leads only to a read-only server hands out nothing: [`connect`] says
+//! [`DbError::ReadOnly`] (not a configuration error: a failover passes, and `serve` waits as for a
+//! server that is down), and readiness asks [`writable`].
 
 pub mod migrations;
 pub mod options;
 
+use crate::jobs::server::{self, Direct};
 pub use migrations::{
     alters_loans, embedded, migrate, migrate_connection, schema_is_current, statements, Applied,
     LOANS_MIGRATIONS,
@@ -72,6 +81,11 @@ pub enum DbError {
          directly"
     )]
     TransactionPooler { url: String },
+    /// The endpoint leads to a read-only server: a standby (in recovery), or a primary with
+    /// `default_transaction_read_only = on` (the old primary during a failover). It passes when
+    /// the endpoint leads to the writer again; `serve` waits for that.
+    #[error("the database at {url} is read-only ({READ_ONLY}): settlementd writes nothing through it; give it the primary's (writer) endpoint, or wait for a failover to finish")]
+    ReadOnly { url: String },
     /// A column of an existing `loans` table is not of a type settlementd can read or write.
     #[error("loans does not fit settlementd: {0}; nothing was written")]
     Schema(String),
@@ -83,6 +97,9 @@ pub enum DbError {
     #[error("database error: {0}")]
     Query(#[from] sqlx::Error),
 }
+
+/// What makes a server read-only, in the words of [`DbError::ReadOnly`].
+const READ_ONLY: &str = "a standby, or default_transaction_read_only";
 
 fn server_said(reason: &Option<String>) -> String {
     reason
@@ -156,7 +173,9 @@ pub fn pool(
         // ("unsupported startup parameter: extra_float_digits"), and every value settlementd
         // reads is binary or an integer.
         .extra_float_digits(None);
-    let session = session_guards_sql(guards);
+    // The session guards and the read-only check in one round trip; a plain string runs as a
+    // simple query, so no prepared statement is left behind.
+    let session = format!("{}; {}", session_guards_sql(guards), server::READ_ONLY_SQL);
     Ok(PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .min_connections(0)
@@ -164,10 +183,67 @@ pub fn pool(
         .acquire_timeout(Duration::from_secs(settings.acquire_timeout_secs))
         .after_connect(move |conn, _meta| {
             let sql = session.clone();
-            // A plain string runs as a simple query: no prepared statement is left behind.
-            Box::pin(async move { conn.execute(sql.as_str()).await.map(|_| ()) })
+            Box::pin(async move {
+                // The guards' rows, then the check's one row.
+                let rows = conn.fetch_all(sql.as_str()).await?;
+                match rows
+                    .last()
+                    .map(|row| row.try_get::<bool, _>(0))
+                    .transpose()?
+                {
+                    Some(false) => Ok(()),
+                    _ => Err(read_only_refused()),
+                }
+            })
+        })
+        // The check at hand-out replaces sqlx's ping (it is one round trip as well): a connection
+        // whose server became read-only since (a reload of default_transaction_read_only, a
+        // demoted primary) is closed, and the pool opens another through the endpoint.
+        .test_before_acquire(false)
+        .before_acquire(|conn, _meta| {
+            Box::pin(async move { Ok(!server::is_read_only(conn).await?) })
         })
         .connect_lazy_with(connect))
+}
+
+/// The error `after_connect` returns for a connection to a read-only server: the pool closes the
+/// connection, logs this, and tries again until its acquire timeout.
+fn read_only_refused() -> sqlx::Error {
+    sqlx::Error::InvalidArgument(format!(
+        "the server is read-only ({READ_ONLY}): settlementd closed the connection"
+    ))
+}
+
+/// For readiness: `Ok` when the server behind `pool` takes writes, [`DbError::ReadOnly`] when it
+/// is read-only. A connection the pool hands out was checked at hand-out; when it has none to give
+/// within [`WRITABLE_WITHIN`] (it turns away every connection to a read-only server, until its
+/// acquire timeout), one direct connection asks the server.
+pub async fn writable(pool: &PgPool) -> Result<()> {
+    if let Ok(Ok(_conn)) = tokio::time::timeout(WRITABLE_WITHIN, pool.acquire()).await {
+        return Ok(());
+    }
+    match server::ask_directly(pool).await {
+        Direct::Writable | Direct::Silent => Ok(()),
+        Direct::ReadOnly => Err(DbError::ReadOnly {
+            url: shown(&pool.connect_options()),
+        }),
+        Direct::Failed(e) => Err(DbError::Query(e)),
+    }
+}
+
+/// How long [`writable`] waits for one of the pool's connections before it asks the server
+/// directly: within readiness's own 2 s.
+const WRITABLE_WITHIN: Duration = Duration::from_secs(1);
+
+/// Where `options` lead, for a message: host (or socket directory), port, database; never the
+/// password.
+fn shown(options: &sqlx::postgres::PgConnectOptions) -> String {
+    let host = match options.get_socket() {
+        Some(dir) => dir.display().to_string(),
+        None => options.get_host().to_string(),
+    };
+    let database = options.get_database().unwrap_or("");
+    format!("{host}:{}/{database}", options.get_port())
 }
 
 /// Connects two of `pool`'s connections and checks that they are two server sessions (no
@@ -201,12 +277,19 @@ pub async fn check(pool: &PgPool, url: &str) -> Result<()> {
 }
 
 /// `source` as the error an operator can act on. When the pool only says it gave up waiting, one
-/// direct attempt asks the server why (too many connections, slots reserved, starting up).
+/// direct attempt asks the server why (too many connections, slots reserved, starting up, or
+/// read-only: the pool turns those connections away).
 async fn connect_error(pool: &PgPool, url: &str, source: sqlx::Error) -> DbError {
     let source = match source {
-        sqlx::Error::PoolTimedOut => crate::jobs::direct_attempt(pool)
-            .await
-            .unwrap_or(sqlx::Error::PoolTimedOut),
+        sqlx::Error::PoolTimedOut => match server::ask_directly(pool).await {
+            Direct::Failed(e) => e,
+            Direct::ReadOnly => {
+                return DbError::ReadOnly {
+                    url: redact_url(url),
+                }
+            }
+            Direct::Writable | Direct::Silent => sqlx::Error::PoolTimedOut,
+        },
         other => other,
     };
     classify(url, pool.connect_options().get_ssl_mode(), source)

@@ -7,7 +7,8 @@
 //! a private directory. When settlementd runs as root the server runs as the `postgres` OS user
 //! (initdb refuses root). The postmaster is started from a keeper thread with `PR_SET_PDEATHSIG`,
 //! so it is shut down even when this process is killed; [`EmbeddedPg::stop`] (or drop) shuts it
-//! down cleanly and removes a temporary data directory.
+//! down cleanly and removes a temporary data directory. The failover tests also make a streaming
+//! standby of a cluster ([`EmbeddedPg::start_standby`]) and promote it ([`EmbeddedPg::promote`]).
 
 use std::fs;
 use std::io::Read;
@@ -108,13 +109,7 @@ impl EmbeddedPg {
         };
         clean_stale_temp_dirs();
         let as_user = server_user()?;
-        let run_dir = tempfile::Builder::new()
-            .prefix(&format!("{TEMP_PREFIX}{}-", std::process::id()))
-            .tempdir()
-            .map_err(io("create a temporary directory"))?;
-        fs::set_permissions(run_dir.path(), fs::Permissions::from_mode(0o755))
-            .map_err(io("chmod"))?;
-        let socket_dir = run_dir.path().join("socket");
+        let (run_dir, socket_dir) = new_run_dir()?;
         let temporary = opts.data_dir.is_none();
         let data_dir = match opts.data_dir {
             Some(dir) => absolute(&dir)?,
@@ -176,8 +171,75 @@ impl EmbeddedPg {
         Ok(pg)
     }
 
+    /// A streaming standby of this cluster, made as an operator makes one: `pg_basebackup -R` over
+    /// this cluster's socket (a base backup, with `standby.signal` and a `primary_conninfo` that
+    /// leads back here) into a temporary data directory of its own, then started with this
+    /// cluster's settings. It answers read-only queries (`pg_is_in_recovery()` is true) and
+    /// follows this cluster's WAL until [`EmbeddedPg::promote`]. For failover tests.
+    pub fn start_standby(&self) -> Result<Self> {
+        let (run_dir, socket_dir) = new_run_dir()?;
+        let data_dir = run_dir.path().join("data");
+        for dir in [&socket_dir, &data_dir] {
+            fs::create_dir_all(dir).map_err(io("create a directory"))?;
+            chown(dir, self.as_user)?;
+        }
+        fs::set_permissions(&data_dir, fs::Permissions::from_mode(0o700)).map_err(io("chmod"))?;
+        let log = run_dir.path().join("basebackup.log");
+        let tool = self.bindir.join("pg_basebackup");
+        let status = server_command(&tool, self.as_user, run_dir.path())
+            .arg("-D")
+            .arg(&data_dir)
+            .args(["-R", "-X", "stream", "-c", "fast", "--no-sync"])
+            .arg("-h")
+            .arg(&self.socket_dir)
+            .args(["-p", &PORT.to_string(), "-U", SUPERUSER])
+            .stdout(log_file(&log)?)
+            .stderr(log_file(&log)?)
+            .status()
+            .map_err(|e| EmbeddedError::Start(format!("cannot run {}: {e}", tool.display())))?;
+        if !status.success() {
+            return Err(EmbeddedError::Start(format!(
+                "pg_basebackup failed: {}",
+                tail(&log)
+            )));
+        }
+        let mut standby = Self {
+            run_dir: Some(run_dir),
+            socket_dir,
+            data_dir,
+            bindir: self.bindir.clone(),
+            as_user: self.as_user,
+            temporary: true,
+            pid: 0,
+            keeper: None,
+            version: self.version.clone(),
+            settings: self.settings.clone(),
+        };
+        standby.spawn_server()?;
+        Ok(standby)
+    }
+
+    /// Promotes a standby ([`EmbeddedPg::start_standby`]) to a primary with `pg_ctl promote`, and
+    /// waits until it takes writes.
+    pub fn promote(&self) -> Result<()> {
+        let tool = self.bindir.join("pg_ctl");
+        let out = server_command(&tool, self.as_user, &self.data_dir)
+            .args(["promote", "-w", "-t", "60", "-D"])
+            .arg(&self.data_dir)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| EmbeddedError::Start(format!("cannot run {}: {e}", tool.display())))?;
+        if !out.status.success() {
+            return Err(EmbeddedError::Start(format!(
+                "pg_ctl promote failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            )));
+        }
+        Ok(())
+    }
+
     /// Starts the postmaster on the data directory and socket directory of `self` and waits until
-    /// it accepts connections.
+    /// it accepts connections (a standby: read-only ones).
     fn spawn_server(&mut self) -> Result<()> {
         let run_dir = self
             .run_dir
@@ -280,6 +342,11 @@ impl EmbeddedPg {
         self.pid
     }
 
+    /// The server's Unix socket (for a proxy in front of it).
+    pub fn socket(&self) -> PathBuf {
+        self.socket_dir.join(format!(".s.PGSQL.{PORT}"))
+    }
+
     /// The cluster's data directory (`pg_hba.conf` and friends live there).
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
@@ -324,11 +391,12 @@ impl EmbeddedPg {
         let pid_file = self.data_dir.join("postmaster.pid");
         loop {
             // Line 1 of postmaster.pid is the postmaster's pid (so a file left by a server stopped
-            // the hard way does not count), line 8 its status: "ready" once it accepts connections.
+            // the hard way does not count), line 8 its status: "ready" once it accepts connections,
+            // "standby" once a standby accepts read-only ones.
             if let Ok(text) = fs::read_to_string(&pid_file) {
                 let mut lines = text.lines().map(str::trim);
                 let ours = lines.next() == Some(self.pid.to_string().as_str());
-                if ours && lines.nth(6) == Some("ready") {
+                if ours && matches!(lines.nth(6), Some("ready" | "standby")) {
                     return Ok(());
                 }
             }
@@ -355,6 +423,18 @@ impl Drop for EmbeddedPg {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// A new private run directory (socket, logs, a temporary data directory), open to the server's OS
+/// user, and its socket directory inside it.
+fn new_run_dir() -> Result<(tempfile::TempDir, PathBuf)> {
+    let run_dir = tempfile::Builder::new()
+        .prefix(&format!("{TEMP_PREFIX}{}-", std::process::id()))
+        .tempdir()
+        .map_err(io("create a temporary directory"))?;
+    fs::set_permissions(run_dir.path(), fs::Permissions::from_mode(0o755)).map_err(io("chmod"))?;
+    let socket_dir = run_dir.path().join("socket");
+    Ok((run_dir, socket_dir))
 }
 
 /// The server bin directory: `$SETTLEMENTD_PG_BINDIR`, `pg_config --bindir`, the directory of

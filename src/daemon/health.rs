@@ -2,8 +2,9 @@
 //! `settlementd_ready` and `settlementd_not_ready{reason}` metrics, the log and the fleet's
 //! registry ([`crate::jobs::fleet`]).
 //!
-//! A replica is ready when the database answers, every migration of this binary is applied, and
-//! no job of it is refused a due month for its rule. The first two are asked of the database at
+//! A replica is ready when the database answers and takes writes, every migration of this binary
+//! is applied, and no job of it is refused a due month for its rule. The first three are asked of
+//! the database at
 //! each evaluation ([`evaluate`]); the rule is what each [`super::replica::Replica`] found at its
 //! latest look at what is due ([`Health::looked`]), at every tick, so at most one heartbeat old.
 //! Until every job has looked once the replica is not ready ("starting"): a rolling update waits
@@ -28,6 +29,9 @@ pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 pub enum NotReady {
     /// The database did not answer, or answered with an error (its text).
     Database(String),
+    /// Only a read-only server answers (a standby, or `default_transaction_read_only`): nothing
+    /// is written through it (its text names the endpoint).
+    ReadOnly(String),
     /// A migration of this binary is not applied.
     Schema,
     /// A job has not looked at what is due yet.
@@ -38,12 +42,19 @@ pub enum NotReady {
 
 impl NotReady {
     /// Every value of the metric's `reason` label.
-    pub const LABELS: [&'static str; 4] = ["database", "schema", "starting", "rule_conflict"];
+    pub const LABELS: [&'static str; 5] = [
+        "database",
+        "read_only",
+        "schema",
+        "starting",
+        "rule_conflict",
+    ];
 
     /// The `reason` label of `settlementd_not_ready`.
     pub fn label(&self) -> &'static str {
         match self {
             NotReady::Database(_) => "database",
+            NotReady::ReadOnly(_) => "read_only",
             NotReady::Schema => "schema",
             NotReady::Starting(_) => "starting",
             NotReady::RuleConflict(_) => "rule_conflict",
@@ -54,7 +65,7 @@ impl NotReady {
 impl std::fmt::Display for NotReady {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            NotReady::Database(e) => write!(f, "{e}"),
+            NotReady::Database(e) | NotReady::ReadOnly(e) => write!(f, "{e}"),
             NotReady::Schema => write!(f, "database schema is not current (run migrations)"),
             NotReady::Starting(job) => {
                 write!(f, "starting: {job} has not looked at what is due yet")
@@ -111,10 +122,14 @@ impl Health {
 
 /// Whether the replica is ready now; sets `settlementd_ready` and `settlementd_not_ready`.
 pub async fn evaluate(pool: &PgPool, health: &Health) -> Result<(), NotReady> {
-    let result = match tokio::time::timeout(ANSWER_WITHIN, crate::db::schema_is_current(pool)).await
-    {
+    let answered = async {
+        crate::db::writable(pool).await?;
+        crate::db::schema_is_current(pool).await
+    };
+    let result = match tokio::time::timeout(ANSWER_WITHIN, answered).await {
         Ok(Ok(true)) => health.jobs(),
         Ok(Ok(false)) => Err(NotReady::Schema),
+        Ok(Err(e @ crate::db::DbError::ReadOnly { .. })) => Err(NotReady::ReadOnly(e.to_string())),
         Ok(Err(e)) => Err(NotReady::Database(e.to_string())),
         Err(_) => Err(NotReady::Database(
             "the database did not answer in time".to_string(),

@@ -62,7 +62,8 @@ pub const SHARDS: &str = "settlementd_shards";
 /// 1 when `/readyz` would answer 200, else 0; evaluated every heartbeat and on every `/readyz` and
 /// `/metrics` request ([`super::health`]).
 pub const READY: &str = "settlementd_ready";
-/// 1 for the reason the replica is not ready (`database`, `schema`, `starting`, `rule_conflict`),
+/// 1 for the reason the replica is not ready (`database`, `read_only`, `schema`, `starting`,
+/// `rule_conflict`),
 /// 0 for the others; all 0 when it is ready.
 pub const NOT_READY: &str = "settlementd_not_ready";
 /// Always 1, labelled with this binary's `version` and `commit`: a fleet's releases in one query.
@@ -189,11 +190,11 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
     );
     describe_gauge!(
         READY,
-        "1 when /readyz would answer 200: the database answers, the schema is current, and no due month is refused for the replica's rule"
+        "1 when /readyz would answer 200: the database answers and takes writes, the schema is current, and no due month is refused for the replica's rule"
     );
     describe_gauge!(
         NOT_READY,
-        "1 for the reason the replica is not ready (database, schema, starting, rule_conflict), else 0"
+        "1 for the reason the replica is not ready (database, read_only, schema, starting, rule_conflict), else 0"
     );
     describe_gauge!(
         BUILD_INFO,

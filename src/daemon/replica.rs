@@ -307,6 +307,9 @@ impl Replica {
             (Some(_), None) => TickOutcome::AlreadyDone { slot },
             (None, _) => TickOutcome::Idle,
         };
+        // Read again: the look above may have waited out acquire timeouts (a database that was
+        // down or read-only until a moment ago), and a retry due meanwhile runs now, not a tick later.
+        let now = self.clock.now();
         for d in due {
             let Ok(month) = BusinessDate::new(d.business_date) else {
                 continue;
@@ -610,7 +613,7 @@ impl Replica {
             Err(e) => {
                 metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => failed_outcome(&e)).increment(1);
                 let failures = self.retries.get(&month).map_or(0, |r| r.0) + 1;
-                let (after, not_before) = self.retry_after(failures);
+                let (after, not_before) = self.retry_after(failures, &e);
                 self.retries.insert(month, (failures, not_before));
                 self.log_failure(month, &e, failures, after);
                 if waiting {
@@ -630,13 +633,13 @@ impl Replica {
         }
     }
 
-    /// The pause before retry number `failures` of anything ([`backoff`], jittered), and the clock
-    /// time it ends.
-    fn retry_after(&self, failures: u32) -> (Duration, DateTime<Utc>) {
-        let after = backoff(
+    /// The pause before retry number `failures` of anything ([`retry_pause`], jittered), after
+    /// `error`, and the clock time it ends.
+    fn retry_after(&self, failures: u32, error: &JobError) -> (Duration, DateTime<Utc>) {
+        let after = retry_pause(
             failures,
-            self.retry.initial_secs,
-            self.retry.max_secs,
+            &self.retry,
+            error.is_outage().then_some(self.opts.lease_ttl),
             rand::random::<f64>(),
         );
         let not_before =
@@ -739,7 +742,7 @@ impl Replica {
                     metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => "failed")
                         .increment(1);
                     let failures = self.request_retries.get(&retry_key).map_or(0, |r| r.0) + 1;
-                    let (after, not_before) = self.retry_after(failures);
+                    let (after, not_before) = self.retry_after(failures, &e);
                     self.request_retries
                         .insert(retry_key, (failures, not_before));
                     tracing::warn!(request_id = %id, error = %e, failures, retry_in_secs = after.as_secs_f64(), "run request failed; retrying with backoff");
@@ -807,6 +810,20 @@ fn failed_outcome(e: &JobError) -> &'static str {
     }
 }
 
+/// The pause before retry number `failures` (1-based) with `retry`'s [`backoff`], and at most
+/// `within` for an outage of the database ([`JobError::is_outage`]: a failover, a restart), whose
+/// end does not depend on how often it was met: the retry after a failover comes within a lease,
+/// not after a backoff that doubled at each refusal while it lasted.
+pub fn retry_pause(
+    failures: u32,
+    retry: &RetrySettings,
+    within: Option<Duration>,
+    jitter: f64,
+) -> Duration {
+    let after = backoff(failures, retry.initial_secs, retry.max_secs, jitter);
+    within.map_or(after, |within| after.min(within))
+}
+
 /// The pause before retry number `failures` (1-based): `initial` doubling per failure up to
 /// `max`, then jittered down by up to half (`jitter` in [0, 1)) so replicas that failed together
 /// do not retry in lockstep.
@@ -833,6 +850,20 @@ mod tests {
         let no_jitter: Vec<u64> = (1..=8).map(|n| backoff(n, 5, 300, 0.0).as_secs()).collect();
         assert_eq!(no_jitter, [5, 10, 20, 40, 80, 160, 300, 300]);
         assert_eq!(backoff(u32::MAX, 5, 300, 0.0).as_secs(), 300);
+    }
+
+    #[test]
+    fn an_outage_is_retried_within_a_lease_however_often_it_was_met() {
+        let retry = RetrySettings {
+            initial_secs: 5,
+            max_secs: 300,
+        };
+        let lease = Some(Duration::from_secs(60));
+        let pauses: Vec<u64> = (1..=9)
+            .map(|n| retry_pause(n, &retry, lease, 0.0).as_secs())
+            .collect();
+        assert_eq!(pauses, [5, 10, 20, 40, 60, 60, 60, 60, 60]);
+        assert_eq!(retry_pause(9, &retry, None, 0.0).as_secs(), 300);
     }
 
     #[test]

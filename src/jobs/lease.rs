@@ -8,7 +8,7 @@
 //! its batch.
 
 use super::claim::{self, Claim};
-use super::{abandon_if_unanswered, answered};
+use super::{abandon_if_broken, answered};
 use sqlx::PgPool;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -149,7 +149,7 @@ async fn renew_once(pool: &PgPool, claim: &Claim, within: Duration) -> super::Re
     let mut conn = answered(within, super::acquire(pool)).await?;
     let left = deadline.saturating_duration_since(tokio::time::Instant::now());
     let renewed = answered(left, claim::heartbeat(&mut *conn, claim)).await;
-    let renewed = renewed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))?;
+    let renewed = renewed.inspect_err(|e| abandon_if_broken(&mut conn, e))?;
     Ok(match renewed {
         None => Renewed::Lost,
         Some(true) => Renewed::Paused,

@@ -30,6 +30,7 @@ pub mod registry;
 pub mod requests;
 pub mod retention;
 pub mod runner;
+pub mod server;
 
 use chrono::NaiveDate;
 use sqlx::pool::PoolConnection;
@@ -412,7 +413,7 @@ pub trait Job: Sync {
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
     #[error("database error: {}", describe_db_error(.0))]
-    Db(#[from] sqlx::Error),
+    Db(sqlx::Error),
     #[error("lease lost: {key} attempt {attempt} was taken over by another owner; stopped without writing")]
     LeaseLost { key: JobKey, attempt: i32 },
     #[error("interrupted: shutdown")]
@@ -475,46 +476,55 @@ pub enum JobError {
     /// answered a direct attempt (too many connections, slots reserved, starting up), when it did.
     #[error("no database connection could be had (all in use, or the server unreachable or full){}", reason.as_ref().map(|r| format!(": the server said: {r}")).unwrap_or_default())]
     NoConnection { reason: Option<String> },
+    /// The server refused the run's writes or ended its session, as the old primary does during a
+    /// failover ([`server::refusal`]), or the pool could hand out no connection because the
+    /// endpoint leads to a read-only server. The run ends like a lost lease: the connection is
+    /// closed, never returned to the pool, nothing more is written through it, and the claim's
+    /// fencing makes the take-over safe (FAILED at once, RUNNING once its lease expires).
+    #[error("the database refused the run's writes: {refusal}: {detail}; the run stopped and closed its connection")]
+    WritesRefused {
+        refusal: server::Refusal,
+        /// What the server said, or how the refusal was found.
+        detail: String,
+    },
 }
 
-/// A connection of `pool`, or [`JobError::NoConnection`] with the server's reason when the pool
-/// gave up waiting (its own error does not say why).
+/// A database error as the job layer reads it: a refusal of writes ([`server::refusal`]) is
+/// [`JobError::WritesRefused`], wherever in a run it is met; anything else is [`JobError::Db`].
+impl From<sqlx::Error> for JobError {
+    fn from(e: sqlx::Error) -> Self {
+        match server::refusal(&e) {
+            Some(refusal) => JobError::WritesRefused {
+                refusal,
+                detail: e.to_string(),
+            },
+            None => JobError::Db(e),
+        }
+    }
+}
+
+/// A connection of `pool`, or why none could be had when the pool gave up waiting (its own error
+/// does not say): [`JobError::WritesRefused`] when the endpoint leads to a read-only server (the
+/// pool turns its connections away), else [`JobError::NoConnection`] with the server's reason.
 pub async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>> {
     match pool.acquire().await {
         Ok(conn) => Ok(conn),
-        Err(sqlx::Error::PoolTimedOut) => Err(JobError::NoConnection {
-            reason: server_reason(pool).await,
+        Err(sqlx::Error::PoolTimedOut) => Err(match server::ask_directly(pool).await {
+            server::Direct::ReadOnly => JobError::WritesRefused {
+                refusal: server::Refusal::ReadOnly,
+                detail: "the pool turned away every connection it made".into(),
+            },
+            server::Direct::Failed(sqlx::Error::Database(db)) => JobError::NoConnection {
+                reason: Some(db.message().to_string()),
+            },
+            server::Direct::Failed(e) => JobError::NoConnection {
+                reason: Some(e.to_string()),
+            },
+            server::Direct::Writable | server::Direct::Silent => {
+                JobError::NoConnection { reason: None }
+            }
         }),
         Err(e) => Err(e.into()),
-    }
-}
-
-/// Why the server turns `pool`'s connections away: its error message ([`direct_attempt`]).
-async fn server_reason(pool: &PgPool) -> Option<String> {
-    match direct_attempt(pool).await? {
-        sqlx::Error::Database(db) => Some(db.message().to_string()),
-        e => Some(e.to_string()),
-    }
-}
-
-/// The error of one direct connection attempt with `pool`'s options, bounded by the pool's acquire
-/// timeout: what the pool met while it retried (too many connections, slots reserved, starting
-/// up, a refused handshake); `None` when it connects (the pool was merely busy) or hangs.
-pub async fn direct_attempt(pool: &PgPool) -> Option<sqlx::Error> {
-    use sqlx::Connection;
-    let options = pool.connect_options();
-    let attempt = tokio::time::timeout(
-        pool.options().get_acquire_timeout(),
-        PgConnection::connect_with(&options),
-    )
-    .await;
-    match attempt {
-        Ok(Ok(conn)) => {
-            let _ = conn.close().await;
-            None
-        }
-        Ok(Err(e)) => Some(e),
-        Err(_) => None,
     }
 }
 
@@ -526,10 +536,14 @@ async fn answered<T>(within: Duration, work: impl Future<Output = Result<T>>) ->
         .unwrap_or(Err(JobError::Unanswered { waited: within }))
 }
 
-/// Closes `conn` instead of returning it to the pool when it stopped answering: the pool would
-/// ping it first, and on a half-open connection that ping never ends.
-fn abandon_if_unanswered(conn: &mut PoolConnection<Postgres>, e: &JobError) {
-    if matches!(e, JobError::Unanswered { .. }) {
+/// Closes `conn` instead of returning it to the pool when it stopped answering (the pool would
+/// check it first, and on a half-open connection that check never ends) or its server refused
+/// writes (a connection to a read-only server is never handed out again).
+fn abandon_if_broken(conn: &mut PoolConnection<Postgres>, e: &JobError) {
+    if matches!(
+        e,
+        JobError::Unanswered { .. } | JobError::WritesRefused { .. }
+    ) {
         conn.close_on_drop();
     }
 }
@@ -562,7 +576,10 @@ impl Wrote {
 impl JobError {
     pub fn is_retryable(&self) -> bool {
         match self {
-            JobError::Db(_) | JobError::Unanswered { .. } | JobError::NoConnection { .. } => true,
+            JobError::Db(_)
+            | JobError::Unanswered { .. }
+            | JobError::NoConnection { .. }
+            | JobError::WritesRefused { .. } => true,
             // The job it follows closes the period by itself; trying again later can help.
             JobError::NotReady { .. } => true,
             // Waits for an operator's resume.
@@ -574,6 +591,33 @@ impl JobError {
             JobError::ParamsConflict { .. }
             | JobError::NoParams { .. }
             | JobError::BeingCorrected { .. } => false,
+        }
+    }
+
+    /// True when the database, not the run, failed: it refused writes or ended the session (a
+    /// failover, a restart), stopped answering, or gave no connection, or the connection broke. Such
+    /// an outage ends on its own time, however often it was met during it, so a scheduler retries
+    /// these within a lease rather than after a backoff that grew while it lasted.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            JobError::WritesRefused { .. }
+            | JobError::Unanswered { .. }
+            | JobError::NoConnection { .. } => true,
+            // A connection that broke, in the handshake too (an endpoint that accepts TCP with no
+            // server behind it answers nothing that makes sense), or none to be had.
+            JobError::Db(
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::Protocol(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed,
+            ) => true,
+            // connection_exception, too_many_connections.
+            JobError::Db(sqlx::Error::Database(db)) => {
+                let code = db.code().unwrap_or_default();
+                code.starts_with("08") || code == "53300"
+            }
+            _ => false,
         }
     }
 }
@@ -613,7 +657,31 @@ pub type Result<T, E = JobError> = std::result::Result<T, E>;
 
 #[cfg(test)]
 mod tests {
-    use super::Cursor;
+    use super::{Cursor, JobError};
+
+    #[test]
+    fn a_broken_connection_or_none_to_be_had_is_an_outage_and_a_sql_error_is_not() {
+        let outages = [
+            JobError::Db(sqlx::Error::Io(std::io::ErrorKind::ConnectionReset.into())),
+            JobError::Db(sqlx::Error::Protocol(
+                "unexpected response from SSLRequest".into(),
+            )),
+            JobError::Db(sqlx::Error::PoolTimedOut),
+            JobError::NoConnection { reason: None },
+            JobError::Unanswered {
+                waited: std::time::Duration::from_secs(9),
+            },
+            JobError::WritesRefused {
+                refusal: super::server::Refusal::ReadOnly,
+                detail: "25006".into(),
+            },
+        ];
+        for e in outages {
+            assert!(e.is_outage() && e.is_retryable(), "{e}");
+        }
+        assert!(!JobError::Db(sqlx::Error::RowNotFound).is_outage());
+        assert!(!JobError::Interrupted.is_outage());
+    }
 
     fn cursor(last_id: Option<i64>, last_id_desc: Option<i64>) -> Cursor {
         Cursor {

@@ -13,8 +13,8 @@
 use super::claim::{self, ClaimOptions, ClaimOutcome, Recorded, Stated};
 use super::lease::{Guards, Heartbeat};
 use super::{
-    abandon_if_unanswered, add_notes, answered, events, requests, Batch, Job, JobError, JobKey,
-    Notes, Owner, Params, Reopen, Result,
+    abandon_if_broken, add_notes, answered, events, requests, Batch, Job, JobError, JobKey, Notes,
+    Owner, Params, Reopen, Result,
 };
 use crate::mutant::{self, Mutant};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -176,7 +176,7 @@ async fn run_in_span<J: Job>(
             ),
         )
         .await;
-        let outcome = claimed.inspect_err(|e| abandon_if_unanswered(&mut conn, e))?;
+        let outcome = claimed.inspect_err(|e| abandon_if_broken(&mut conn, e))?;
         let skip = match outcome {
             ClaimOutcome::Won(claim) => break claim,
             ClaimOutcome::Held { owner, attempt } => {
@@ -262,7 +262,7 @@ async fn run_in_span<J: Job>(
     };
     let worked = work(pool, &mut conn, job, &claim, opts, stops, on_progress).await;
     heartbeat.stop().await;
-    let worked = worked.inspect_err(|e| abandon_if_unanswered(&mut conn, e));
+    let worked = worked.inspect_err(|e| abandon_if_broken(&mut conn, e));
 
     let failure = match worked {
         Ok((progress, notes)) => {
@@ -281,7 +281,7 @@ async fn run_in_span<J: Job>(
             // it is (RUNNING, or SUCCESS) and no FAILED is written over it. With the heartbeat
             // stopped, a RUNNING row goes stale after one lease, and the retry that takes it over
             // finds nothing left to settle.
-            if !marked.inspect_err(|e| abandon_if_unanswered(&mut conn, e))? {
+            if !marked.inspect_err(|e| abandon_if_broken(&mut conn, e))? {
                 metrics::counter!("settlementd_fencing_rejections_total", "job_name" => job_name)
                     .increment(1);
                 events::fencing_rejected(pool, &claim, "SUCCESS").await;

@@ -977,13 +977,12 @@ pub fn assert_verified(url: &str, env: &[(&str, &str)], month: &str) {
     );
 }
 
-/// Every loan returned in `month` is settled at the fine `rule` gives its dates, computed here.
-pub async fn assert_priced_under(
+/// Every loan returned in `month`, by id: `(id, due_on, returned_on, fine_cents, settled)`.
+pub async fn returns_of(
     pool: &PgPool,
     month: BusinessDate,
-    rule: settlementd::fine::FineRule,
-) {
-    let rows: Vec<(i64, chrono::NaiveDate, chrono::NaiveDate, i64, bool)> = sqlx::query_as(
+) -> Vec<(i64, chrono::NaiveDate, chrono::NaiveDate, i64, bool)> {
+    sqlx::query_as(
         "SELECT id, due_on, returned_on, fine_cents, fine_settled_at IS NOT NULL FROM loans
           WHERE returned_on BETWEEN $1 AND $2 ORDER BY id",
     )
@@ -991,7 +990,16 @@ pub async fn assert_priced_under(
     .bind(month.date())
     .fetch_all(pool)
     .await
-    .unwrap();
+    .unwrap()
+}
+
+/// Every loan returned in `month` is settled at the fine `rule` gives its dates, computed here.
+pub async fn assert_priced_under(
+    pool: &PgPool,
+    month: BusinessDate,
+    rule: settlementd::fine::FineRule,
+) {
+    let rows = returns_of(pool, month).await;
     assert!(!rows.is_empty());
     for (id, due, returned, fine, settled) in rows {
         assert!(settled, "loan {id} of {month} is not settled");

@@ -11,6 +11,7 @@ mod daemon;
 mod demo;
 mod deploy;
 mod edges;
+mod failover;
 mod fault;
 mod fleet;
 mod http_limits;

@@ -355,14 +355,13 @@ async fn wait_at_rest(pool: &PgPool, fleet: &Fleet, what: &str) {
     if !rested {
         let last = at_rest(pool).await.err().unwrap_or_default();
         type Claim = (String, NaiveDate, i32, i32, String, i32, Option<String>);
-        let claims: Vec<Claim> =
-            sqlx::query_as(
-                "SELECT job_name, business_date, shards, shard, status, attempt, last_error FROM job_runs
+        let claims: Vec<Claim> = sqlx::query_as(
+            "SELECT job_name, business_date, shards, shard, status, attempt, last_error FROM job_runs
                   WHERE status <> 'SUCCESS' ORDER BY 2, 4",
-            )
-            .fetch_all(pool)
-            .await
-            .unwrap();
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap();
         let logs: Vec<String> = fleet.replicas.keys().map(|s| fleet.tail(*s)).collect();
         panic!(
             "{what}: never at rest: {last}\nopen claims: {claims:#?}\nlogs:\n{}",
