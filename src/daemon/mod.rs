@@ -338,6 +338,9 @@ async fn tick_loop(
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
+    for replica in replicas.iter_mut() {
+        replica.look().await;
+    }
     loop {
         if let Some(retention) = retention.as_mut() {
             retention.tick().await;

@@ -244,6 +244,30 @@ impl Replica {
         outcome
     }
 
+    /// Looks at what is due without running anything, so readiness knows at once whether this
+    /// job is refused a due month (the serve loop does it for every job before the first tick:
+    /// ticks run one job's month at a time, and a long run would otherwise keep the next job
+    /// "starting").
+    pub async fn look(&mut self) {
+        let span = self.span.clone();
+        async {
+            let paused = jobs::pause::of(&self.pool, self.job.name()).await;
+            let now = self.clock.now();
+            match (paused, latest_slot_at_or_before(&self.cron, self.tz, now)) {
+                (Ok(Some(_)), _) | (_, None) => self.health.looked_unless_known(self.job.name()),
+                (_, Some(fire_at)) => {
+                    let slot = Slot::new(fire_at);
+                    let scheduled = (self.catch_up
+                        || fire_at.with_timezone(&Utc) >= self.started_at)
+                        .then_some(slot.business_date);
+                    self.due(slot.business_date, scheduled).await;
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
     /// How long the serve loop may sleep before the next tick: at most one lease heartbeat (the
     /// periodic check that guards against a missed scheduler fire), less when the next fire or a
     /// retry is due sooner.

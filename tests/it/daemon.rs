@@ -837,3 +837,37 @@ async fn a_month_nobody_claimed_is_settled_when_its_returns_wait_inside_the_look
     assert!(matches!(r.tick().await, TickOutcome::AlreadyDone { .. }));
     assert_fully_settled(&db.pool, &["2027-03-31", "2027-04-30"]).await;
 }
+
+/// Readiness waits for every job's first look at what is due, and ticks run one job's month at a
+/// time: before, a replica whose settlement had a long run due stayed "starting" (its second job
+/// not looked at) until that run ended, and a rollout waited for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_is_ready_while_its_first_run_is_in_flight() {
+    let db = test_db().await;
+    let month = due_month();
+    seed_month_alone(&db.pool, month, 200, 1).await;
+    slow_updates(&db.pool, 0.05).await;
+    let replica = ServeProcess::start(&db.url, &[("SETTLEMENTD__BATCH__SIZE", "5")]);
+    let status = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT status FROM job_runs WHERE job_name = 'fine-settlement'",
+        )
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert!(
+        eventually(20, || async {
+            status().await.as_deref() == Some("RUNNING")
+        })
+        .await,
+        "the month's run starts"
+    );
+    let (code, body) = get(replica.addr, "/readyz").await.unwrap();
+    assert_eq!((code, body.as_str()), (200, "ready\n"));
+    assert_eq!(
+        status().await.as_deref(),
+        Some("RUNNING"),
+        "asked while the run was in flight"
+    );
+}
