@@ -20,12 +20,14 @@ use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
-    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Params, Pending, PendingReport, Reopen,
-    Words,
+    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Params, Pending, PendingReport, Proof,
+    Reopen, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
 use std::collections::BTreeMap;
+
+pub mod proof;
 
 pub const JOB_NAME: &str = "member-statements";
 
@@ -202,6 +204,17 @@ impl Job for MemberStatements {
                     .unwrap_or_default(),
             },
         ])
+    }
+
+    /// Every member's statement of the month against what the journal gives ([`proof`]).
+    async fn prove(
+        &self,
+        db: &mut PgConnection,
+        business_date: NaiveDate,
+    ) -> sqlx::Result<Option<Proof>> {
+        let month = BusinessDate::new(business_date)
+            .map_err(|e| sqlx::Error::Protocol(format!("business date: {e}")))?;
+        Ok(Some(proof::prove(db, month).await?.into_proof()))
     }
 
     /// Reads the mark to move to (the month's last journal row), then the members to compute —
