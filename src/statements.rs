@@ -14,7 +14,12 @@
 //! read first; its batches write them (upsert, or delete the statement of a member left without a
 //! fine) and the last one moves the mark, each under the claim's fence. A journal row written
 //! after the mark was read is found again as a late item: computing a member twice writes the same
-//! statement.
+//! statement. A takeover resumes at its predecessor's cursor but plans from a snapshot of its own:
+//! its first batch also rewrites the members behind the cursor whose stored statement is not what
+//! that snapshot gives, so none is left as an older journal said.
+//!
+//! `verify --job member-statements` proves a month's statements from the journal alone
+//! ([`proof`]).
 
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
@@ -70,7 +75,14 @@ pub struct StatementsPlan {
     shards: i64,
     shard: i64,
     mark: i64,
+    /// The members after the cursor the run resumes at, in order: its batches.
     members: Vec<(i64, Option<Statement>)>,
+    /// The cursor the run resumes at (an earlier attempt's committed progress), if any.
+    resume: Option<i64>,
+    /// Members at or below `resume` whose stored statement is not what this plan's snapshot
+    /// gives: the journal changed them after the earlier attempt wrote them. The attempt's first
+    /// batch writes them, so a takeover leaves no member stale behind its cursor.
+    behind: Vec<(i64, Option<Statement>)>,
 }
 
 impl Job for MemberStatements {
@@ -295,9 +307,10 @@ impl Job for MemberStatements {
         .bind(only.as_deref())
         .fetch_all(&mut *tx)
         .await?;
-        // Members with a statement already: those left without a fine lose it.
-        let stated: Vec<i64> = sqlx::query_scalar(
-            "SELECT member_id FROM member_fine_statements
+        // Members with a statement already, and what it says: those left without a fine lose it,
+        // and those behind a resumed cursor are rewritten where it differs.
+        let stated: Vec<(i64, i64, String)> = sqlx::query_as(
+            "SELECT member_id, fines, fine_cents::text FROM member_fine_statements
               WHERE business_date = $1 AND ($2 = 1 OR (member_id % $2 + $2) % $2 = $3)
                 AND ($4::bigint[] IS NULL OR member_id = ANY ($4))",
         )
@@ -308,12 +321,22 @@ impl Job for MemberStatements {
         .fetch_all(&mut *tx)
         .await?;
         tx.rollback().await?;
+        let stored: BTreeMap<i64, Statement> = stated
+            .into_iter()
+            .map(|(m, fines, cents)| {
+                Ok((
+                    m,
+                    Statement {
+                        fines,
+                        fine_cents: cents_of(&cents)?,
+                    },
+                ))
+            })
+            .collect::<sqlx::Result<_>>()?;
         let mut members: BTreeMap<i64, Option<Statement>> =
-            stated.into_iter().map(|m| (m, None)).collect();
+            stored.keys().map(|m| (*m, None)).collect();
         for (member, fines, cents) in computed {
-            let fine_cents: i128 = cents
-                .parse()
-                .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {cents:?}: {e}")))?;
+            let fine_cents = cents_of(&cents)?;
             let statement = (fines > 0).then_some(Statement { fines, fine_cents });
             members.insert(member, statement);
         }
@@ -324,9 +347,13 @@ impl Job for MemberStatements {
             members.entry(*member).or_insert(None);
         }
         let after = claim.resume.last_id.unwrap_or(i64::MIN);
-        let members: Vec<(i64, Option<Statement>)> =
-            members.into_iter().filter(|(m, _)| *m > after).collect();
-        let total = members.len() as u64;
+        let (members, behind): (Vec<_>, Vec<_>) =
+            members.into_iter().partition(|(m, _)| *m > after);
+        let behind: Vec<(i64, Option<Statement>)> = behind
+            .into_iter()
+            .filter(|(m, s)| stored.get(m).copied() != *s)
+            .collect();
+        let total = (members.len() + behind.len()) as u64;
         Ok((
             StatementsPlan {
                 month,
@@ -334,6 +361,8 @@ impl Job for MemberStatements {
                 shard,
                 mark,
                 members,
+                resume: claim.resume.last_id,
+                behind,
             },
             Some(total),
         ))
@@ -352,7 +381,14 @@ impl Job for MemberStatements {
         let limit = self.batch_size.max(1) as usize;
         let page = &plan.members[start..plan.members.len().min(start + limit)];
         let done = start + page.len() >= plan.members.len();
-        let (stated, dropped): (Vec<_>, Vec<_>) = page.iter().partition(|(_, s)| s.is_some());
+        // The attempt's first batch also rewrites the members behind its resumed cursor.
+        let behind: &[(i64, Option<Statement>)] = if cursor.last_id == plan.resume {
+            &plan.behind
+        } else {
+            &[]
+        };
+        let (stated, dropped): (Vec<_>, Vec<_>) =
+            behind.iter().chain(page).partition(|(_, s)| s.is_some());
         let ids: Vec<i64> = stated.iter().map(|(m, _)| *m).collect();
         let fines: Vec<i64> = stated
             .iter()
@@ -410,12 +446,18 @@ impl Job for MemberStatements {
                 },
                 None => cursor,
             },
-            scanned: page.len() as u64,
+            scanned: (behind.len() + page.len()) as u64,
             updated: written as u64,
             notes: Default::default(),
             done,
         })
     }
+}
+
+/// A sum of cents as PostgreSQL's numeric text gives it.
+fn cents_of(text: &str) -> sqlx::Result<i128> {
+    text.parse()
+        .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
 }
 
 /// The first day of the month of `business_date`.

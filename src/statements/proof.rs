@@ -103,7 +103,11 @@ impl StatementsProof {
     pub fn to_text(&self) -> String {
         let mut out = String::new();
         // Writing to a String cannot fail.
-        let verdict = if self.is_right() { "right" } else { "NOT RIGHT" };
+        let verdict = if self.is_right() {
+            "right"
+        } else {
+            "NOT RIGHT"
+        };
         let _ = writeln!(out, "{JOB_NAME} {}: {verdict}", self.business_date);
         let totals = |t: &Totals| {
             format!(
@@ -241,15 +245,15 @@ pub async fn prove(db: &mut PgConnection, month: BusinessDate) -> sqlx::Result<S
         mismatch_cents: row.7,
         mismatches: mismatches
             .into_iter()
-            .map(|(member_id, stated_fines, stated_cents, journal_fines, journal_cents)| {
-                Differs {
+            .map(
+                |(member_id, stated_fines, stated_cents, journal_fines, journal_cents)| Differs {
                     member_id,
                     stated_fines,
                     stated_cents,
                     journal_fines,
                     journal_cents,
-                }
-            })
+                },
+            )
             .collect(),
         missing: Found::new(row.8, row.9),
         extra: Found::new(row.10, row.11),

@@ -197,7 +197,10 @@ async fn verify_of_the_statements_proves_each_member_against_the_journal() {
 
     // `verify` without --job, and with the settlement's name, is the settlement's verify.
     let (code, plain) = verify(&db.url, &[], OCTOBER);
-    assert_eq!((code, &plain["job"]), (Some(0), &serde_json::json!("fine-settlement")));
+    assert_eq!(
+        (code, &plain["job"]),
+        (Some(0), &serde_json::json!("fine-settlement"))
+    );
     let (code, named, _) = verify_job(&db.url, "fine-settlement", OCTOBER);
     assert_eq!(code, Some(0));
     assert_eq!(named, plain);
@@ -207,4 +210,80 @@ async fn verify_of_the_statements_proves_each_member_against_the_journal() {
     assert_eq!((code, report), (Some(2), serde_json::Value::Null));
     assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("member-statements"), "{stderr}");
+}
+
+/// A trigger that makes every write of a statement of a member from `from` up fail, as a database
+/// error would: a run fails after its batches below them committed.
+async fn fail_statements_from(pool: &PgPool, from: i64) {
+    sql(
+        pool,
+        "CREATE FUNCTION injected_failure() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'injected failure'; END $$",
+    )
+    .await;
+    sql(
+        pool,
+        &format!(
+            "CREATE TRIGGER injected_failure BEFORE INSERT OR UPDATE ON member_fine_statements
+               FOR EACH ROW WHEN (NEW.member_id >= {from}) EXECUTE FUNCTION injected_failure()"
+        ),
+    )
+    .await;
+}
+
+async fn no_failures(pool: &PgPool) {
+    sql(
+        pool,
+        "DROP TRIGGER injected_failure ON member_fine_statements",
+    )
+    .await;
+}
+
+/// Before, a takeover planned only the members after its predecessor's cursor, with a new mark:
+/// a member below the cursor whose money changed in between kept the old statement for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_mid_run_restates_members_below_the_cursor_whose_money_changed() {
+    let db = test_db().await;
+    let month = bd(OCTOBER);
+    seed_month_alone(&db.pool, month, 3000, 1).await;
+    run_ok(&db.url, &[], "fine-settlement", OCTOBER);
+
+    // The statements fail once they reach member 500, after their batches below it committed.
+    let small = [("SETTLEMENTD__BATCH__SIZE", "50")];
+    fail_statements_from(&db.pool, 500).await;
+    let (code, stderr) = run_job(&db.url, &small, STATEMENTS, OCTOBER);
+    assert_ne!(code, Some(0), "{stderr}");
+    let written = stored(&db.pool, month).await;
+    assert!(
+        written.len() > 100 && written.iter().all(|s| s.0 < 500),
+        "{}",
+        written.len()
+    );
+
+    // Meanwhile libraryd moves a stated member's due date back ten days; the settlement re-prices
+    // it (a `repriced` journal row of the month), and a late return of another stated member is
+    // settled.
+    let (member, loan) = member_and_loan(&db.pool, month, 500).await;
+    sql(
+        &db.pool,
+        &format!("UPDATE loans SET due_on = due_on - 10 WHERE id = {loan}"),
+    )
+    .await;
+    let (other, _) = member_and_loan(&db.pool, month, 500)
+        .await
+        .max((member + 1, 0));
+    sql(
+        &db.pool,
+        &format!(
+            "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+             VALUES (900001, {other}, 1, '2026-09-18', '2026-10-01', '2026-10-21')"
+        ),
+    )
+    .await;
+    run_ok(&db.url, &[], "fine-settlement", OCTOBER);
+
+    // The takeover finishes the month: every member, below the cursor too, is the journal's.
+    no_failures(&db.pool).await;
+    run_ok(&db.url, &small, STATEMENTS, OCTOBER);
+    assert_stated(&db.pool, &db.url, month).await;
 }
