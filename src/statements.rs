@@ -39,6 +39,32 @@ pub const JOB_NAME: &str = "member-statements";
 /// The job it follows: its months' money.
 const FOLLOWS: &str = "fine-settlement";
 
+/// A journal row `j` is after the mark `k` (`journal_id`, `snapshot`) when its id is above the
+/// mark's, or when the mark's snapshot did not see its transaction: ids are handed out at insert,
+/// not at commit, so a row may commit below a mark that a higher id already moved past. A mark
+/// without a snapshot (none yet, or written by the release before) is the id alone. The second
+/// test reads only rows of transactions at or after the snapshot's xmin (`fine_journal_by_month_xact`).
+const AFTER_MARK: &str = "(j.id > COALESCE(k.journal_id, 0)
+     OR (j.xact >= pg_snapshot_xmin(k.snapshot)
+         AND NOT pg_visible_in_snapshot(j.xact, k.snapshot)))";
+
+/// How many journal rows of the month `month` (an SQL expression) are after the mark `k`
+/// ([`AFTER_MARK`]), as two index ranges — ids above the mark's (`fine_journal_by_month`), and
+/// transactions at or after its snapshot's xmin (`fine_journal_by_month_xact`) — so the check
+/// never reads the month's rows before the mark (an `OR` would: a filter over every row). The
+/// second range's `id + 0` keeps the planner off the primary key, whose range is every row below
+/// the mark.
+pub fn late_rows(month: &str) -> String {
+    format!(
+        "((SELECT count(*) FROM fine_journal j
+            WHERE j.month = {month} AND j.id > COALESCE(k.journal_id, 0))
+        + (SELECT count(*) FROM fine_journal j
+            WHERE j.month = {month} AND j.xact >= pg_snapshot_xmin(k.snapshot)
+              AND j.id + 0 <= COALESCE(k.journal_id, 0)
+              AND NOT pg_visible_in_snapshot(j.xact, k.snapshot)))"
+    )
+}
+
 /// The member statements in the binary's registry (`JOBS` in src/registry.rs).
 pub const REGISTRATION: Registration<Settings> = Registration {
     name: JOB_NAME,
@@ -75,6 +101,8 @@ pub struct StatementsPlan {
     shards: i64,
     shard: i64,
     mark: i64,
+    /// The snapshot the plan read in (`pg_snapshot` as text), kept with the mark.
+    snapshot: String,
     /// The members after the cursor the run resumes at, in order: its batches.
     members: Vec<(i64, Option<Statement>)>,
     /// The cursor the run resumes at (an earlier attempt's committed progress), if any.
@@ -106,14 +134,15 @@ impl Job for MemberStatements {
         "each member's settled fines of the month".into()
     }
 
-    /// Journal rows of the month written after the shard's mark.
+    /// Journal rows of the month after the shard's mark ([`AFTER_MARK`]).
     async fn late_items(&self, pool: &PgPool, key: &JobKey) -> sqlx::Result<u64> {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM fine_journal j
-              WHERE j.month = $1 AND j.id > COALESCE(
-                    (SELECT journal_id FROM member_statement_marks
-                      WHERE business_date = $2 AND shards = $3 AND shard = $4), 0)",
-        )
+        let n: i64 = sqlx::query_scalar(&format!(
+            "SELECT {}::bigint
+               FROM (SELECT 1) one
+               LEFT JOIN member_statement_marks k
+                 ON k.business_date = $2 AND k.shards = $3 AND k.shard = $4",
+            late_rows("$1")
+        ))
         .bind(first_day(key.business_date)?)
         .bind(key.business_date)
         .bind(key.shards as i32)
@@ -142,16 +171,16 @@ impl Job for MemberStatements {
         periods: &[NaiveDate],
     ) -> sqlx::Result<PendingReport> {
         let months = BusinessDate::first_days(periods);
-        let rows: Vec<(NaiveDate, i32, i64)> = sqlx::query_as(
+        let rows: Vec<(NaiveDate, i32, i64)> = sqlx::query_as(&format!(
             "SELECT m.first_day, s.shard,
-                    (SELECT count(*) FROM fine_journal j
-                      WHERE j.month = m.first_day AND j.id > COALESCE(k.journal_id, 0))
+                    {}::bigint
                FROM unnest($1::date[]) AS m(first_day)
               CROSS JOIN generate_series(0, $2 - 1) AS s(shard)
                LEFT JOIN member_statement_marks k
                  ON k.business_date = (m.first_day + interval '1 month' - interval '1 day')::date
                 AND k.shards = $2 AND k.shard = s.shard",
-        )
+            late_rows("m.first_day")
+        ))
         .bind(&months)
         .bind(shards as i32)
         .fetch_all(db)
@@ -252,10 +281,20 @@ impl Job for MemberStatements {
                  SET LOCAL jit = off",
             )
             .await?;
-        let (mark, old_mark): (i64, Option<i64>) = sqlx::query_as(
+        // The snapshot the whole plan reads in (repeatable read: the first statement's), kept with
+        // the mark so that rows it did not see are found after it.
+        #[allow(clippy::type_complexity)]
+        let (mark, snapshot, old_mark, old_snapshot): (
+            i64,
+            String,
+            Option<i64>,
+            Option<String>,
+        ) = sqlx::query_as(
             "SELECT COALESCE((SELECT max(id) FROM fine_journal WHERE month = $1), 0),
-                    (SELECT journal_id FROM member_statement_marks
-                      WHERE business_date = $2 AND shards = $3 AND shard = $4)",
+                        pg_current_snapshot()::text, k.journal_id, k.snapshot::text
+                   FROM (SELECT 1) one
+                   LEFT JOIN member_statement_marks k
+                     ON k.business_date = $2 AND k.shards = $3 AND k.shard = $4",
         )
         .bind(month.first_day())
         .bind(month.date())
@@ -267,18 +306,20 @@ impl Job for MemberStatements {
         // run recomputes all: it does not know what its predecessor wrote).
         let only: Option<Vec<i64>> = match (claim.reopened, old_mark) {
             (true, Some(old)) => {
-                let (members, deletion): (Vec<i64>, bool) = sqlx::query_as(
+                let (members, deletion): (Vec<i64>, bool) = sqlx::query_as(&format!(
                     "SELECT COALESCE(array_agg(DISTINCT l.member_id::bigint)
-                                       FILTER (WHERE l.member_id IS NOT NULL), '{}'),
+                                       FILTER (WHERE l.member_id IS NOT NULL), '{{}}'),
                             bool_or(e.kind = 'deleted')
                        FROM (SELECT j.kind, x.loan_id
-                               FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)
-                              WHERE j.month = $1 AND j.id > $2 AND j.id <= $3) e
-                       LEFT JOIN loans l ON l.id = e.loan_id",
-                )
+                               FROM (SELECT $2::bigint AS journal_id,
+                                            $3::text::pg_snapshot AS snapshot) k,
+                                    fine_journal j, unnest(j.loan_ids) AS x(loan_id)
+                              WHERE j.month = $1 AND {AFTER_MARK}) e
+                       LEFT JOIN loans l ON l.id = e.loan_id"
+                ))
                 .bind(month.first_day())
                 .bind(old)
-                .bind(mark)
+                .bind(old_snapshot.as_deref())
                 .fetch_one(&mut *tx)
                 .await?;
                 (!deletion).then_some(members)
@@ -360,6 +401,7 @@ impl Job for MemberStatements {
                 shards,
                 shard,
                 mark,
+                snapshot,
                 members,
                 resume: claim.resume.last_id,
                 behind,
@@ -426,15 +468,19 @@ impl Job for MemberStatements {
         .await?;
         if done {
             sqlx::query(
-                "INSERT INTO member_statement_marks (business_date, shards, shard, journal_id)
-                 VALUES ($1, $2, $3, $4)
+                "INSERT INTO member_statement_marks
+                        (business_date, shards, shard, journal_id, snapshot)
+                 VALUES ($1, $2, $3, $4, $5::text::pg_snapshot)
                  ON CONFLICT (business_date, shards, shard) DO UPDATE
-                    SET journal_id = GREATEST(member_statement_marks.journal_id, EXCLUDED.journal_id)",
+                    SET journal_id = GREATEST(member_statement_marks.journal_id,
+                                              EXCLUDED.journal_id),
+                        snapshot = EXCLUDED.snapshot",
             )
             .bind(plan.month.date())
             .bind(plan.shards as i32)
             .bind(plan.shard as i32)
             .bind(plan.mark)
+            .bind(&plan.snapshot)
             .execute(&mut *tx)
             .await?;
         }
