@@ -4,8 +4,10 @@
 //! It follows the settlement (`after`): a month runs only once the settlement has closed it on
 //! every shard. It reads the month's money through the settlement's journal (`fine_journal`) and
 //! the loans by primary key, so it costs what the month holds. Each shard keeps a mark per month:
-//! the last journal row its statements were computed from (`member_statement_marks`). A journal
-//! row after it — a late return, a re-pricing of libraryd's edit, a correction — is a late item
+//! the last journal row its statements were computed from and the snapshot they were computed in
+//! (`member_statement_marks`). A journal row after it — above its id, or of a transaction that
+//! snapshot did not see, since ids are not in commit order ([`AFTER_MARK`]); a late return, a
+//! re-pricing of libraryd's edit, a correction — is a late item
 //! ([`Job::late_items`]): the job layer re-opens the month's statements, and the run recomputes
 //! only the members whose loans those rows touch (all of the shard's members when a row is a
 //! deletion, whose loan, and member, are gone).
