@@ -4,12 +4,16 @@
 use crate::app::{
     business_date_or_default, check_schema, ensure_month_is_over, AppError, Database, Result,
 };
+use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::Settings;
 use crate::jobs::Proof;
 use crate::settlement::verify::{self, Found, RuleSource, Verification};
 use crate::settlement::{self, rule_params};
+use sqlx::pool::PoolConnection;
+use sqlx::Postgres;
 use std::fmt::Write;
+use std::future::Future;
 
 #[derive(Debug, Clone, Default)]
 pub struct VerifyRequest {
@@ -72,13 +76,7 @@ pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<
     }
     let registry = crate::registry::build(settings);
     let job = registry.get(name).map_err(AppError::Invalid)?.clone();
-    let business_date =
-        business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
-    ensure_month_is_over(business_date, settings, &SystemClock)?;
-    let database = Database::open(settings, request.embedded_db).await?;
-    let result = async {
-        check_schema(&database.pool, settings).await?;
-        let mut conn = database.pool.acquire().await?;
+    read_month(settings, request, |mut conn, business_date| async move {
         match job.prove(&mut conn, business_date.date()).await? {
             Some(proof) => Ok(Verified::Job(proof)),
             None => Err(AppError::Invalid(format!(
@@ -86,6 +84,24 @@ pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<
                  is right"
             ))),
         }
+    })
+    .await
+}
+
+/// `read` of the month `request` names (over in schedule.timezone), on a connection to the
+/// database whose schema was checked; the database is closed after it, whatever it returned.
+async fn read_month<T, F, Fut>(settings: &Settings, request: &VerifyRequest, read: F) -> Result<T>
+where
+    F: FnOnce(PoolConnection<Postgres>, BusinessDate) -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
+    let business_date =
+        business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
+    ensure_month_is_over(business_date, settings, &SystemClock)?;
+    let database = Database::open(settings, request.embedded_db).await?;
+    let result = async {
+        check_schema(&database.pool, settings).await?;
+        read(database.pool.acquire().await?, business_date).await
     }
     .await;
     database.close().await;
@@ -95,23 +111,15 @@ pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<
 /// Recomputes every loan returned in the month from its rule. `Ok` whether the month is right or
 /// not ([`Verification::is_right`] says which; the command line exits 1 when it is not).
 pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Verification> {
-    let business_date =
-        business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
-    ensure_month_is_over(business_date, settings, &SystemClock)?;
-    let database = Database::open(settings, request.embedded_db).await?;
-    let result = async {
-        check_schema(&database.pool, settings).await?;
-        let mut conn = database.pool.acquire().await?;
+    read_month(settings, request, |mut conn, business_date| async move {
         verify::verify(&mut conn, business_date, &settings.fine)
             .await
             .map_err(|e| match e {
                 Ok(why) => AppError::Invalid(format!("{business_date}: {why}")),
                 Err(e) => AppError::from(e),
             })
-    }
-    .await;
-    database.close().await;
-    result
+    })
+    .await
 }
 
 /// Why `verify` exits 1, in one line; `None` when the month is right.

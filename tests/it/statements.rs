@@ -54,22 +54,10 @@ async fn assert_stated(pool: &PgPool, url: &str, month: BusinessDate) {
         "{report} {stderr}"
     );
     assert_eq!(
-        stored(pool, month).await,
+        statements_of(pool, month).await,
         from_journal(pool, month).await,
         "the statements of {month} are not the journal's"
     );
-}
-
-/// (member, fines, cents) of `month` as stored.
-async fn stored(pool: &PgPool, month: BusinessDate) -> Vec<(i64, i64, i64)> {
-    sqlx::query_as(
-        "SELECT member_id, fines, fine_cents::bigint FROM member_fine_statements
-          WHERE business_date = $1 ORDER BY member_id",
-    )
-    .bind(month.date())
-    .fetch_all(pool)
-    .await
-    .unwrap()
 }
 
 /// (member, fines, cents) of `month` from each loan's last entry of the month in the journal.
@@ -212,33 +200,6 @@ async fn verify_of_the_statements_proves_each_member_against_the_journal() {
     assert!(stderr.contains("member-statements"), "{stderr}");
 }
 
-/// A trigger that makes every write of a statement of a member from `from` up fail, as a database
-/// error would: a run fails after its batches below them committed.
-async fn fail_statements_from(pool: &PgPool, from: i64) {
-    sql(
-        pool,
-        "CREATE FUNCTION injected_failure() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION 'injected failure'; END $$",
-    )
-    .await;
-    sql(
-        pool,
-        &format!(
-            "CREATE TRIGGER injected_failure BEFORE INSERT OR UPDATE ON member_fine_statements
-               FOR EACH ROW WHEN (NEW.member_id >= {from}) EXECUTE FUNCTION injected_failure()"
-        ),
-    )
-    .await;
-}
-
-async fn no_failures(pool: &PgPool) {
-    sql(
-        pool,
-        "DROP TRIGGER injected_failure ON member_fine_statements",
-    )
-    .await;
-}
-
 /// Before, a takeover planned only the members after its predecessor's cursor, with a new mark:
 /// a member below the cursor whose money changed in between kept the old statement for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -250,10 +211,11 @@ async fn a_takeover_mid_run_restates_members_below_the_cursor_whose_money_change
 
     // The statements fail once they reach member 500, after their batches below it committed.
     let small = [("SETTLEMENTD__BATCH__SIZE", "50")];
-    fail_statements_from(&db.pool, 500).await;
+    let when = "NEW.member_id >= 500";
+    inject_failure(&db.pool, "INSERT OR UPDATE", "member_fine_statements", when).await;
     let (code, stderr) = run_job(&db.url, &small, STATEMENTS, OCTOBER);
     assert_ne!(code, Some(0), "{stderr}");
-    let written = stored(&db.pool, month).await;
+    let written = statements_of(&db.pool, month).await;
     assert!(
         written.len() > 100 && written.iter().all(|s| s.0 < 500),
         "{}",
@@ -283,7 +245,7 @@ async fn a_takeover_mid_run_restates_members_below_the_cursor_whose_money_change
     run_ok(&db.url, &[], "fine-settlement", OCTOBER);
 
     // The takeover finishes the month: every member, below the cursor too, is the journal's.
-    no_failures(&db.pool).await;
+    remove_failure(&db.pool, "member_fine_statements").await;
     run_ok(&db.url, &small, STATEMENTS, OCTOBER);
     assert_stated(&db.pool, &db.url, month).await;
 }
