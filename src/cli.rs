@@ -132,6 +132,9 @@ pub struct StatusArgs {
 
 #[derive(Debug, Args)]
 pub struct VerifyArgs {
+    /// The job whose month to prove (default: fine-settlement).
+    #[arg(long, value_name = "NAME")]
+    pub job: Option<String>,
     /// The month as its last day (default: last month's end in schedule.timezone).
     #[arg(long, value_name = "YYYY-MM-DD")]
     pub business_date: Option<String>,
@@ -401,15 +404,16 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         Command::Verify(args) => {
             let request = VerifyRequest {
                 business_date: args.business_date,
+                job: args.job,
                 embedded_db: args.db.embedded_db,
             };
-            let verified = commands::verify::verify(&settings, &request).await?;
+            let verified = commands::verify::verify_job(&settings, &request).await?;
             if args.json {
-                println!("{}", commands::verify::to_json(&verified));
+                println!("{}", verified.to_json());
             } else {
-                print!("{}", commands::verify::to_text(&verified));
+                print!("{}", verified.to_text());
             }
-            if let Some(failure) = commands::verify::failure(&verified) {
+            if let Some(failure) = verified.failure() {
                 return Err(failure);
             }
         }

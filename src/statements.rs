@@ -4,8 +4,10 @@
 //! It follows the settlement (`after`): a month runs only once the settlement has closed it on
 //! every shard. It reads the month's money through the settlement's journal (`fine_journal`) and
 //! the loans by primary key, so it costs what the month holds. Each shard keeps a mark per month:
-//! the last journal row its statements were computed from (`member_statement_marks`). A journal
-//! row after it — a late return, a re-pricing of libraryd's edit, a correction — is a late item
+//! the last journal row its statements were computed from and the snapshot they were computed in
+//! (`member_statement_marks`). A journal row after it — above its id, or of a transaction that
+//! snapshot did not see, since ids are not in commit order ([`AFTER_MARK`]); a late return, a
+//! re-pricing of libraryd's edit, a correction — is a late item
 //! ([`Job::late_items`]): the job layer re-opens the month's statements, and the run recomputes
 //! only the members whose loans those rows touch (all of the shard's members when a row is a
 //! deletion, whose loan, and member, are gone).
@@ -14,23 +16,56 @@
 //! read first; its batches write them (upsert, or delete the statement of a member left without a
 //! fine) and the last one moves the mark, each under the claim's fence. A journal row written
 //! after the mark was read is found again as a late item: computing a member twice writes the same
-//! statement.
+//! statement. A takeover resumes at its predecessor's cursor but plans from a snapshot of its own:
+//! its first batch also rewrites the members behind the cursor whose stored statement is not what
+//! that snapshot gives, so none is left as an older journal said.
+//!
+//! `verify --job member-statements` proves a month's statements from the journal alone
+//! ([`proof`]).
 
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
-    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Params, Pending, PendingReport, Reopen,
-    Words,
+    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Params, Pending, PendingReport, Proof,
+    Reopen, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
 use std::collections::BTreeMap;
 
+pub mod proof;
+
 pub const JOB_NAME: &str = "member-statements";
 
 /// The job it follows: its months' money.
 const FOLLOWS: &str = "fine-settlement";
+
+/// A journal row `j` is after the mark `k` (`journal_id`, `snapshot`) when its id is above the
+/// mark's, or when the mark's snapshot did not see its transaction: ids are handed out at insert,
+/// not at commit, so a row may commit below a mark that a higher id already moved past. A mark
+/// without a snapshot (none yet, or written by the release before) is the id alone. The second
+/// test reads only rows of transactions at or after the snapshot's xmin (`fine_journal_by_month_xact`).
+const AFTER_MARK: &str = "(j.id > COALESCE(k.journal_id, 0)
+     OR (j.xact >= pg_snapshot_xmin(k.snapshot)
+         AND NOT pg_visible_in_snapshot(j.xact, k.snapshot)))";
+
+/// How many journal rows of the month `month` (an SQL expression) are after the mark `k`
+/// ([`AFTER_MARK`]), as two index ranges — ids above the mark's (`fine_journal_by_month`), and
+/// transactions at or after its snapshot's xmin (`fine_journal_by_month_xact`) — so the check
+/// never reads the month's rows before the mark (an `OR` would: a filter over every row). The
+/// second range's `id + 0` keeps the planner off the primary key, whose range is every row below
+/// the mark.
+pub fn late_rows(month: &str) -> String {
+    format!(
+        "((SELECT count(*) FROM fine_journal j
+            WHERE j.month = {month} AND j.id > COALESCE(k.journal_id, 0))
+        + (SELECT count(*) FROM fine_journal j
+            WHERE j.month = {month} AND j.xact >= pg_snapshot_xmin(k.snapshot)
+              AND j.id + 0 <= COALESCE(k.journal_id, 0)
+              AND NOT pg_visible_in_snapshot(j.xact, k.snapshot)))"
+    )
+}
 
 /// The member statements in the binary's registry (`JOBS` in src/registry.rs).
 pub const REGISTRATION: Registration<Settings> = Registration {
@@ -68,7 +103,16 @@ pub struct StatementsPlan {
     shards: i64,
     shard: i64,
     mark: i64,
+    /// The snapshot the plan read in (`pg_snapshot` as text), kept with the mark.
+    snapshot: String,
+    /// The members after the cursor the run resumes at, in order: its batches.
     members: Vec<(i64, Option<Statement>)>,
+    /// The cursor the run resumes at (an earlier attempt's committed progress), if any.
+    resume: Option<i64>,
+    /// Members at or below `resume` whose stored statement is not what this plan's snapshot
+    /// gives: the journal changed them after the earlier attempt wrote them. The attempt's first
+    /// batch writes them, so a takeover leaves no member stale behind its cursor.
+    behind: Vec<(i64, Option<Statement>)>,
 }
 
 impl Job for MemberStatements {
@@ -92,14 +136,15 @@ impl Job for MemberStatements {
         "each member's settled fines of the month".into()
     }
 
-    /// Journal rows of the month written after the shard's mark.
+    /// Journal rows of the month after the shard's mark ([`AFTER_MARK`]).
     async fn late_items(&self, pool: &PgPool, key: &JobKey) -> sqlx::Result<u64> {
-        let n: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM fine_journal j
-              WHERE j.month = $1 AND j.id > COALESCE(
-                    (SELECT journal_id FROM member_statement_marks
-                      WHERE business_date = $2 AND shards = $3 AND shard = $4), 0)",
-        )
+        let n: i64 = sqlx::query_scalar(&format!(
+            "SELECT {}::bigint
+               FROM (SELECT 1) one
+               LEFT JOIN member_statement_marks k
+                 ON k.business_date = $2 AND k.shards = $3 AND k.shard = $4",
+            late_rows("$1")
+        ))
         .bind(first_day(key.business_date)?)
         .bind(key.business_date)
         .bind(key.shards as i32)
@@ -128,16 +173,16 @@ impl Job for MemberStatements {
         periods: &[NaiveDate],
     ) -> sqlx::Result<PendingReport> {
         let months = BusinessDate::first_days(periods);
-        let rows: Vec<(NaiveDate, i32, i64)> = sqlx::query_as(
+        let rows: Vec<(NaiveDate, i32, i64)> = sqlx::query_as(&format!(
             "SELECT m.first_day, s.shard,
-                    (SELECT count(*) FROM fine_journal j
-                      WHERE j.month = m.first_day AND j.id > COALESCE(k.journal_id, 0))
+                    {}::bigint
                FROM unnest($1::date[]) AS m(first_day)
               CROSS JOIN generate_series(0, $2 - 1) AS s(shard)
                LEFT JOIN member_statement_marks k
                  ON k.business_date = (m.first_day + interval '1 month' - interval '1 day')::date
                 AND k.shards = $2 AND k.shard = s.shard",
-        )
+            late_rows("m.first_day")
+        ))
         .bind(&months)
         .bind(shards as i32)
         .fetch_all(db)
@@ -204,6 +249,17 @@ impl Job for MemberStatements {
         ])
     }
 
+    /// Every member's statement of the month against what the journal gives ([`proof`]).
+    async fn prove(
+        &self,
+        db: &mut PgConnection,
+        business_date: NaiveDate,
+    ) -> sqlx::Result<Option<Proof>> {
+        let month = BusinessDate::new(business_date)
+            .map_err(|e| sqlx::Error::Protocol(format!("business date: {e}")))?;
+        Ok(Some(proof::prove(db, month).await?.into_proof()))
+    }
+
     /// Reads the mark to move to (the month's last journal row), then the members to compute —
     /// every member of the shard with a fine or a statement in the month for a first run or a
     /// takeover; for a re-opened month, the members of the loans that journal rows after the
@@ -227,10 +283,20 @@ impl Job for MemberStatements {
                  SET LOCAL jit = off",
             )
             .await?;
-        let (mark, old_mark): (i64, Option<i64>) = sqlx::query_as(
+        // The snapshot the whole plan reads in (repeatable read: the first statement's), kept with
+        // the mark so that rows it did not see are found after it.
+        #[allow(clippy::type_complexity)]
+        let (mark, snapshot, old_mark, old_snapshot): (
+            i64,
+            String,
+            Option<i64>,
+            Option<String>,
+        ) = sqlx::query_as(
             "SELECT COALESCE((SELECT max(id) FROM fine_journal WHERE month = $1), 0),
-                    (SELECT journal_id FROM member_statement_marks
-                      WHERE business_date = $2 AND shards = $3 AND shard = $4)",
+                        pg_current_snapshot()::text, k.journal_id, k.snapshot::text
+                   FROM (SELECT 1) one
+                   LEFT JOIN member_statement_marks k
+                     ON k.business_date = $2 AND k.shards = $3 AND k.shard = $4",
         )
         .bind(month.first_day())
         .bind(month.date())
@@ -242,18 +308,20 @@ impl Job for MemberStatements {
         // run recomputes all: it does not know what its predecessor wrote).
         let only: Option<Vec<i64>> = match (claim.reopened, old_mark) {
             (true, Some(old)) => {
-                let (members, deletion): (Vec<i64>, bool) = sqlx::query_as(
+                let (members, deletion): (Vec<i64>, bool) = sqlx::query_as(&format!(
                     "SELECT COALESCE(array_agg(DISTINCT l.member_id::bigint)
-                                       FILTER (WHERE l.member_id IS NOT NULL), '{}'),
+                                       FILTER (WHERE l.member_id IS NOT NULL), '{{}}'),
                             bool_or(e.kind = 'deleted')
                        FROM (SELECT j.kind, x.loan_id
-                               FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)
-                              WHERE j.month = $1 AND j.id > $2 AND j.id <= $3) e
-                       LEFT JOIN loans l ON l.id = e.loan_id",
-                )
+                               FROM (SELECT $2::bigint AS journal_id,
+                                            $3::text::pg_snapshot AS snapshot) k,
+                                    fine_journal j, unnest(j.loan_ids) AS x(loan_id)
+                              WHERE j.month = $1 AND {AFTER_MARK}) e
+                       LEFT JOIN loans l ON l.id = e.loan_id"
+                ))
                 .bind(month.first_day())
                 .bind(old)
-                .bind(mark)
+                .bind(old_snapshot.as_deref())
                 .fetch_one(&mut *tx)
                 .await?;
                 (!deletion).then_some(members)
@@ -282,9 +350,10 @@ impl Job for MemberStatements {
         .bind(only.as_deref())
         .fetch_all(&mut *tx)
         .await?;
-        // Members with a statement already: those left without a fine lose it.
-        let stated: Vec<i64> = sqlx::query_scalar(
-            "SELECT member_id FROM member_fine_statements
+        // Members with a statement already, and what it says: those left without a fine lose it,
+        // and those behind a resumed cursor are rewritten where it differs.
+        let stated: Vec<(i64, i64, String)> = sqlx::query_as(
+            "SELECT member_id, fines, fine_cents::text FROM member_fine_statements
               WHERE business_date = $1 AND ($2 = 1 OR (member_id % $2 + $2) % $2 = $3)
                 AND ($4::bigint[] IS NULL OR member_id = ANY ($4))",
         )
@@ -295,12 +364,22 @@ impl Job for MemberStatements {
         .fetch_all(&mut *tx)
         .await?;
         tx.rollback().await?;
+        let stored: BTreeMap<i64, Statement> = stated
+            .into_iter()
+            .map(|(m, fines, cents)| {
+                Ok((
+                    m,
+                    Statement {
+                        fines,
+                        fine_cents: cents_of(&cents)?,
+                    },
+                ))
+            })
+            .collect::<sqlx::Result<_>>()?;
         let mut members: BTreeMap<i64, Option<Statement>> =
-            stated.into_iter().map(|m| (m, None)).collect();
+            stored.keys().map(|m| (*m, None)).collect();
         for (member, fines, cents) in computed {
-            let fine_cents: i128 = cents
-                .parse()
-                .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {cents:?}: {e}")))?;
+            let fine_cents = cents_of(&cents)?;
             let statement = (fines > 0).then_some(Statement { fines, fine_cents });
             members.insert(member, statement);
         }
@@ -311,16 +390,23 @@ impl Job for MemberStatements {
             members.entry(*member).or_insert(None);
         }
         let after = claim.resume.last_id.unwrap_or(i64::MIN);
-        let members: Vec<(i64, Option<Statement>)> =
-            members.into_iter().filter(|(m, _)| *m > after).collect();
-        let total = members.len() as u64;
+        let (members, behind): (Vec<_>, Vec<_>) =
+            members.into_iter().partition(|(m, _)| *m > after);
+        let behind: Vec<(i64, Option<Statement>)> = behind
+            .into_iter()
+            .filter(|(m, s)| stored.get(m).copied() != *s)
+            .collect();
+        let total = (members.len() + behind.len()) as u64;
         Ok((
             StatementsPlan {
                 month,
                 shards,
                 shard,
                 mark,
+                snapshot,
                 members,
+                resume: claim.resume.last_id,
+                behind,
             },
             Some(total),
         ))
@@ -339,7 +425,14 @@ impl Job for MemberStatements {
         let limit = self.batch_size.max(1) as usize;
         let page = &plan.members[start..plan.members.len().min(start + limit)];
         let done = start + page.len() >= plan.members.len();
-        let (stated, dropped): (Vec<_>, Vec<_>) = page.iter().partition(|(_, s)| s.is_some());
+        // The attempt's first batch also rewrites the members behind its resumed cursor.
+        let behind: &[(i64, Option<Statement>)] = if cursor.last_id == plan.resume {
+            &plan.behind
+        } else {
+            &[]
+        };
+        let (stated, dropped): (Vec<_>, Vec<_>) =
+            behind.iter().chain(page).partition(|(_, s)| s.is_some());
         let ids: Vec<i64> = stated.iter().map(|(m, _)| *m).collect();
         let fines: Vec<i64> = stated
             .iter()
@@ -377,15 +470,19 @@ impl Job for MemberStatements {
         .await?;
         if done {
             sqlx::query(
-                "INSERT INTO member_statement_marks (business_date, shards, shard, journal_id)
-                 VALUES ($1, $2, $3, $4)
+                "INSERT INTO member_statement_marks
+                        (business_date, shards, shard, journal_id, snapshot)
+                 VALUES ($1, $2, $3, $4, $5::text::pg_snapshot)
                  ON CONFLICT (business_date, shards, shard) DO UPDATE
-                    SET journal_id = GREATEST(member_statement_marks.journal_id, EXCLUDED.journal_id)",
+                    SET journal_id = GREATEST(member_statement_marks.journal_id,
+                                              EXCLUDED.journal_id),
+                        snapshot = EXCLUDED.snapshot",
             )
             .bind(plan.month.date())
             .bind(plan.shards as i32)
             .bind(plan.shard as i32)
             .bind(plan.mark)
+            .bind(&plan.snapshot)
             .execute(&mut *tx)
             .await?;
         }
@@ -397,12 +494,18 @@ impl Job for MemberStatements {
                 },
                 None => cursor,
             },
-            scanned: page.len() as u64,
+            scanned: (behind.len() + page.len()) as u64,
             updated: written as u64,
             notes: Default::default(),
             done,
         })
     }
+}
+
+/// A sum of cents as PostgreSQL's numeric text gives it.
+fn cents_of(text: &str) -> sqlx::Result<i128> {
+    text.parse()
+        .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
 }
 
 /// The first day of the month of `business_date`.

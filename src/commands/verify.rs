@@ -1,41 +1,125 @@
-//! `settlementd verify`: is a month's money what its rule gives? Read-only.
+//! `settlementd verify`: is a month's money what its rule gives, or (`--job`) is a month of
+//! another job what its ground truth says? Read-only.
 
 use crate::app::{
     business_date_or_default, check_schema, ensure_month_is_over, AppError, Database, Result,
 };
+use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::Settings;
+use crate::jobs::Proof;
 use crate::settlement::verify::{self, Found, RuleSource, Verification};
 use crate::settlement::{self, rule_params};
+use sqlx::pool::PoolConnection;
+use sqlx::Postgres;
 use std::fmt::Write;
+use std::future::Future;
 
 #[derive(Debug, Clone, Default)]
 pub struct VerifyRequest {
     /// The month as its last day (default: last month's end in schedule.timezone).
     pub business_date: Option<String>,
+    /// The job whose month to prove (default: the fine settlement, [`verify`]).
+    pub job: Option<String>,
     pub embedded_db: bool,
 }
 
-/// Recomputes every loan returned in the month from its rule. `Ok` whether the month is right or
-/// not ([`Verification::is_right`] says which; the command line exits 1 when it is not).
-pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Verification> {
+/// What `verify` found: the settlement's month, or another job's proof.
+#[derive(Debug, Clone)]
+pub enum Verified {
+    Settlement(Box<Verification>),
+    Job(Proof),
+}
+
+impl Verified {
+    /// The `verify --json` object.
+    pub fn to_json(&self) -> serde_json::Value {
+        match self {
+            Verified::Settlement(v) => to_json(v),
+            Verified::Job(p) => p.json.clone(),
+        }
+    }
+
+    /// What `verify` prints without `--json`.
+    pub fn to_text(&self) -> String {
+        match self {
+            Verified::Settlement(v) => to_text(v),
+            Verified::Job(p) => p.text.clone(),
+        }
+    }
+
+    /// Why `verify` exits 1, in one line; `None` when the month is right.
+    pub fn failure(&self) -> Option<AppError> {
+        match self {
+            Verified::Settlement(v) => failure(v),
+            Verified::Job(p) => p.problems.as_ref().map(|why| {
+                let (job, date) = (&p.json["job"], &p.json["business_date"]);
+                AppError::Failed(format!(
+                    "{} {} is not right: {why}",
+                    job.as_str().unwrap_or_default(),
+                    date.as_str().unwrap_or_default()
+                ))
+            }),
+        }
+    }
+}
+
+/// `verify` of `request.job`: the settlement's month ([`verify`]) when it names none or the
+/// settlement, else the job's own proof ([`crate::jobs::Job::prove`]); a job without one is
+/// refused (exit 2), as is a job the registry does not have.
+pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<Verified> {
+    let name = request.job.as_deref().unwrap_or(settlement::JOB_NAME);
+    if name == settlement::JOB_NAME {
+        return Ok(Verified::Settlement(Box::new(
+            verify(settings, request).await?,
+        )));
+    }
+    let registry = crate::registry::build(settings);
+    let job = registry.get(name).map_err(AppError::Invalid)?.clone();
+    read_month(settings, request, |mut conn, business_date| async move {
+        match job.prove(&mut conn, business_date.date()).await? {
+            Some(proof) => Ok(Verified::Job(proof)),
+            None => Err(AppError::Invalid(format!(
+                "{name} has no proof of its months: `verify --job {name}` cannot say whether one \
+                 is right"
+            ))),
+        }
+    })
+    .await
+}
+
+/// `read` of the month `request` names (over in schedule.timezone), on a connection to the
+/// database whose schema was checked; the database is closed after it, whatever it returned.
+async fn read_month<T, F, Fut>(settings: &Settings, request: &VerifyRequest, read: F) -> Result<T>
+where
+    F: FnOnce(PoolConnection<Postgres>, BusinessDate) -> Fut,
+    Fut: Future<Output = Result<T>>,
+{
     let business_date =
         business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
     ensure_month_is_over(business_date, settings, &SystemClock)?;
     let database = Database::open(settings, request.embedded_db).await?;
     let result = async {
         check_schema(&database.pool, settings).await?;
-        let mut conn = database.pool.acquire().await?;
+        read(database.pool.acquire().await?, business_date).await
+    }
+    .await;
+    database.close().await;
+    result
+}
+
+/// Recomputes every loan returned in the month from its rule. `Ok` whether the month is right or
+/// not ([`Verification::is_right`] says which; the command line exits 1 when it is not).
+pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Verification> {
+    read_month(settings, request, |mut conn, business_date| async move {
         verify::verify(&mut conn, business_date, &settings.fine)
             .await
             .map_err(|e| match e {
                 Ok(why) => AppError::Invalid(format!("{business_date}: {why}")),
                 Err(e) => AppError::from(e),
             })
-    }
-    .await;
-    database.close().await;
-    result
+    })
+    .await
 }
 
 /// Why `verify` exits 1, in one line; `None` when the month is right.

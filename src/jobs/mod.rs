@@ -145,6 +145,37 @@ pub struct Noted {
     pub ids: Option<Vec<i64>>,
 }
 
+/// Items a job's proof found in one kind of trouble ([`Job::prove`]): how many, and the first
+/// [`HELD_IDS`] by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Found {
+    pub count: i64,
+    pub ids: Vec<i64>,
+}
+
+impl Found {
+    pub fn new(count: i64, ids: Option<Vec<i64>>) -> Self {
+        Self {
+            count,
+            ids: ids.unwrap_or_default(),
+        }
+    }
+}
+
+/// What a job's proof of a period found ([`Job::prove`]), as `verify --job` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Proof {
+    /// The period is what the job's ground truth says it must be.
+    pub right: bool,
+    /// What is wrong, in one line; `None` when right.
+    pub problems: Option<String>,
+    /// The `verify --json` object: `job`, `business_date`, `right`, then the job's own counts
+    /// (each `{count, ids}` or `{count, first}`, as the settlement's).
+    pub json: serde_json::Value,
+    /// What `verify` prints without `--json` (lines end with a newline).
+    pub text: String,
+}
+
 /// A run's notes, by the name the job gives them (also their key in `run --json`).
 pub type Notes = std::collections::BTreeMap<&'static str, Noted>;
 
@@ -363,6 +394,16 @@ pub trait Job: Sync {
         _business_date: NaiveDate,
     ) -> impl Future<Output = sqlx::Result<Vec<Fact>>> + Send {
         async { Ok(Vec::new()) }
+    }
+
+    /// Proves the period of `business_date` against the job's ground truth, read-only, at a cost
+    /// that follows the period (`verify --job`). `None`: the job has no proof. Default: none.
+    fn prove(
+        &self,
+        _db: &mut PgConnection,
+        _business_date: NaiveDate,
+    ) -> impl Future<Output = sqlx::Result<Option<Proof>>> + Send {
+        async { Ok(None) }
     }
 
     /// The items waiting in each of `periods` (business dates, oldest first) under `shards`, by

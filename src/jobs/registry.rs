@@ -8,7 +8,7 @@
 //! list of [`Registration`]s, each exported by its job's own module.
 
 use super::{
-    Cursor, Fact, Job, JobKey, Noted, Params, PendingReport, Progress, Result, RunOptions,
+    Cursor, Fact, Job, JobKey, Noted, Params, PendingReport, Progress, Proof, Result, RunOptions,
     RunReport, Words,
 };
 use chrono::NaiveDate;
@@ -69,6 +69,12 @@ pub trait Registered: Send + Sync {
         key: &'a JobKey,
         cursor: Cursor,
     ) -> Boxed<'a, sqlx::Result<Option<u64>>>;
+    /// [`Job::prove`]: `None` when the job has no proof of its periods.
+    fn prove<'a>(
+        &'a self,
+        db: &'a mut PgConnection,
+        business_date: NaiveDate,
+    ) -> Boxed<'a, sqlx::Result<Option<Proof>>>;
     fn words(&self) -> Words;
     fn describe_metrics(&self);
 }
@@ -153,6 +159,14 @@ where
         cursor: Cursor,
     ) -> Boxed<'a, sqlx::Result<Option<u64>>> {
         Box::pin(self.job.remaining(db, key, cursor))
+    }
+
+    fn prove<'a>(
+        &'a self,
+        db: &'a mut PgConnection,
+        business_date: NaiveDate,
+    ) -> Boxed<'a, sqlx::Result<Option<Proof>>> {
+        Box::pin(self.job.prove(db, business_date))
     }
 
     fn words(&self) -> Words {

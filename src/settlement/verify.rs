@@ -42,20 +42,7 @@ pub struct Mismatch {
 }
 
 /// Loans found in one kind of trouble: how many, and the first [`HELD_IDS`] by id.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct Found {
-    pub count: i64,
-    pub ids: Vec<i64>,
-}
-
-impl Found {
-    fn new(count: i64, ids: Option<Vec<i64>>) -> Self {
-        Self {
-            count,
-            ids: ids.unwrap_or_default(),
-        }
-    }
-}
+pub use crate::jobs::Found;
 
 /// What [`verify`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]

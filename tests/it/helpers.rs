@@ -1123,3 +1123,39 @@ pub async fn assert_settled_once(chaos: &PgPool, clean: &PgPool) {
         [("settled".to_string(), settled_count(clean).await)]
     );
 }
+
+/// A row trigger that makes every `events` (`UPDATE`, `INSERT OR UPDATE`) of a row of `table`
+/// whose new values satisfy `when` fail, as a database error would.
+pub async fn inject_failure(pool: &PgPool, events: &str, table: &str, when: &str) {
+    for statement in [
+        "CREATE OR REPLACE FUNCTION injected_failure() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'injected failure'; END $$"
+            .to_string(),
+        format!(
+            "CREATE TRIGGER injected_failure BEFORE {events} ON {table} FOR EACH ROW
+               WHEN ({when}) EXECUTE FUNCTION injected_failure()"
+        ),
+    ] {
+        sqlx::query(&statement).execute(pool).await.unwrap();
+    }
+}
+
+/// Drops [`inject_failure`]'s trigger on `table`.
+pub async fn remove_failure(pool: &PgPool, table: &str) {
+    sqlx::query(&format!("DROP TRIGGER injected_failure ON {table}"))
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// The member statements of `month` as stored: (member, fines, cents), by member.
+pub async fn statements_of(pool: &PgPool, month: BusinessDate) -> Vec<(i64, i64, i64)> {
+    sqlx::query_as(
+        "SELECT member_id, fines, fine_cents::bigint FROM member_fine_statements
+          WHERE business_date = $1 ORDER BY member_id",
+    )
+    .bind(month.date())
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}

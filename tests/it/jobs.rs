@@ -93,18 +93,6 @@ fn run_month(url: &str, env: &[(&str, &str)], job: &str, month: BusinessDate) ->
     json_of(&out)
 }
 
-/// The member statements of `month`, by member.
-async fn statements_of(pool: &PgPool, month: BusinessDate) -> Vec<Statement> {
-    sqlx::query_as(
-        "SELECT member_id, fines, fine_cents::bigint FROM member_fine_statements
-          WHERE business_date = $1 ORDER BY member_id",
-    )
-    .bind(month.date())
-    .fetch_all(pool)
-    .await
-    .unwrap()
-}
-
 /// The statements of `month` computed here from the loans' dates alone, at `rate` cents a day (no
 /// grace days, at most 10 000 cents): for each member with a fine, how many of their loans
 /// returned in the month carry one, and the sum.
@@ -228,27 +216,16 @@ async fn slow_updates(pool: &PgPool, secs: f64) {
 /// A row trigger that makes every update of a loan returned in `month` fail, as a database error
 /// would.
 async fn fail_updates_in(pool: &PgPool, month: BusinessDate) {
-    sql(
-        pool,
-        "CREATE FUNCTION injected_failure() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN RAISE EXCEPTION 'injected failure'; END $$",
-    )
-    .await;
-    sql(
-        pool,
-        &format!(
-            "CREATE TRIGGER injected_failure BEFORE UPDATE ON loans FOR EACH ROW
-               WHEN (NEW.returned_on BETWEEN '{}' AND '{}')
-               EXECUTE FUNCTION injected_failure()",
-            month.first_day(),
-            month.date()
-        ),
-    )
-    .await;
+    let when = format!(
+        "NEW.returned_on BETWEEN '{}' AND '{}'",
+        month.first_day(),
+        month.date()
+    );
+    inject_failure(pool, "UPDATE", "loans", &when).await;
 }
 
 async fn no_failures(pool: &PgPool) {
-    sql(pool, "DROP TRIGGER injected_failure ON loans").await;
+    remove_failure(pool, "loans").await;
 }
 
 /// What a `serve` replica logged, for failure messages.

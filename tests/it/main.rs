@@ -28,6 +28,7 @@ mod schema;
 mod secrets;
 mod server_fetch;
 mod settle;
+mod statements;
 mod status;
 mod tls;
 mod upgrade;
