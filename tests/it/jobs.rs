@@ -2337,7 +2337,11 @@ async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_re
     );
     assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
     let dry = json_of(&out);
-    assert_eq!(audit_rows(&db.pool).await, before, "a dry run deletes nothing");
+    assert_eq!(
+        audit_rows(&db.pool).await,
+        before,
+        "a dry run deletes nothing"
+    );
     // The range's parent is counted with its last month: 1 child + the parent.
     let last = dry["periods"]
         .as_array()
@@ -2366,7 +2370,10 @@ async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_re
     assert_eq!(pruned["deleted"].as_i64(), Some(gone), "{pruned}");
     assert_eq!(counted(&dry), gone, "dry run {dry} / prune {pruned}");
     assert_eq!(counted(&pruned), gone, "{pruned}");
-    assert_eq!(count(&db.pool, "SELECT count(*) FROM run_requests").await, 0);
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM run_requests").await,
+        0
+    );
 }
 
 /// OPERATIONS promises that a request's `Idempotency-Key` replays days later: retention keeps
@@ -2434,7 +2441,10 @@ async fn a_request_key_replays_for_thirty_days_whatever_older_than_says() {
     let pruned = json_of(&out);
     assert!(pruned["deleted"].as_i64().unwrap() > 0, "{pruned}");
     assert!(statuses(&db.pool, SETTLEMENT, month).await.is_empty());
-    assert_eq!(count(&db.pool, "SELECT count(*) FROM run_requests").await, 0);
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM run_requests").await,
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -260,7 +260,12 @@ async fn the_runtime_role_deletes_audit_rows_only_through_retention() {
                       + (SELECT count(*) FROM run_requests)";
     let count = |sql: &'static str| {
         let pool = pool.clone();
-        async move { sqlx::query_scalar::<_, i64>(sql).fetch_one(&pool).await.unwrap() }
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
     };
     let journal = count("SELECT count(*) FROM fine_journal").await;
 
@@ -283,9 +288,8 @@ async fn the_runtime_role_deletes_audit_rows_only_through_retention() {
             "{sql}"
         );
     }
-    let check = format!(
-        "SELECT settlementd_retention_untouched('fine-settlement', '{old}', now(), now())"
-    );
+    let check =
+        format!("SELECT settlementd_retention_untouched('fine-settlement', '{old}', now(), now())");
     assert_eq!(sqlstate(&mut app, &check).await.as_deref(), Some(DENIED));
     // A month settled minutes ago is kept, whatever the caller asks.
     let (deleted, state): (i64, String) = sqlx::query_as(
@@ -333,12 +337,8 @@ async fn the_runtime_role_deletes_audit_rows_only_through_retention() {
         &older.to_string(),
         "--force",
     ]));
-    let pruned = run_ok(settlementd(Some(&app_url)).args([
-        "prune",
-        "--older-than",
-        "30",
-        "--json",
-    ]));
+    let pruned =
+        run_ok(settlementd(Some(&app_url)).args(["prune", "--older-than", "30", "--json"]));
     let pruned: serde_json::Value = serde_json::from_slice(&pruned.stdout).unwrap();
     assert_eq!(pruned["deleted"].as_i64(), Some(counted), "{pruned}");
     let runs_of = |month: chrono::NaiveDate| {
