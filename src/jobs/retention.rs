@@ -273,7 +273,7 @@ impl Job for Retention {
             )
         };
         let deleted = pruned.map_or(0, |p| p.events + p.requests + p.runs);
-        let moved_on = pruned.is_none_or(|p| p.state != State::More);
+        let moved_on = !pruned.is_some_and(|p| p.state == State::More);
         Ok(Batch {
             cursor: if moved_on {
                 Cursor {
