@@ -2141,29 +2141,33 @@ async fn prune_deletes_only_months_closed_long_enough_and_never_the_money_record
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prune_deletes_a_range_request_only_with_every_month_it_ran() {
-    let db = test_db().await;
+/// Three months before the lookback, seeded alone, and a range request over them (key
+/// `backfill`) served month by month as replicas serve it: the months, the range's id and its
+/// child requests (month, id).
+async fn a_served_range_of_three_old_months(
+    pool: &PgPool,
+) -> (Vec<BusinessDate>, String, Vec<(NaiveDate, String)>) {
     let latest = due_month();
     let months: Vec<BusinessDate> = [32, 31, 30]
         .map(|n| latest.months_before(n).unwrap())
         .to_vec();
     for (k, month) in months.iter().enumerate() {
-        seed_month_alone(&db.pool, *month, 20, 1 + 1000 * k as i64).await;
+        seed_month_alone(pool, *month, 20, 1 + 1000 * k as i64).await;
     }
-    // A range over the three months, served month by month as replicas serve it.
-    let range = store_request(&db.pool, "backfill", SETTLEMENT, months[0], Some(months[2])).await;
-    let children = requests::months_of(&db.pool, &range).await.unwrap();
+    let range = store_request(pool, "backfill", SETTLEMENT, months[0], Some(months[2])).await;
+    let children = requests::months_of(pool, &range).await.unwrap();
     assert_eq!(children.len(), 3);
     for (month, child) in &children {
-        serve_request(
-            &db.pool,
-            SETTLEMENT,
-            child,
-            BusinessDate::new(*month).unwrap(),
-        )
-        .await;
+        let month = BusinessDate::new(*month).unwrap();
+        serve_request(pool, SETTLEMENT, child, month).await;
     }
+    (months, range, children)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_deletes_a_range_request_only_with_every_month_it_ran() {
+    let db = test_db().await;
+    let (months, range, children) = a_served_range_of_three_old_months(&db.pool).await;
     let requests_left = || async {
         sqlx::query_scalar::<_, String>(
             "SELECT request_id::text FROM run_requests ORDER BY business_date, parent_id NULLS FIRST",
@@ -2201,6 +2205,18 @@ async fn prune_deletes_a_range_request_only_with_every_month_it_ran() {
         count(&db.pool, "SELECT count(*) FROM run_request_shards").await,
         0
     );
+}
+
+/// `settlementd prune --older-than DAYS --json` (with `--dry-run` when `dry`) with `env`, which
+/// must exit 0; its answer.
+fn prune_json(url: &str, env: &[(&str, &str)], days: &str, dry: bool) -> serde_json::Value {
+    let mut args = vec!["prune", "--older-than", days, "--json"];
+    if dry {
+        args.push("--dry-run");
+    }
+    let out = cli(url, env, &args);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    json_of(&out)
 }
 
 /// The rows of job_events, job_runs and run_requests together: what `prune` counts and deletes.
@@ -2310,17 +2326,7 @@ async fn a_month_re_opened_while_the_prune_waits_for_a_lock_is_kept_whole() {
 async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_request() {
     let db = test_db().await;
     let latest = due_month();
-    let months: Vec<BusinessDate> = [32, 31, 30]
-        .map(|n| latest.months_before(n).unwrap())
-        .to_vec();
-    for (k, month) in months.iter().enumerate() {
-        seed_month_alone(&db.pool, *month, 20, 1 + 1000 * k as i64).await;
-    }
-    let range = store_request(&db.pool, "backfill", SETTLEMENT, months[0], Some(months[2])).await;
-    for (month, child) in requests::months_of(&db.pool, &range).await.unwrap() {
-        let month = BusinessDate::new(month).unwrap();
-        serve_request(&db.pool, SETTLEMENT, &child, month).await;
-    }
+    let (months, _, _) = a_served_range_of_three_old_months(&db.pool).await;
     // And a plain request, of a month of its own.
     let alone = latest.months_before(33).unwrap();
     seed_month_alone(&db.pool, alone, 20, 5000).await;
@@ -2330,13 +2336,7 @@ async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_re
     age_claims_except(&db.pool, &[]).await;
     let before = audit_rows(&db.pool).await;
 
-    let out = cli(
-        &db.url,
-        &[],
-        &["prune", "--older-than", "30", "--dry-run", "--json"],
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    let dry = json_of(&out);
+    let dry = prune_json(&db.url, &[], "30", true);
     assert_eq!(
         audit_rows(&db.pool).await,
         before,
@@ -2352,13 +2352,7 @@ async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_re
         .unwrap_or_else(|| panic!("{dry}"));
     assert_eq!(last["requests"], 2, "{dry}");
 
-    let out = cli(
-        &db.url,
-        &[("SETTLEMENTD__BATCH__SIZE", "2")],
-        &["prune", "--older-than", "30", "--json"],
-    );
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    let pruned = json_of(&out);
+    let pruned = prune_json(&db.url, &[("SETTLEMENTD__BATCH__SIZE", "2")], "30", false);
     // What went: the audit rows before, less those after, less the prune's own claim and events.
     let own = count(
         &db.pool,
@@ -2425,9 +2419,7 @@ async fn a_request_key_replays_for_thirty_days_whatever_older_than_says() {
     };
 
     stored_days_ago(KEYS_KEPT_DAYS - 1).await;
-    let out = cli(&db.url, &[], &["prune", "--older-than", "1", "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    let kept = json_of(&out);
+    let kept = prune_json(&db.url, &[], "1", false);
     assert_eq!(kept["deleted"], 0, "{kept}");
     assert_eq!(statuses(&db.pool, SETTLEMENT, month).await, ["SUCCESS"]);
     match replay().await {
@@ -2436,9 +2428,7 @@ async fn a_request_key_replays_for_thirty_days_whatever_older_than_says() {
     }
 
     stored_days_ago(KEYS_KEPT_DAYS + 1).await;
-    let out = cli(&db.url, &[], &["prune", "--older-than", "1", "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
-    let pruned = json_of(&out);
+    let pruned = prune_json(&db.url, &[], "1", false);
     assert!(pruned["deleted"].as_i64().unwrap() > 0, "{pruned}");
     assert!(statuses(&db.pool, SETTLEMENT, month).await.is_empty());
     assert_eq!(
