@@ -62,6 +62,9 @@ pub struct Retention {
     pub lookback_starts: Vec<(&'static str, NaiveDate)>,
     /// Rows deleted per batch transaction.
     pub batch: i64,
+    /// The batches' server-side guards, also set on the counting transaction of
+    /// [`Retention::prunable`]: a lock held elsewhere stalls neither for long.
+    pub guards: super::lease::Guards,
 }
 
 /// What one call of `settlementd_prune_period` did.
@@ -167,7 +170,9 @@ impl Retention {
     /// makes, made in one transaction and rolled back, so the counts are exactly the prune's.
     pub async fn prunable(&self, pool: &PgPool) -> sqlx::Result<Vec<Prunable>> {
         let candidates = self.candidates(pool).await?;
-        let mut tx = pool.begin().await?;
+        let mut tx = pool
+            .begin_with(format!("BEGIN; {}", self.guards.sql()))
+            .await?;
         let mut prunable = Vec::new();
         for (job_name, business_date) in candidates {
             if self.keeps(&mut tx, &job_name, business_date).await? {
