@@ -357,6 +357,7 @@ pub fn retention_job(
         older_than_days,
         lookback_starts,
         batch: i64::from(settings.batch.size.max(1)),
+        guards: guards(settings),
     }
 }
 

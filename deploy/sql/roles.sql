@@ -14,10 +14,10 @@
 -- (SET LOCAL ROLE) only for the migrations that alter loans, one transaction each.
 -- settlementd_app runs `run`, `serve` and `status` (with database.migrate_on_start = false):
 --   loans            SELECT, and UPDATE of fine_cents, fine_settled_at and fine_seq only
---   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress), DELETE (retention)
---   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP), DELETE (retention)
---   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state), DELETE (retention)
---   job_events       SELECT, INSERT (the audit trail: never updated), DELETE (retention)
+--   job_runs         SELECT, INSERT, UPDATE (claims, heartbeats, fenced progress)
+--   run_requests     SELECT, INSERT, UPDATE (manual run requests over HTTP)
+--   run_request_shards SELECT, INSERT, UPDATE (each requested shard's state)
+--   job_events       SELECT, INSERT (the audit trail: never updated)
 --   job_pauses       SELECT, INSERT, DELETE (pause and resume)
 --   replicas         SELECT, INSERT, UPDATE, DELETE (each serve process's release and readiness,
 --                    upserted every heartbeat; rows not seen for a day are deleted)
@@ -31,10 +31,18 @@
 --                    triggers on loans; a re-pricing deletes what it did)
 --   _sqlx_migrations, settlementd_migrations SELECT (/readyz compares them with the binary's
 --                    migrations: the first holds those up to 20261205000001, the second the later ones)
--- and nothing else: no DELETE but of the edit queue, a pause, a replica not seen for a day, and (retention: `settlementd prune`,
--- retention.enabled) the audit trail, requests and claims of months closed long ago — never of
--- the money journal, fine_adjustments, fine_corrections or job_params; no TRUNCATE, no DDL, no
--- other column of loans. libraryd's own roles need nothing: the triggers' function runs as its owner, the
+--   settlementd_prune_period(job, date, older_than_days, limit) EXECUTE: retention
+--                    (`settlementd prune`, retention.enabled). The function runs as its owner, the
+--                    migrator, and deletes only the audit trail, requests and claims of a period
+--                    in which nothing happened for older_than_days (at least 1), keeping request
+--                    keys at least 30 days; it decides that in the statement that deletes, and
+--                    checks it again after (docs/OPERATIONS.md, "Retention").
+-- and nothing else: no DELETE but of the edit queue, a pause, a replica not seen for a day and the
+-- statements job's own rows; the audit trail, requests and claims only through that function —
+-- never the money journal, fine_adjustments, fine_corrections or job_params; no TRUNCATE, no DDL,
+-- no other column of loans. (Release 0.1.0 deleted old audit rows itself: beside this grant set its
+-- retention fails with 42501, logged, and changes nothing; docs/OPERATIONS.md, "From 0.1.0 to
+-- 0.2.0".) libraryd's own roles need nothing: the triggers' function runs as its owner, the
 -- migrator (SECURITY DEFINER).
 -- Job tables are granted by name, not through default privileges, so a table a later migration
 -- adds gets nothing until it is named here.
@@ -78,6 +86,14 @@ BEGIN
                                 'replicas', '_sqlx_migrations', 'settlementd_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
             EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
+        END IF;
+    END LOOP;
+    -- Retention's functions run as their owner (SECURITY DEFINER): the migrator, never a
+    -- superuser that happened to migrate.
+    FOREACH name IN ARRAY ARRAY['settlementd_prune_period(text, date, integer, integer)',
+                                'settlementd_retention_untouched(text, date, timestamptz, timestamptz)'] LOOP
+        IF to_regprocedure(format('public.%s', name)) IS NOT NULL THEN
+            EXECUTE format('ALTER FUNCTION public.%s OWNER TO settlementd_migrator', name);
         END IF;
     END LOOP;
 END
@@ -134,10 +150,10 @@ BEGIN
         END IF;
     END IF;
     FOR grant_ IN
-        SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE, DELETE'),
-                              ('run_requests', 'SELECT, INSERT, UPDATE, DELETE'),
-                              ('run_request_shards', 'SELECT, INSERT, UPDATE, DELETE'),
-                              ('job_events', 'SELECT, INSERT, DELETE'),
+        SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE'),
+                              ('run_requests', 'SELECT, INSERT, UPDATE'),
+                              ('run_request_shards', 'SELECT, INSERT, UPDATE'),
+                              ('job_events', 'SELECT, INSERT'),
                               ('job_pauses', 'SELECT, INSERT, DELETE'),
                               ('replicas', 'SELECT, INSERT, UPDATE, DELETE'),
                               ('member_fine_statements', 'SELECT, INSERT, UPDATE, DELETE'),
@@ -164,6 +180,19 @@ BEGIN
             END LOOP;
         END IF;
     END LOOP;
+    -- Retention's one way to delete audit rows; the check it calls is granted to nobody.
+    IF to_regprocedure('public.settlementd_prune_period(text, date, integer, integer)') IS NOT NULL THEN
+        REVOKE ALL ON FUNCTION public.settlementd_prune_period(text, date, integer, integer)
+            FROM PUBLIC, settlementd_app;
+        GRANT EXECUTE ON FUNCTION public.settlementd_prune_period(text, date, integer, integer)
+            TO settlementd_app;
+    ELSE
+        RAISE NOTICE 'no settlementd_prune_period yet: run this again after settlementd migrate';
+    END IF;
+    IF to_regprocedure('public.settlementd_retention_untouched(text, date, timestamptz, timestamptz)') IS NOT NULL THEN
+        REVOKE ALL ON FUNCTION public.settlementd_retention_untouched(text, date, timestamptz, timestamptz)
+            FROM PUBLIC, settlementd_app;
+    END IF;
 END
 $$;
 

@@ -1895,19 +1895,25 @@ async fn the_runs_api_takes_a_job_and_a_range() {
     drop(serve);
 }
 
-/// Ages every claim of every month but `except`, as if it had finished 400 days ago.
+/// Ages every claim, audit event and run request of every month but `except`, as if all of it
+/// had happened 400 days ago.
 async fn age_claims_except(pool: &PgPool, except: &[BusinessDate]) {
     let except: Vec<NaiveDate> = except.iter().map(|m| m.date()).collect();
-    sqlx::query(
+    for aging in [
         "UPDATE job_runs SET started_at = started_at - interval '400 days',
                              heartbeat_at = heartbeat_at - interval '400 days',
                              finished_at = finished_at - interval '400 days'
           WHERE NOT business_date = ANY ($1)",
-    )
-    .bind(&except)
-    .execute(pool)
-    .await
-    .unwrap();
+        "UPDATE job_events SET at = at - interval '400 days' WHERE NOT business_date = ANY ($1)",
+        "UPDATE run_requests SET created_at = created_at - interval '400 days'
+          WHERE NOT business_date = ANY ($1)",
+    ] {
+        sqlx::query(aging)
+            .bind(&except)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
 }
 
 /// Row counts of the tables retention may never touch, and the loans whole.
@@ -2112,29 +2118,33 @@ async fn prune_deletes_only_months_closed_long_enough_and_never_the_money_record
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prune_deletes_a_range_request_only_with_every_month_it_ran() {
-    let db = test_db().await;
+/// Three months before the lookback, seeded alone, and a range request over them (key
+/// `backfill`) served month by month as replicas serve it: the months, the range's id and its
+/// child requests (month, id).
+async fn a_served_range_of_three_old_months(
+    pool: &PgPool,
+) -> (Vec<BusinessDate>, String, Vec<(NaiveDate, String)>) {
     let latest = due_month();
     let months: Vec<BusinessDate> = [32, 31, 30]
         .map(|n| latest.months_before(n).unwrap())
         .to_vec();
     for (k, month) in months.iter().enumerate() {
-        seed_month_alone(&db.pool, *month, 20, 1 + 1000 * k as i64).await;
+        seed_month_alone(pool, *month, 20, 1 + 1000 * k as i64).await;
     }
-    // A range over the three months, served month by month as replicas serve it.
-    let range = store_request(&db.pool, "backfill", SETTLEMENT, months[0], Some(months[2])).await;
-    let children = requests::months_of(&db.pool, &range).await.unwrap();
+    let range = store_request(pool, "backfill", SETTLEMENT, months[0], Some(months[2])).await;
+    let children = requests::months_of(pool, &range).await.unwrap();
     assert_eq!(children.len(), 3);
     for (month, child) in &children {
-        serve_request(
-            &db.pool,
-            SETTLEMENT,
-            child,
-            BusinessDate::new(*month).unwrap(),
-        )
-        .await;
+        let month = BusinessDate::new(*month).unwrap();
+        serve_request(pool, SETTLEMENT, child, month).await;
     }
+    (months, range, children)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_deletes_a_range_request_only_with_every_month_it_ran() {
+    let db = test_db().await;
+    let (months, range, children) = a_served_range_of_three_old_months(&db.pool).await;
     let requests_left = || async {
         sqlx::query_scalar::<_, String>(
             "SELECT request_id::text FROM run_requests ORDER BY business_date, parent_id NULLS FIRST",
@@ -2170,6 +2180,236 @@ async fn prune_deletes_a_range_request_only_with_every_month_it_ran() {
     );
     assert_eq!(
         count(&db.pool, "SELECT count(*) FROM run_request_shards").await,
+        0
+    );
+}
+
+/// `settlementd prune --older-than DAYS --json` (with `--dry-run` when `dry`) with `env`, which
+/// must exit 0; its answer.
+fn prune_json(url: &str, env: &[(&str, &str)], days: &str, dry: bool) -> serde_json::Value {
+    let mut args = vec!["prune", "--older-than", days, "--json"];
+    if dry {
+        args.push("--dry-run");
+    }
+    let out = cli(url, env, &args);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    json_of(&out)
+}
+
+/// The rows of job_events, job_runs and run_requests together: what `prune` counts and deletes.
+async fn audit_rows(pool: &PgPool) -> i64 {
+    count(
+        pool,
+        "SELECT (SELECT count(*) FROM job_events) + (SELECT count(*) FROM job_runs)
+              + (SELECT count(*) FROM run_requests)",
+    )
+    .await
+}
+
+/// The sum of a `prune --json` answer's per-period counts.
+fn counted(answer: &serde_json::Value) -> i64 {
+    answer["periods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p["events"].as_i64().unwrap()
+                + p["requests"].as_i64().unwrap()
+                + p["runs"].as_i64().unwrap()
+        })
+        .sum()
+}
+
+/// The issue's race, made deterministic: the prune is stalled on a row lock of the month's audit
+/// trail (held here), and meanwhile a late return re-opens the month and a run settles it. Once
+/// the lock goes, the prune must see that the month is no longer closed long ago: its seconds-old
+/// claim and its `late_returns`/`succeeded` events are kept, and so is everything else of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_month_re_opened_while_the_prune_waits_for_a_lock_is_kept_whole() {
+    let db = test_db().await;
+    let month = due_month().months_before(30).unwrap();
+    seed_month_alone(&db.pool, month, 20, 1).await;
+    run_month(&db.url, &[], SETTLEMENT, month);
+    age_claims_except(&db.pool, &[]).await;
+    let of_month = format!(
+        "SELECT id FROM job_events WHERE job_name = '{SETTLEMENT}' AND business_date = '{month}'
+          ORDER BY id"
+    );
+    let events_before: Vec<i64> = sqlx::query_scalar(&of_month)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+
+    // A row lock on the month's first event, held while the prune starts.
+    let mut holder = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM job_events WHERE id = $1 FOR UPDATE")
+        .bind(events_before[0])
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let url = db.url.clone();
+    let prune = tokio::task::spawn_blocking(move || {
+        cli(&url, &[], &["prune", "--older-than", "30", "--json"])
+    });
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                    WHERE datname = current_database() AND wait_event_type = 'Lock'";
+    assert!(
+        eventually(20, || async { count(&db.pool, waiting).await > 0 }).await,
+        "the prune never waited for the lock"
+    );
+
+    // Meanwhile a late return re-opens the month, and a run settles it.
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (900000, 1, 1, $1::date - 20, $1::date, $1::date + 5)",
+    )
+    .bind(month.first_day())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    run_month(&db.url, &[], SETTLEMENT, month);
+    let fresh = format!(
+        "SELECT count(*) FROM job_events WHERE job_name = '{SETTLEMENT}'
+            AND business_date = '{month}' AND event IN ('late_returns', 'succeeded')
+            AND at > now() - interval '1 hour'"
+    );
+    assert_eq!(count(&db.pool, &fresh).await, 2);
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    holder.commit().await.unwrap();
+
+    let out = prune.await.unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert_eq!(statuses(&db.pool, SETTLEMENT, month).await, ["SUCCESS"]);
+    assert_eq!(count(&db.pool, &fresh).await, 2, "the re-open's events");
+    let events_after: Vec<i64> = sqlx::query_scalar(&of_month)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        events_before.iter().all(|id| events_after.contains(id)),
+        "older events of the re-opened month were deleted: {events_before:?} → {events_after:?}"
+    );
+    let settled: bool =
+        sqlx::query_scalar("SELECT fine_settled_at IS NOT NULL FROM loans WHERE id = 900000")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert!(settled);
+}
+
+/// A range request's parent row goes with the last of its months: the dry run counts it there,
+/// and its count is exactly what the prune then deletes (the issue: 67 counted, 68 deleted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_request() {
+    let db = test_db().await;
+    let latest = due_month();
+    let (months, _, _) = a_served_range_of_three_old_months(&db.pool).await;
+    // And a plain request, of a month of its own.
+    let alone = latest.months_before(33).unwrap();
+    seed_month_alone(&db.pool, alone, 20, 5000).await;
+    let single = store_request(&db.pool, "run-one", SETTLEMENT, alone, None).await;
+    serve_request(&db.pool, SETTLEMENT, &single, alone).await;
+    run_month(&db.url, &[], STATEMENTS, months[2]);
+    age_claims_except(&db.pool, &[]).await;
+    let before = audit_rows(&db.pool).await;
+
+    let dry = prune_json(&db.url, &[], "30", true);
+    assert_eq!(
+        audit_rows(&db.pool).await,
+        before,
+        "a dry run deletes nothing"
+    );
+    // The range's parent is counted with its last month: 1 child + the parent.
+    let last = dry["periods"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["job_name"] == SETTLEMENT && p["business_date"] == months[2].to_string())
+        .cloned()
+        .unwrap_or_else(|| panic!("{dry}"));
+    assert_eq!(last["requests"], 2, "{dry}");
+
+    let pruned = prune_json(&db.url, &[("SETTLEMENTD__BATCH__SIZE", "2")], "30", false);
+    // What went: the audit rows before, less those after, less the prune's own claim and events.
+    let own = count(
+        &db.pool,
+        "SELECT (SELECT count(*) FROM job_runs WHERE job_name = 'retention')
+              + (SELECT count(*) FROM job_events WHERE job_name = 'retention')",
+    )
+    .await;
+    let gone = before - (audit_rows(&db.pool).await - own);
+    assert_eq!(pruned["deleted"].as_i64(), Some(gone), "{pruned}");
+    assert_eq!(counted(&dry), gone, "dry run {dry} / prune {pruned}");
+    assert_eq!(counted(&pruned), gone, "{pruned}");
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM run_requests").await,
+        0
+    );
+}
+
+/// OPERATIONS promises that a request's `Idempotency-Key` replays days later: retention keeps
+/// a run request (and its month) for at least `KEYS_KEPT_DAYS`, however small `--older-than`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_key_replays_for_thirty_days_whatever_older_than_says() {
+    use settlementd::jobs::retention::KEYS_KEPT_DAYS;
+    let db = test_db().await;
+    let month = due_month().months_before(30).unwrap();
+    seed_month_alone(&db.pool, month, 20, 1).await;
+    // The month settled for a request; then everything of it ages but the request, stored (and
+    // its event written) `days` ago.
+    let id = store_request(&db.pool, "ticket-4711", SETTLEMENT, month, None).await;
+    serve_request(&db.pool, SETTLEMENT, &id, month).await;
+    age_claims_except(&db.pool, &[]).await;
+    let stored_days_ago = |days: u32| {
+        let pool = db.pool.clone();
+        let id = id.clone();
+        async move {
+            for sql in [
+                "UPDATE run_requests SET created_at = now() - make_interval(days => $2)
+                  WHERE request_id = $1::uuid",
+                "UPDATE job_events SET at = now() - make_interval(days => $2)
+                  WHERE request_id = $1::uuid",
+            ] {
+                sqlx::query(sql)
+                    .bind(&id)
+                    .bind(days as i32)
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    let replay = || async {
+        let request = NewRequest {
+            idempotency_key: "ticket-4711".into(),
+            job_name: SETTLEMENT.into(),
+            business_date: month.date(),
+            to: None,
+            shards: 1,
+            shard: None,
+            force: false,
+        };
+        let mut conn = db.pool.acquire().await.unwrap();
+        requests::store(&mut conn, &request, "test", |_| "{}".into())
+            .await
+            .unwrap()
+    };
+
+    stored_days_ago(KEYS_KEPT_DAYS - 1).await;
+    let kept = prune_json(&db.url, &[], "1", false);
+    assert_eq!(kept["deleted"], 0, "{kept}");
+    assert_eq!(statuses(&db.pool, SETTLEMENT, month).await, ["SUCCESS"]);
+    match replay().await {
+        Stored::Replay(stored) => assert_eq!(stored.request_id, id),
+        other => panic!("the key no longer replays: {other:?}"),
+    }
+
+    stored_days_ago(KEYS_KEPT_DAYS + 1).await;
+    let pruned = prune_json(&db.url, &[], "1", false);
+    assert!(pruned["deleted"].as_i64().unwrap() > 0, "{pruned}");
+    assert!(statuses(&db.pool, SETTLEMENT, month).await.is_empty());
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM run_requests").await,
         0
     );
 }

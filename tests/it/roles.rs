@@ -129,16 +129,10 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         None,
         "the three settlement columns are writable"
     );
-    // The edit queue: read and emptied by the runtime role, filled only by the triggers. The
-    // audit trail, requests and claims: deleted by retention; pauses: set and lifted.
-    for table in [
-        "loan_changes",
-        "job_runs",
-        "job_events",
-        "run_requests",
-        "run_request_shards",
-        "job_pauses",
-    ] {
+    // The edit queue: read and emptied by the runtime role, filled only by the triggers; pauses:
+    // set and lifted. The audit trail, requests and claims: deleted only through retention's
+    // function (the_runtime_role_deletes_audit_rows_only_through_retention).
+    for table in ["loan_changes", "job_pauses"] {
         let delete = format!("DELETE FROM {table} WHERE false");
         assert_eq!(sqlstate(&mut app, &delete).await, None, "{delete}");
     }
@@ -168,6 +162,10 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         "INSERT INTO loan_changes (loan_id, month, deleted) VALUES (1, '2026-10-01', false)",
         "UPDATE loan_changes SET deleted = deleted",
         "UPDATE job_pauses SET reason = reason",
+        "DELETE FROM job_runs WHERE false",
+        "DELETE FROM job_events WHERE false",
+        "DELETE FROM run_requests WHERE false",
+        "DELETE FROM run_request_shards WHERE false",
     ];
     for sql in denied {
         assert_eq!(
@@ -217,6 +215,173 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
         );
     }
     app.close().await.unwrap();
+}
+
+/// Ages every claim and audit event of `month` (any job) by 400 days, as the superuser: as if
+/// the month had closed long ago.
+async fn age_month(admin: &sqlx::PgPool, month: &str) {
+    for sql in [
+        "UPDATE job_runs SET started_at = started_at - interval '400 days',
+                             heartbeat_at = heartbeat_at - interval '400 days',
+                             finished_at = finished_at - interval '400 days'
+          WHERE business_date = $1::date",
+        "UPDATE job_events SET at = at - interval '400 days' WHERE business_date = $1::date",
+    ] {
+        sqlx::query(sql).bind(month).execute(admin).await.unwrap();
+    }
+}
+
+/// The runtime role cannot delete a row of the audit trail, the requests or the claims itself:
+/// it deletes through `settlementd_prune_period` alone, which refuses to go below a day and keeps
+/// what happened recently; and retention works through it, by hand (`settlementd prune`) and in
+/// `serve`'s daily run, both as the runtime role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runtime_role_deletes_audit_rows_only_through_retention() {
+    let cluster = PrivateCluster::start().await;
+    let admin = cluster.database("libraryd").await;
+    apply_roles_sql(&admin).await;
+    run_ok(settlementd(Some(&as_role(&admin, MIGRATOR))).arg("migrate"));
+    apply_roles_sql(&admin).await;
+    let pool = sqlx::PgPool::connect(&admin).await.unwrap();
+    let app_url = as_role(&admin, APP);
+
+    // Two months closed long ago (before the lookback), and a recent one, settled by the runtime
+    // role.
+    let due = due_month();
+    let [old, older, recent] = [30, 31, 2].map(|n| due.months_before(n).unwrap());
+    for (k, month) in [old, older, recent].iter().enumerate() {
+        seed_month_alone(&pool, *month, 40, 1 + 1000 * k as i64).await;
+        run_ok(settlementd(Some(&app_url)).args(["run", "--business-date", &month.to_string()]));
+    }
+    for month in [old, older] {
+        age_month(&pool, &month.to_string()).await;
+    }
+    let audit = "SELECT (SELECT count(*) FROM job_events) + (SELECT count(*) FROM job_runs)
+                      + (SELECT count(*) FROM run_requests)";
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let journal = count("SELECT count(*) FROM fine_journal").await;
+
+    // Directly: every delete of an audit row is refused, old or new; the function refuses an age
+    // below a day, and the check it calls is not the runtime role's.
+    let mut app = PgConnection::connect(&app_url).await.unwrap();
+    let event = format!(
+        "DELETE FROM job_events WHERE business_date = '{old}';
+         DELETE FROM job_runs WHERE business_date = '{old}'"
+    );
+    assert_eq!(sqlstate(&mut app, &event).await.as_deref(), Some(DENIED));
+    let before = count(audit).await;
+    for sql in [
+        format!("SELECT * FROM settlementd_prune_period('fine-settlement', '{old}', 0, 100)"),
+        format!("SELECT * FROM settlementd_prune_period('fine-settlement', '{old}', -5, 100)"),
+    ] {
+        assert_eq!(
+            sqlstate(&mut app, &sql).await.as_deref(),
+            Some("22023"),
+            "{sql}"
+        );
+    }
+    let check =
+        format!("SELECT settlementd_retention_untouched('fine-settlement', '{old}', now(), now())");
+    assert_eq!(sqlstate(&mut app, &check).await.as_deref(), Some(DENIED));
+    // A month settled minutes ago is kept, whatever the caller asks.
+    let (deleted, state): (i64, String) = sqlx::query_as(
+        "SELECT events + requests + runs, state FROM settlementd_prune_period($1, $2, 1, 1000)",
+    )
+    .bind("fine-settlement")
+    .bind(recent.date())
+    .fetch_one(&mut app)
+    .await
+    .unwrap();
+    assert_eq!((deleted, state.as_str()), (0, "kept"));
+    assert_eq!(count(audit).await, before, "nothing was deleted");
+    app.close().await.unwrap();
+
+    // `settlementd prune` as the runtime role: its dry run counts what it then deletes.
+    let dry = run_ok(settlementd(Some(&app_url)).args([
+        "prune",
+        "--older-than",
+        "30",
+        "--dry-run",
+        "--json",
+    ]));
+    let dry: serde_json::Value = serde_json::from_slice(&dry.stdout).unwrap();
+    let periods = dry["periods"].as_array().unwrap();
+    assert!(
+        periods
+            .iter()
+            .all(|p| p["business_date"] != recent.to_string()),
+        "{dry}"
+    );
+    let counted: i64 = periods
+        .iter()
+        .filter(|p| p["business_date"] == old.to_string())
+        .map(|p| {
+            p["events"].as_i64().unwrap()
+                + p["requests"].as_i64().unwrap()
+                + p["runs"].as_i64().unwrap()
+        })
+        .sum();
+    assert!(counted > 0, "{dry}");
+    // Only `old` this time: `older` is run again first, so it is not closed long enough.
+    run_ok(settlementd(Some(&app_url)).args([
+        "run",
+        "--business-date",
+        &older.to_string(),
+        "--force",
+    ]));
+    let pruned =
+        run_ok(settlementd(Some(&app_url)).args(["prune", "--older-than", "30", "--json"]));
+    let pruned: serde_json::Value = serde_json::from_slice(&pruned.stdout).unwrap();
+    assert_eq!(pruned["deleted"].as_i64(), Some(counted), "{pruned}");
+    let runs_of = |month: chrono::NaiveDate| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM job_runs WHERE business_date = $1")
+                .bind(month)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(runs_of(old.date()).await, 0);
+    assert!(runs_of(older.date()).await > 0);
+    assert!(runs_of(recent.date()).await > 0);
+    assert_eq!(count("SELECT count(*) FROM fine_journal").await, journal);
+
+    // serve's daily retention, as the runtime role, prunes `older` once it is old (on another
+    // day: today's retention key, done by `prune`, is removed as the next day would find none).
+    age_month(&pool, &older.to_string()).await;
+    sqlx::query("DELETE FROM job_runs WHERE job_name = 'retention'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let replica = ServeProcess::start(
+        &app_url,
+        &[
+            ("SETTLEMENTD__DATABASE__MIGRATE_ON_START", "false"),
+            ("SETTLEMENTD__RETENTION__ENABLED", "true"),
+            ("SETTLEMENTD__RETENTION__OLDER_THAN_DAYS", "30"),
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "3"),
+        ],
+    );
+    replica.wait_for("/readyz", 200).await;
+    assert!(
+        eventually(20, || async { runs_of(older.date()).await == 0 }).await,
+        "serve's retention did not prune {older}"
+    );
+    assert!(replica.metric("settlementd_retention_deleted_total").await > 0.0);
+    assert!(runs_of(recent.date()).await > 0);
+    drop(replica);
+    assert!(count(audit).await > 0);
 }
 
 /// psql from the server's bin directory (or PATH), as an operator runs roles.sql.
