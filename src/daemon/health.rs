@@ -10,8 +10,8 @@
 //! Until every job has looked once the replica is not ready ("starting"): a rolling update waits
 //! for the first look, not just for a database that answers.
 //!
-//! Evaluated every heartbeat by the process itself ([`watch`]), which logs each change once and
-//! reports it in `replicas`, and again at every `/readyz` and `/metrics` request.
+//! Evaluated after every round of ticks by the process itself ([`Reporter`]), which logs each
+//! change once and reports it in `replicas`, and again at every `/readyz` and `/metrics` request.
 
 use crate::jobs::fleet;
 use crate::jobs::Owner;
@@ -19,7 +19,6 @@ use sqlx::PgPool;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// How long an evaluation waits for the database before it counts as not answering.
 pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
@@ -120,10 +119,21 @@ impl Health {
     }
 }
 
-/// Whether the replica is ready now; sets `settlementd_ready` and `settlementd_not_ready`.
+/// Whether the replica is ready now; sets `settlementd_ready` and `settlementd_not_ready`. When
+/// the pool has no connection to give, the server is asked directly whether it is read-only
+/// ([`crate::db::writable`]), so `/readyz` says so during a failover.
 pub async fn evaluate(pool: &PgPool, health: &Health) -> Result<(), NotReady> {
+    evaluate_with(pool, health, true).await
+}
+
+/// [`evaluate`], asking the server directly (a connection beyond the pool) only when `direct`:
+/// the process's own periodic look never does, so a fleet on a full server is not crowded
+/// further by its readiness.
+async fn evaluate_with(pool: &PgPool, health: &Health, direct: bool) -> Result<(), NotReady> {
     let answered = async {
-        crate::db::writable(pool).await?;
+        if direct {
+            crate::db::writable(pool).await?;
+        }
         crate::db::schema_is_current(pool).await
     };
     let result = match tokio::time::timeout(ANSWER_WITHIN, answered).await {
@@ -149,25 +159,42 @@ fn publish(result: &Result<(), NotReady>) {
     }
 }
 
-/// What [`watch`] reports about the process.
+/// Reports this process in `replicas` after each round of ticks ([`crate::jobs::fleet`]), on
+/// the pool the ticks just used (no connection of its own), and logs each change of readiness
+/// once.
 pub struct Reporter {
-    pub pool: PgPool,
-    pub health: Arc<Health>,
-    pub owner: Owner,
-    pub jobs: Vec<&'static str>,
-    pub shards: u32,
-    pub shard: u32,
-    pub every: Duration,
+    pool: PgPool,
+    health: Arc<Health>,
+    owner: Owner,
+    jobs: Vec<&'static str>,
+    shard: crate::config::ShardSpec,
+    started_at: chrono::DateTime<chrono::Utc>,
+    last: Option<Result<(), NotReady>>,
 }
 
-/// Every `every` until `shutdown`: evaluates readiness, logs each change once, and reports the
-/// process in `replicas`. On shutdown, removes its row.
-pub async fn watch(reporter: Reporter, shutdown: CancellationToken) {
-    let started_at = chrono::Utc::now();
-    let mut last: Option<Result<(), NotReady>> = None;
-    loop {
-        let now = evaluate(&reporter.pool, &reporter.health).await;
-        if last.as_ref() != Some(&now) {
+impl Reporter {
+    pub fn new(
+        pool: PgPool,
+        health: Arc<Health>,
+        owner: Owner,
+        jobs: Vec<&'static str>,
+        shard: crate::config::ShardSpec,
+    ) -> Self {
+        Self {
+            pool,
+            health,
+            owner,
+            jobs,
+            shard,
+            started_at: chrono::Utc::now(),
+            last: None,
+        }
+    }
+
+    /// Evaluates readiness on the pool alone, logs it when it changed, and upserts the row.
+    pub async fn report(&mut self) {
+        let now = evaluate_with(&self.pool, &self.health, false).await;
+        if self.last.as_ref() != Some(&now) {
             match &now {
                 Ok(()) => tracing::info!("ready"),
                 Err(why @ NotReady::Starting(_)) => {
@@ -178,23 +205,31 @@ pub async fn watch(reporter: Reporter, shutdown: CancellationToken) {
         }
         let reason = now.as_ref().err().map(ToString::to_string);
         let report = fleet::Report {
-            owner: &reporter.owner,
-            jobs: &reporter.jobs,
-            shards: reporter.shards,
-            shard: reporter.shard,
-            started_at,
+            owner: &self.owner,
+            jobs: &self.jobs,
+            shards: self.shard.count,
+            shard: self.shard.index,
+            started_at: self.started_at,
             not_ready: reason.as_deref(),
         };
-        if let Err(e) = fleet::report(&reporter.pool, &report).await {
-            tracing::debug!(error = %e, "cannot report this replica in replicas");
+        let reported =
+            tokio::time::timeout(ANSWER_WITHIN, fleet::report(&self.pool, &report)).await;
+        if !matches!(reported, Ok(Ok(()))) {
+            tracing::debug!("cannot report this replica in replicas");
         }
-        last = Some(now);
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(reporter.every) => {}
-        }
+        self.last = Some(now);
     }
-    if let Err(e) = fleet::leave(&reporter.pool, &reporter.owner).await {
-        tracing::debug!(error = %e, "cannot remove this replica from replicas");
+
+    /// Removes this process's row (within a second: a database that does not answer must not
+    /// hold the exit).
+    pub async fn leave(&self) {
+        let left = tokio::time::timeout(
+            Duration::from_secs(1),
+            fleet::leave(&self.pool, &self.owner),
+        )
+        .await;
+        if !matches!(left, Ok(Ok(()))) {
+            tracing::debug!("cannot remove this replica from replicas");
+        }
     }
 }

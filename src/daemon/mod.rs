@@ -156,28 +156,17 @@ pub async fn serve(
         http_stop.clone().cancelled_owned(),
     ));
     tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics /v1/runs /status");
-    let watch = tokio::spawn(health::watch(
-        health::Reporter {
-            pool: pool.clone(),
-            health: health.clone(),
-            owner: owner.clone(),
-            jobs,
-            shards: settings.shard.count,
-            shard: settings.shard.index,
-            every: Duration::from_secs(settings.lease.heartbeat_secs),
-        },
-        http_stop.clone(),
-    ));
+    let reporter = health::Reporter::new(
+        pool.clone(),
+        health.clone(),
+        owner.clone(),
+        jobs,
+        settings.shard,
+    );
 
-    let result = run_replica(&settings, pool, clock, owner, health, shutdown).await;
+    let result = run_replica(&settings, pool, clock, owner, health, reporter, shutdown).await;
 
     http_stop.cancel();
-    if tokio::time::timeout(Duration::from_secs(2), watch)
-        .await
-        .is_err()
-    {
-        tracing::warn!("the readiness watch did not stop in time");
-    }
     match tokio::time::timeout(Duration::from_secs(2), http).await {
         Ok(Ok(Ok(()))) => {}
         Ok(Ok(Err(e))) => tracing::warn!(error = %e, "HTTP server stopped with an error"),
@@ -193,6 +182,7 @@ async fn run_replica(
     clock: Arc<dyn Clock>,
     owner: Owner,
     health: Arc<health::Health>,
+    reporter: health::Reporter,
     shutdown: CancellationToken,
 ) -> Result<()> {
     if !wait_for_database(settings, &pool, &shutdown).await? {
@@ -257,7 +247,13 @@ async fn run_replica(
         shutdown: shutdown.clone(),
         done: None,
     });
-    let mut worker = tokio::spawn(tick_loop(replicas, retention, wake, shutdown.clone()));
+    let mut worker = tokio::spawn(tick_loop(
+        replicas,
+        retention,
+        reporter,
+        wake,
+        shutdown.clone(),
+    ));
 
     let grace = Duration::from_secs(settings.shutdown.grace_secs);
     tokio::select! {
@@ -332,15 +328,31 @@ async fn wait_for_database(
 
 /// Tick every job at start-up (catch-up), then on every wake-up, until shutdown; and the day's
 /// retention run, when it is enabled.
+/// The replicas' ticks until shutdown; after each round, the process reports its readiness in
+/// `replicas` ([`health::Reporter`]) on the connections the ticks just used, and leaves the fleet
+/// when it stops.
 async fn tick_loop(
+    replicas: Vec<Replica>,
+    retention: Option<RetentionTicker>,
+    mut reporter: health::Reporter,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    ticks(replicas, retention, &mut reporter, wake, shutdown).await;
+    reporter.leave().await;
+}
+
+async fn ticks(
     mut replicas: Vec<Replica>,
     mut retention: Option<RetentionTicker>,
+    reporter: &mut health::Reporter,
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
     for replica in replicas.iter_mut() {
         replica.look().await;
     }
+    reporter.report().await;
     loop {
         if let Some(retention) = retention.as_mut() {
             retention.tick().await;
@@ -368,6 +380,7 @@ async fn tick_loop(
         if again {
             continue;
         }
+        reporter.report().await;
         let wait = replicas
             .iter()
             .map(Replica::next_wake)
