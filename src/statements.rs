@@ -333,10 +333,11 @@ impl Job for MemberStatements {
         let computed: Vec<(i64, i64, String)> = sqlx::query_as(
             "SELECT l.member_id::bigint, count(*) FILTER (WHERE l.fine_cents > 0),
                     COALESCE(sum(l.fine_cents), 0)::text
-               FROM (SELECT j.kind, x.loan_id, x.seq
-                       FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
+               FROM (SELECT j.id AS jid, j.kind, x.loan_id
+                       FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)
                       WHERE j.month = $1) e
-               JOIN loans l ON l.id = e.loan_id AND l.fine_seq = e.seq
+               JOIN fine_heads h ON h.loan_id = e.loan_id AND h.journal_id = e.jid
+               JOIN loans l ON l.id = e.loan_id AND l.fine_seq = h.seq
               WHERE e.kind NOT IN ('reversed', 'deleted') AND l.fine_settled_at IS NOT NULL
                 AND l.returned_on BETWEEN $1 AND $2
                 AND ($3 = 1 OR (l.member_id % $3 + $3) % $3 = $4)

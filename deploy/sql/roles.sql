@@ -27,6 +27,8 @@
 --   fine_corrections SELECT, INSERT, UPDATE (corrections by key; UPDATE marks one complete)
 --   fine_adjustments SELECT, INSERT (every fine a correction changed: append-only)
 --   fine_journal     SELECT, INSERT (the money journal: every change to a fine, append-only)
+--   fine_heads       SELECT (each loan's last entry on the record, kept by a trigger on the journal
+--                    that runs as its owner)
 --   loan_changes     SELECT, DELETE (libraryd's edits of settled loans, queued by settlementd's
 --                    triggers on loans; a re-pricing deletes what it did)
 --   _sqlx_migrations, settlementd_migrations SELECT (/readyz compares them with the binary's
@@ -81,7 +83,7 @@ DECLARE
 BEGIN
     FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
                                 'job_params', 'fine_corrections', 'fine_adjustments',
-                                'fine_journal', 'loan_changes', 'job_pauses',
+                                'fine_journal', 'fine_heads', 'loan_changes', 'job_pauses',
                                 'member_fine_statements', 'member_statement_marks',
                                 'replicas', '_sqlx_migrations', 'settlementd_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
@@ -91,6 +93,8 @@ BEGIN
     -- Retention's functions run as their owner (SECURITY DEFINER): the migrator, never a
     -- superuser that happened to migrate.
     FOREACH name IN ARRAY ARRAY['settlementd_prune_period(text, date, integer, integer)',
+                                'settlementd_journal_appended()',
+                                'settlementd_loan_renumbered()',
                                 'settlementd_retention_untouched(text, date, timestamptz, timestamptz)'] LOOP
         IF to_regprocedure(format('public.%s', name)) IS NOT NULL THEN
             EXECUTE format('ALTER FUNCTION public.%s OWNER TO settlementd_migrator', name);
@@ -162,6 +166,7 @@ BEGIN
                               ('fine_corrections', 'SELECT, INSERT, UPDATE'),
                               ('fine_adjustments', 'SELECT, INSERT'),
                               ('fine_journal', 'SELECT, INSERT'),
+                              ('fine_heads', 'SELECT'),
                               ('loan_changes', 'SELECT, DELETE'),
                               ('_sqlx_migrations', 'SELECT'),
                               ('settlementd_migrations', 'SELECT')) AS g(tbl, privileges)

@@ -36,7 +36,12 @@ pub const SQLX_LEDGER_LAST: i64 = 20261205000001;
 /// The migrations that alter `loans`, libraryd's table, which only its owner may alter: the
 /// migration role takes the owner's role for these alone ([`migrate`]). A test checks that every
 /// migration naming `loans` is listed.
-pub const LOANS_MIGRATIONS: &[i64] = &[20261130000002, 20261201000001, 20261203000002];
+pub const LOANS_MIGRATIONS: &[i64] = &[
+    20261130000002,
+    20261201000001,
+    20261203000002,
+    20261208000002,
+];
 
 /// The ledger of migrations after [`SQLX_LEDGER_LAST`]. `release` is the version of the binary
 /// that applied each one, for an operator reading it after a rollback.

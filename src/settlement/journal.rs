@@ -6,9 +6,10 @@
 //! fault suite:
 //! - every entry is written by the statement that changes the loan, so a fine never changes
 //!   without its entry, nor an entry without its change;
-//! - `loans.fine_seq` is the seq of the loan's last entry, and its `fine_cents` that entry's
-//!   `after_cents`: an entry's `before_cents` is the loan's settled fine before it (0 for a loan
-//!   not settled, whose `fine_cents` is not money yet), so each `before` is the previous `after`;
+//! - a loan's last entry is its head on the record (`fine_heads`, kept by a trigger on the journal
+//!   for every writer), never found through libraryd's row: each entry continues the head (its seq
+//!   the head's + 1, its `before_cents` the head's `after_cents`, 0 for a loan the journal does not
+//!   know), and `loans.fine_seq` is set to the entry's seq, its `fine_cents` to its `after_cents`;
 //! - an entry's month is the month whose money it is: the month the loan was priced in, or the
 //!   month its fine is taken out of (reversed, deleted).
 //!
@@ -78,6 +79,16 @@ pub fn rule_identity(rule: &FineRule) -> serde_json::Value {
         "max_cents": rule.max_cents,
     })
 }
+
+/// The seq of loan `l`'s next entry: one past its head on the record (`fine_heads`), whatever its
+/// row says (`loans.fine_seq` is kept equal to it for readers and the release before this one).
+pub const HEAD_SEQ_NEXT: &str =
+    "COALESCE((SELECT h.seq FROM fine_heads h WHERE h.loan_id = l.id), 0) + 1";
+
+/// Loan `l`'s money on the record before an entry: its head's `after_cents` (0 for a loan the
+/// journal does not know), so that each entry's `before` is the previous entry's `after`.
+pub const HEAD_AFTER: &str =
+    "COALESCE((SELECT h.after_cents FROM fine_heads h WHERE h.loan_id = l.id), 0)";
 
 /// `INSERT INTO fine_journal` of the rows of CTE `from` (columns `id`, `seq`, `due_on`,
 /// `returned_on`, `before`, `after`), one journal row when it has any. The other arguments are SQL
@@ -271,49 +282,53 @@ fn statement(targets: &str, settles_returns: bool) -> String {
     format!(
         "WITH {targets},
          gone AS MATERIALIZED (
-             SELECT DISTINCT ON (c.loan_id) c.loan_id AS id, COALESCE(c.old_fine_seq, 0) + 1 AS seq,
+             SELECT DISTINCT ON (c.loan_id) c.loan_id AS id,
+                    COALESCE(h.seq, c.old_fine_seq, 0) + 1 AS seq,
                     c.old_due_on AS due_on, c.old_returned_on AS returned_on,
-                    c.old_fine_cents::bigint AS before, 0::bigint AS after
+                    COALESCE(h.after_cents, c.old_fine_cents)::bigint AS before, 0::bigint AS after
                FROM loan_changes c JOIN targets t ON t.loan_id = c.loan_id
+               LEFT JOIN fine_heads h ON h.loan_id = c.loan_id
               WHERE c.deleted AND {gone_taken}
                 AND NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = c.loan_id)
               ORDER BY c.loan_id, c.id DESC
          ), cur AS MATERIALIZED (
              SELECT l.id::bigint AS id, l.fine_cents::bigint AS old,
+                    COALESCE(h.seq, 0) + 1 AS next_seq, COALESCE(h.after_cents, 0) AS head_after,
                     l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
                     (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
                      AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
                     CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
                          THEN NULL ELSE {fine} END AS new
                FROM targets t JOIN loans l ON l.id = t.loan_id
+               LEFT JOIN fine_heads h ON h.loan_id = l.id
               WHERE {shard} AND {taken}
                 FOR UPDATE OF l
          ), priced AS (
              UPDATE loans l
                 SET fine_cents = c.new, fine_settled_at = COALESCE(l.fine_settled_at, now()),
-                    fine_seq = COALESCE(l.fine_seq, 0) + 1
+                    fine_seq = c.next_seq
                FROM cur c
               WHERE l.id = c.id AND c.stays AND {written}
              RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
-                       CASE WHEN c.settled THEN c.old ELSE 0 END AS before,
-                       l.fine_cents::bigint AS after
+                       c.head_after AS before, l.fine_cents::bigint AS after,
+                       CASE WHEN c.settled THEN c.old ELSE 0 END AS was
          ), reversed AS (
              UPDATE loans l
-                SET fine_cents = 0, fine_settled_at = NULL, fine_seq = COALESCE(l.fine_seq, 0) + 1
+                SET fine_cents = 0, fine_settled_at = NULL, fine_seq = c.next_seq
                FROM cur c
               WHERE l.id = c.id AND c.settled AND NOT c.stays
              RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
-                       c.old AS before, 0::bigint AS after
+                       c.head_after AS before, 0::bigint AS after, c.old AS was
          ), journal_priced AS ({priced}
          ), journal_reversed AS ({reversed}
          ), journal_deleted AS ({deleted}
          ), adjusted AS (
              INSERT INTO fine_adjustments
                     (correction_key, loan_id, business_date, old_cents, new_cents)
-             SELECT $10, id, $12, before, after
-               FROM (SELECT id, before, after FROM priced
-                     UNION ALL SELECT id, before, after FROM reversed) x
-              WHERE $10::text IS NOT NULL AND before IS DISTINCT FROM after
+             SELECT $10, id, $12, was, after
+               FROM (SELECT id, was, after FROM priced
+                     UNION ALL SELECT id, was, after FROM reversed) x
+              WHERE $10::text IS NOT NULL AND was IS DISTINCT FROM after
          ), dequeued AS (
              DELETE FROM loan_changes c USING {dequeued} t WHERE c.loan_id = t.loan_id
          )
@@ -443,14 +458,16 @@ pub fn opening_statement() -> &'static str {
         let unreturned = "l.returned_on IS NULL OR NOT isfinite(l.returned_on)";
         format!(
             "WITH opened AS (
-                 UPDATE loans l SET fine_seq = 1
+                 UPDATE loans l SET fine_seq = {HEAD_SEQ_NEXT}
                   WHERE l.id = ANY (ARRAY(
                             SELECT id FROM loans
                              WHERE fine_settled_at IS NOT NULL AND fine_seq IS NULL
                              ORDER BY id LIMIT $1))
                     AND l.fine_seq IS NULL AND l.fine_settled_at IS NOT NULL
-                 RETURNING l.id::bigint AS id, 1 AS seq, l.due_on, l.returned_on,
-                           NULL::bigint AS before, l.fine_cents::bigint AS after,
+                 RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
+                           (SELECT h.after_cents FROM fine_heads h WHERE h.loan_id = l.id)
+                             AS before,
+                           l.fine_cents::bigint AS after,
                            CASE WHEN {unreturned}
                                 THEN (date_trunc('month', l.fine_settled_at AT TIME ZONE 'UTC')
                                       - interval '1 month')::date
@@ -465,7 +482,7 @@ pub fn opening_statement() -> &'static str {
              ), queued AS (
                  INSERT INTO loan_changes (loan_id, month, deleted, old_fine_cents, old_fine_seq,
                                            old_due_on, old_returned_on)
-                 SELECT id, month, false, after, 1, due_on, returned_on FROM opened WHERE unreturned
+                 SELECT id, month, false, after, seq, due_on, returned_on FROM opened WHERE unreturned
              )
              SELECT count(*) FROM opened"
         )
@@ -511,10 +528,11 @@ pub async fn totals(
         "SELECT count(*), COALESCE(sum(l.fine_cents), 0)::text,
                 md5(COALESCE(string_agg(l.id::text || ':' || l.fine_cents::text, ',' ORDER BY l.id),
                              ''))
-           FROM (SELECT j.kind, x.loan_id, x.seq
-                   FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
+           FROM (SELECT j.id AS jid, j.kind, x.loan_id
+                   FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)
                   WHERE j.month = $1) e
-           JOIN loans l ON l.id = e.loan_id AND l.fine_seq = e.seq
+           JOIN fine_heads h ON h.loan_id = e.loan_id AND h.journal_id = e.jid
+           JOIN loans l ON l.id = e.loan_id AND l.fine_seq = h.seq
           WHERE e.kind NOT IN ('reversed', 'deleted') AND l.fine_settled_at IS NOT NULL
             AND l.returned_on BETWEEN $1 AND $2",
     )

@@ -48,6 +48,7 @@ use crate::jobs::{
     PendingReport, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
+use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool, Postgres};
 use std::borrow::Cow;
@@ -956,8 +957,13 @@ impl BatchSql {
                 "NULL",
             )
         };
-        let settled = "RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
-                                  0::bigint AS before, l.fine_cents::bigint AS after";
+        // The entry continues the loan's chain on the record (`fine_heads`), not its row's marks:
+        // a loan reloaded or re-created under an id the journal knows is settled once more, from
+        // where its money stands.
+        let settled = format!(
+            "RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
+                       {HEAD_AFTER} AS before, l.fine_cents::bigint AS after"
+        );
         // One pass over the range finds the rare rows that need more than the plain update: held
         // ones (named, left alone) and odd ones (settled here, so that they are counted by what
         // was really written). The odd ones are updated where that pass found them, by their
@@ -970,7 +976,7 @@ impl BatchSql {
              ), odd AS (
                  UPDATE loans l
                     SET fine_cents = {fine}, fine_settled_at = now(),
-                        fine_seq = COALESCE(l.fine_seq, 0) + 1
+                        fine_seq = {HEAD_SEQ_NEXT}
                   WHERE l.ctid = ANY (ARRAY(SELECT ctid FROM flagged WHERE NOT held))
                     AND l.returned_on >= $1::date
                     AND l.returned_on < ($1 + interval '1 month')::date
@@ -989,7 +995,7 @@ impl BatchSql {
             "WITH settled AS (
                  UPDATE loans l
                     SET fine_cents = {fine}, fine_settled_at = now(),
-                        fine_seq = COALESCE(l.fine_seq, 0) + 1
+                        fine_seq = {HEAD_SEQ_NEXT}
                   WHERE {range}
                     AND NOT {HELD_ROW}
                  {settled}

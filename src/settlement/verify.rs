@@ -8,8 +8,10 @@
 //! - that fine is the month's rule's for the loan's dates;
 //! - no return of the month is left unsettled, none is held, no edit of one of its loans waits to
 //!   be re-priced, and no settled loan of it lacks a journal entry;
-//! - the journal's chain is whole for its loans: no entry ahead of its loan's `fine_seq`, no
-//!   settled loan gone without its deletion recorded (one whose return was undone owes nothing).
+//! - the journal's chain is whole for its loans: each entry continued the one before it (seq one
+//!   more, `before` the previous `after`, checked as it was appended and kept in the loan's head,
+//!   `fine_heads`), a settled row is at its head's seq, and no settled loan is gone without its
+//!   deletion recorded (one whose return was undone owes nothing).
 //!
 //! The rule is the month's pinned one ([`crate::jobs::params`]); a month claimed before pins
 //! existed is checked against the rule the configuration gives it, and the report says so. A
@@ -70,8 +72,9 @@ pub struct Verification {
     /// Loans whose dates are no longer those their last entry priced (moved out of the month, a
     /// due date changed) with no edit queued: changed while the edit triggers were off.
     pub stale: Found,
-    /// Entries ahead of their loan (its `fine_seq` behind them), or loans gone without their
-    /// deletion recorded.
+    /// Loans whose chain has an entry that did not continue it, whose settled row is not at the
+    /// record's last entry (its `fine_seq` written or restored outside settlementd), or that are
+    /// gone without their deletion recorded.
     pub broken: Found,
     /// Loans of the month with edits waiting to be re-priced.
     pub edits_waiting: Found,
@@ -224,9 +227,9 @@ struct JournalSide {
     broken: Found,
 }
 
-/// The month's journal entries joined to their loans by primary key: each entry that is its loan's
-/// last (`l.fine_seq = seq`) is checked; earlier ones are history (the loan was re-priced, or moved
-/// on to another month).
+/// The month's journal entries joined to their heads and loans by primary key: each entry that is
+/// its loan's last on the record (its head, `fine_heads`) is checked; earlier ones are history (the
+/// loan was re-priced, or moved on to another month).
 async fn journal_side(
     tx: &mut PgConnection,
     business_date: BusinessDate,
@@ -234,13 +237,16 @@ async fn journal_side(
 ) -> sqlx::Result<JournalSide> {
     let fine = FineRule::sql_params(3);
     let in_month = "l_ret BETWEEN $1 AND $2";
-    // An entry that is its loan's last, of a kind that prices.
-    let priced = "cur AND kind NOT IN ('reversed', 'deleted')";
-    let settled = format!("{priced} AND l_settled AND {in_month}");
+    // The loan's last entry on the record (its head, `fine_heads`), of a loan still in `loans`,
+    // of a kind that prices.
+    let priced = "cur AND present AND kind NOT IN ('reversed', 'deleted')";
+    let settled = format!("{priced} AND l_settled AND l_seq = h_seq AND {in_month}");
     let differs = format!("{settled} AND NOT l_held AND l_fine IS DISTINCT FROM expected");
-    let off_journal =
-        "cur AND CASE WHEN kind IN ('reversed', 'deleted') THEN l_settled OR l_fine IS DISTINCT FROM 0
-                      ELSE NOT l_settled OR l_fine IS DISTINCT FROM after_cents END";
+    // The row against its last entry: settled with the entry's fine, or unsettled after a
+    // reversal or deletion (an unsettled loan's fine_cents is not money).
+    let off_journal = "cur AND present
+         AND CASE WHEN kind IN ('reversed', 'deleted') THEN l_settled
+                  ELSE NOT l_settled OR l_fine IS DISTINCT FROM after_cents END";
     // The subqueries run only for the rare rows the cheap conditions leave (CASE keeps the order).
     let queued = "EXISTS (SELECT 1 FROM loan_changes q WHERE q.loan_id = c.loan_id)";
     let stale = format!(
@@ -248,37 +254,35 @@ async fn journal_side(
                                  OR NOT {in_month})
               THEN NOT {queued} ELSE false END"
     );
-    // A loan gone from `loans` is whole when its deletion is recorded (the partial index on the
-    // deletion entries' loans finds it), queued, or when the month's last entry of it unsettled
-    // it (a return undone: an unsettled loan's deletion is not queued, nothing is owed).
+    // The chain: every entry continued the one before it (its seq one more, its before the
+    // previous after: checked as each entry is appended, kept in the head); a settled row is at
+    // the record's last entry (not a seq libraryd wrote or restored); a loan gone from `loans`
+    // has its deletion recorded or queued, or owed nothing (its return undone).
     let broken = format!(
-        "(present AND (l_seq IS NULL OR l_seq < seq))
-         OR (cur AND kind = 'deleted')
-         OR CASE WHEN NOT present AND last_here IS DISTINCT FROM 'reversed'
-                 THEN NOT {queued} AND NOT EXISTS (
-                          SELECT 1 FROM fine_journal d
-                           WHERE d.kind = 'deleted' AND d.loan_ids @> ARRAY[c.loan_id])
-                 ELSE false END"
+        "(cur AND h_breaks > 0)
+         OR (cur AND present AND l_settled AND l_seq IS DISTINCT FROM h_seq)
+         OR CASE WHEN cur AND NOT present AND kind NOT IN ('reversed', 'deleted')
+                 THEN NOT {queued} ELSE false END"
     );
     let sql = format!(
         "WITH e AS (
-             SELECT j.kind, x.loan_id, x.seq, x.due_on, x.returned_on, x.after_cents
+             SELECT j.id AS jid, j.kind, x.loan_id, x.seq, x.due_on, x.returned_on, x.after_cents
                FROM fine_journal j,
                     unnest(j.loan_ids, j.seqs, j.due_on, j.returned_on, j.after_cents)
                       AS x(loan_id, seq, due_on, returned_on, after_cents)
               WHERE j.month = $1
          ), c AS (
              SELECT e.kind, e.loan_id, e.seq, e.due_on, e.returned_on, e.after_cents,
+                    h.journal_id IS NOT DISTINCT FROM e.jid AS cur, h.seq AS h_seq,
+                    h.breaks AS h_breaks,
                     l.id IS NOT NULL AS present, l.fine_seq AS l_seq,
-                    l.fine_seq IS NOT DISTINCT FROM e.seq AS cur,
-                    first_value(e.kind) OVER (PARTITION BY e.loan_id ORDER BY e.seq DESC)
-                      AS last_here,
                     l.fine_cents::bigint AS l_fine, l.fine_settled_at IS NOT NULL AS l_settled,
                     l.due_on AS l_due, l.returned_on AS l_ret,
                     {HELD_ROW} AS l_held,
                     CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
                          THEN NULL ELSE {fine} END AS expected
-               FROM e LEFT JOIN loans l ON l.id = e.loan_id
+               FROM e LEFT JOIN fine_heads h ON h.loan_id = e.loan_id
+                      LEFT JOIN loans l ON l.id = e.loan_id
          )
          SELECT count(*) FILTER (WHERE {settled}),
                 COALESCE(sum(l_fine) FILTER (WHERE {settled}), 0)::text,

@@ -1,13 +1,13 @@
 //! `verify --job member-statements`: are a month's statements what the money journal says each
 //! member owes? Read-only, in one snapshot.
 //!
-//! The truth is the journal alone: each loan's last entry of the month (by seq) that neither
-//! reverses nor deletes it holds its fine there; a member owes the month the sum of their loans'
+//! The truth is the journal alone: each loan whose last entry on the record (its head,
+//! `fine_heads`) is in the month and neither reverses nor deletes it holds that entry's fine there; a member owes the month the sum of their loans'
 //! fines, and has a statement exactly when one of them is above 0 (the job writes no zero rows:
 //! a member left without a fine loses the statement). The member is the loan's, read by primary
 //! key; a loan gone from `loans` without its deletion journaled is the settlement's broken chain
 //! (its `verify` names it), so it is left out here. Cost: the month's journal rows (by
-//! `fine_journal_by_month`), their loans by primary key, and the month's statements (by their
+//! `fine_journal_by_month`), their heads and loans by primary key, and the month's statements (by their
 //! primary key's first column) — never a scan of `loans`.
 
 use super::JOB_NAME;
@@ -156,12 +156,11 @@ impl StatementsProof {
 /// $1: the month's first day, $2: its last.
 const COMPARED: &str = "
     WITH last AS (
-        SELECT DISTINCT ON (e.loan_id) e.loan_id, e.kind, e.after_cents
-          FROM (SELECT j.kind, x.loan_id, x.seq, x.after_cents
-                  FROM fine_journal j, unnest(j.loan_ids, j.seqs, j.after_cents)
-                       AS x(loan_id, seq, after_cents)
-                 WHERE j.month = $1) e
-         ORDER BY e.loan_id, e.seq DESC
+        SELECT x.loan_id, j.kind, x.after_cents
+          FROM fine_journal j
+         CROSS JOIN LATERAL unnest(j.loan_ids, j.after_cents) AS x(loan_id, after_cents)
+          JOIN fine_heads h ON h.loan_id = x.loan_id AND h.journal_id = j.id
+         WHERE j.month = $1
     ), owed AS (
         SELECT l.member_id AS m, count(*) FILTER (WHERE s.after_cents > 0) AS jf,
                COALESCE(sum(s.after_cents), 0)::bigint AS jc

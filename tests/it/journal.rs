@@ -33,7 +33,8 @@ pub(crate) const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
 /// - an unsettled loan with entries was reversed: its last entry is `reversed`, to 0, fine 0;
 ///   one without entries has no `fine_seq`;
 /// - a loan gone from `loans` ends with its `deleted` entry, to 0, unless its deletion still waits
-///   in `loan_changes` for its month's next run (libraryd deleted it since).
+///   in `loan_changes` for its month's next run (libraryd deleted it since);
+/// - each loan's head (`fine_heads`) is its last entry, counts its entries and records no break.
 pub(crate) async fn assert_journal_whole(pool: &PgPool) {
     let broken = journal_breaks(pool).await;
     assert!(
@@ -104,6 +105,27 @@ pub(crate) async fn journal_breaks(pool: &PgPool) -> Vec<String> {
                 AND NOT (e.kind IN ('deleted', 'reversed') AND e.after_cents = 0)
                 AND NOT EXISTS (SELECT 1 FROM loan_changes c
                                  WHERE c.loan_id = e.loan_id AND c.deleted)",
+        ),
+        (
+            "a loan's head (fine_heads) is not its last entry, or records a break",
+            "WITH last AS (
+                 SELECT DISTINCT ON (loan_id) loan_id, journal_id, seq, kind, after_cents
+                   FROM fine_journal_entries ORDER BY loan_id, journal_id DESC
+             ), counted AS (
+                 SELECT loan_id, count(*) AS n FROM fine_journal_entries GROUP BY loan_id
+             )
+             SELECT format('loan %s: head %s, last entry %s', COALESCE(h.loan_id, e.loan_id),
+                           COALESCE(format('%s seq %s %s to %s, %s entries, %s breaks',
+                                           h.journal_id, h.seq, h.kind, h.after_cents, h.entries,
+                                           h.breaks), 'none'),
+                           COALESCE(format('%s seq %s %s to %s, %s entries', e.journal_id, e.seq,
+                                           e.kind, e.after_cents, c.n), 'none'))
+               FROM fine_heads h
+               FULL JOIN last e ON e.loan_id = h.loan_id
+               LEFT JOIN counted c ON c.loan_id = e.loan_id
+              WHERE h.loan_id IS NULL OR e.loan_id IS NULL OR h.breaks <> 0
+                 OR (h.journal_id, h.seq, h.kind, h.after_cents, h.entries)
+                    IS DISTINCT FROM (e.journal_id, e.seq, e.kind, e.after_cents, c.n::int)",
         ),
     ];
     let mut broken = Vec::new();
