@@ -85,6 +85,17 @@ async fn assert_right(db: &TestDb, totals: (i64, i64)) {
     assert_journal_whole(&db.pool).await;
 }
 
+/// `verify` of October exits 1, and its journal check `check` names `id` alone.
+fn assert_names_only(url: &str, check: &str, id: i64) {
+    let (code, report) = verify(url, &[], OCTOBER);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(
+        report["journal"][check],
+        serde_json::json!({"count": 1, "ids": [id]}),
+        "{report}"
+    );
+}
+
 /// The fined loan with the lowest id: (id, fine).
 async fn first_fined(pool: &PgPool) -> (i64, i64) {
     sqlx::query_as("SELECT id, fine_cents FROM loans WHERE fine_cents > 0 ORDER BY id LIMIT 1")
@@ -188,13 +199,7 @@ async fn a_fine_changed_by_hand_after_a_reload_is_named_by_verify() {
         .execute(&db.pool)
         .await
         .unwrap();
-    let (code, report) = verify(&db.url, &[], OCTOBER);
-    assert_eq!(code, Some(1), "{report}");
-    assert_eq!(
-        report["journal"]["off_journal"],
-        serde_json::json!({"count": 1, "ids": [id]}),
-        "{report}"
-    );
+    assert_names_only(&db.url, "off_journal", id);
 }
 
 /// Before, a loan unsettled by hand (`fine_settled_at = NULL`) was settled again with an entry
@@ -313,13 +318,7 @@ async fn an_entry_that_does_not_continue_its_loans_chain_is_named_by_verify() {
     .execute(&db.pool)
     .await
     .unwrap();
-    let (code, report) = verify(&db.url, &[], OCTOBER);
-    assert_eq!(code, Some(1), "{report}");
-    assert_eq!(
-        report["journal"]["broken"],
-        serde_json::json!({"count": 1, "ids": [id]}),
-        "{report}"
-    );
+    assert_names_only(&db.url, "broken", id);
     // The head records it, and the loan is counted once.
     let (entries_, breaks): (i32, i32) =
         sqlx::query_as("SELECT entries, breaks FROM fine_heads WHERE loan_id = $1")
