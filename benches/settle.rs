@@ -27,7 +27,11 @@
 //!   as the engine's batches write them): the limit of a journaled run;
 //! - `R`: `settlementd run --force` of the settled month right after `S1`, and again after VACUUM;
 //! - `V`: `settlementd verify` of the month right after `S1` (before `R`): the month proved from
-//!   its journal and the loans by primary key; must answer "right";
+//!   its journal and the loans by primary key, each loan's chain through its head
+//!   (`fine_heads`); must answer "right";
+//! - `VS` (with `ST`): `settlementd run --job member-statements` of the month after `V`, then
+//!   `settlementd verify --job member-statements`: every member's statement proved against the
+//!   journal; must answer "right";
 //! - `C`: `settlementd correct` of the month right after `R`, to a rate 10 cents higher: every late
 //!   loan's fine changes, each on the record (journal, `fine_adjustments`).
 //!
@@ -421,6 +425,7 @@ async fn bench(
         |c: &str| shape.cases.contains(&c) && only.map_or(true, |o| o.iter().any(|x| x == c));
     let want_rerun = only.map_or(true, |o| o.iter().any(|x| x == "R"));
     let want_verify = only.map_or(true, |o| o.iter().any(|x| x == "V"));
+    let want_statements = only.map_or(true, |o| o.iter().any(|x| x == "VS"));
     let want_correct = only.map_or(true, |o| o.iter().any(|x| x == "C"));
     let want_journal = only.map_or(true, |o| o.iter().any(|x| x == "J"));
     let want_unjournaled =
@@ -439,6 +444,8 @@ async fn bench(
         if i == 0 {
             samples.push(("S1U".into(), Vec::new()));
             samples.push(("V-after-run".into(), Vec::new()));
+            samples.push(("ST-after-run".into(), Vec::new()));
+            samples.push(("VS-after-run".into(), Vec::new()));
             samples.push(("R-after-run".into(), Vec::new()));
             samples.push(("R-after-vacuum".into(), Vec::new()));
             samples.push(("C-after-run".into(), Vec::new()));
@@ -523,6 +530,20 @@ async fn bench(
                 );
                 push("V-after-run", verified);
             }
+            if with_rerun && want_statements {
+                let stated = statements_process(&binaries.settlementd, url, month, "run")?;
+                println!(
+                    "rep {rep} ST        {:>8.1} ms: the member statements of the month",
+                    stated.wall_ms
+                );
+                push("ST-after-run", stated);
+                let proved = statements_process(&binaries.settlementd, url, month, "verify")?;
+                println!(
+                    "rep {rep} VS        {:>8.1} ms: verify of the member statements",
+                    proved.wall_ms
+                );
+                push("VS-after-run", proved);
+            }
             if with_rerun && want_rerun {
                 let again = processes(&binaries.settlementd, url, month, 1, batch, true)?;
                 check_noop(&again)?;
@@ -602,8 +623,9 @@ async fn generate(
 ) -> Result<(u64, u64), BoxError> {
     for sql in [
         "DROP TABLE IF EXISTS loans_pristine, loans_definition",
-        "TRUNCATE loans, job_runs, fine_journal, loan_changes, job_params, job_events,
-                  fine_adjustments, fine_corrections",
+        "TRUNCATE loans, job_runs, fine_journal, fine_heads, loan_changes, job_params,
+                  job_events, fine_adjustments, fine_corrections, member_fine_statements,
+                  member_statement_marks, member_moves",
         "CREATE TABLE loans_definition (LIKE loans INCLUDING ALL)",
     ] {
         sqlx::query(sql).execute(&mut *db).await?;
@@ -664,8 +686,10 @@ async fn reset(db: &mut PgConnection, analyzed: bool, pristine: &str) -> Result<
     // Everything a case writes besides the loans: claims, pins, the trail, the journal (back to
     // the earlier months' entries), corrections.
     for sql in [
-        "TRUNCATE job_runs, job_params, job_events, loan_changes, fine_adjustments, fine_corrections",
-        "TRUNCATE fine_journal",
+        "TRUNCATE job_runs, job_params, job_events, loan_changes, fine_adjustments, fine_corrections,
+                  member_fine_statements, member_statement_marks, member_moves",
+        // The heads go with the journal: re-inserting the earlier months' entries makes them anew.
+        "TRUNCATE fine_journal, fine_heads",
         &format!(
             "INSERT INTO fine_journal OVERRIDING SYSTEM VALUE SELECT * FROM {}",
             journal_of(pristine)
@@ -919,13 +943,8 @@ fn processes(
     let t = Instant::now();
     let mut children = Vec::new();
     for shard in 0..shards {
-        let mut cmd = Command::new(binary);
+        let mut cmd = command(binary, url);
         cmd.env("SETTLEMENTD_BENCH_UNJOURNALED", "1");
-        for (key, _) in std::env::vars() {
-            if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
-                cmd.env_remove(key);
-            }
-        }
         cmd.env("SETTLEMENTD__DATABASE__URL", url)
             .env("RUST_LOG", "warn")
             .args(["run", "--json", "--business-date"])
@@ -998,6 +1017,18 @@ fn processes(
 /// Peak RSS of a running process in KiB: its `VmHWM`, polled every millisecond until it exits.
 /// (`ru_maxrss` from `wait4` would not do: Linux carries the pre-exec image, a copy of this
 /// benchmark process, into the child's maximum.)
+/// `binary` on the bench's database, none of this environment's settings passed on.
+fn command(binary: &Path, url: &str) -> Command {
+    let mut cmd = Command::new(binary);
+    for (key, _) in std::env::vars() {
+        if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
+            cmd.env_remove(key);
+        }
+    }
+    cmd.env("SETTLEMENTD__DATABASE__URL", url);
+    cmd
+}
+
 /// `settlementd verify --json` of `month`, timed from spawn to exit; it must find the month right
 /// with `expected` rows settled.
 fn verify_process(
@@ -1006,12 +1037,7 @@ fn verify_process(
     month: BusinessDate,
     expected: u64,
 ) -> Result<Sample, BoxError> {
-    let mut cmd = Command::new(binary);
-    for (key, _) in std::env::vars() {
-        if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
-            cmd.env_remove(key);
-        }
-    }
+    let mut cmd = command(binary, url);
     let t = Instant::now();
     let out = cmd
         .env("SETTLEMENTD__DATABASE__URL", url)
@@ -1040,6 +1066,40 @@ fn verify_process(
     })
 }
 
+/// `settlementd VERB --job member-statements --json` of `month` (`run`, or `verify`, which must
+/// find it right), timed from spawn to exit.
+fn statements_process(
+    binary: &Path,
+    url: &str,
+    month: BusinessDate,
+    verb: &str,
+) -> Result<Sample, BoxError> {
+    let mut cmd = command(binary, url);
+    let t = Instant::now();
+    let out = cmd
+        .env("SETTLEMENTD__DATABASE__URL", url)
+        .args([verb, "--job", settlementd::statements::JOB_NAME, "--json"])
+        .args(["--business-date", &month.to_string()])
+        .stdin(Stdio::null())
+        .output()?;
+    let wall_ms = ms(t.elapsed());
+    let right = verb != "verify"
+        || serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .is_ok_and(|v| v["right"] == true);
+    if !out.status.success() || !right {
+        return Err(format!(
+            "{verb} --job member-statements of {month} failed: {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    Ok(Sample {
+        wall_ms,
+        ..Sample::default()
+    })
+}
+
 /// `settlementd correct --json` of `month` to a rate 10 cents higher than the default (every late
 /// loan's fine changes), under a key of its own; timed from spawn to exit.
 fn correct_process(
@@ -1048,12 +1108,7 @@ fn correct_process(
     month: BusinessDate,
     rep: usize,
 ) -> Result<Sample, BoxError> {
-    let mut cmd = Command::new(binary);
-    for (key, _) in std::env::vars() {
-        if key.starts_with("SETTLEMENTD__") || key == "DATABASE_URL" || key == "RUST_LOG" {
-            cmd.env_remove(key);
-        }
-    }
+    let mut cmd = command(binary, url);
     let rate = FineRule::default().daily_rate_cents + 10;
     let t = Instant::now();
     let out = cmd
@@ -1158,7 +1213,11 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
         "S2" => "settlementd run, 2 shards in parallel (processes)",
         "S3" => "settlementd run, 3 shards in parallel (processes)",
         "R-after-run" => "settlementd run --force of the settled month, right after S1",
-        "V-after-run" => "settlementd verify of the month (read-only), right after S1",
+        "V-after-run" => {
+            "settlementd verify of the month (read-only, each loan's chain), right after S1"
+        }
+        "ST-after-run" => "settlementd run --job member-statements of the month, after V",
+        "VS-after-run" => "settlementd verify --job member-statements of the month, after ST",
         "C-after-run" => "settlementd correct of the month to another rate, after R",
         "S1U" => "settlementd run, 1 shard, built without the money journal (baseline)",
         "J" => "one set-based UPDATE of the month that also journals it",
@@ -1419,7 +1478,7 @@ fn print_summary(all: &[(&str, Vec<Row>)], doubled: Option<&Doubled>) {
 summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; R in ms)"
     );
     println!(
-        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
+        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
         "shape",
         "S1",
         "S2",
@@ -1429,6 +1488,7 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
         "J÷L",
         "S1÷S1U",
         "V÷L",
+        "VS÷L",
         "C÷L",
         "S1 ms",
         "R ms",
@@ -1451,7 +1511,7 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
                 .map(|(v, l)| v.wall_ms / l.wall_ms)
         };
         println!(
-            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
+            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
             shape,
             fmt(ratio(shape, "S1")),
             fmt(ratio(shape, "S2")),
@@ -1461,6 +1521,7 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
             fmt(over("J", "L")),
             fmt(over("S1", "S1U")),
             fmt(over("V-after-run", "L")),
+            fmt(over("VS-after-run", "L")),
             fmt(over("C-after-run", "L")),
             get(shape, "S1").map_or("-".into(), |r| format!("{:.0}", r.wall_ms)),
             get(shape, "R-after-run").map_or("-".into(), |r| format!("{:.1}", r.wall_ms)),

@@ -85,8 +85,9 @@ pub struct RunArgs {
     /// The last month of a range.
     #[arg(long, value_name = "YYYY-MM", requires = "from")]
     pub to: Option<String>,
-    /// With --from/--to: every shard of the shard count, one after the other.
-    #[arg(long, requires = "from", conflicts_with = "shard")]
+    /// Every shard of the shard count, one after the other (of the month, or of each month of
+    /// --from/--to).
+    #[arg(long, conflicts_with = "shard")]
     pub all_shards: bool,
     /// This run's shard index (overrides shard.index).
     #[arg(long, value_name = "N")]
@@ -494,7 +495,22 @@ async fn run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Re
             println!("{}", commands::run::report_line(job.as_ref(), report));
         }
     };
-    if let (Some(from), Some(to)) = (args.from.clone(), args.to.clone()) {
+    // `--all-shards` of one month (`--business-date`, or the default month) is the range of that
+    // month alone.
+    let range = match (args.from.clone(), args.to.clone()) {
+        (Some(from), Some(to)) => Some((from, to)),
+        _ if args.all_shards => {
+            let month = crate::app::business_date_or_default(
+                args.business_date.as_deref(),
+                settings,
+                &crate::clock::SystemClock,
+            )?;
+            let month = month.first_day().format("%Y-%m").to_string();
+            Some((month.clone(), month))
+        }
+        _ => None,
+    };
+    if let Some((from, to)) = range {
         let range = RangeRequest {
             run: request,
             from,

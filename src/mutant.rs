@@ -19,16 +19,20 @@ pub enum Mutant {
     SkipJournal,
     /// A late return is swept under the replica's configured rule, not the month's pin.
     LateUnderConfigRule,
+    /// A re-opened month's member statements recompute none of the members its late journal rows
+    /// touch, and move the mark past them.
+    StatementsReopenSkips,
 }
 
 impl Mutant {
     /// Every planted bug, as `SETTLEMENTD_CAMPAIGN_MUTANT` names them.
-    pub const ALL: [(Mutant, &'static str); 5] = [
+    pub const ALL: [(Mutant, &'static str); 6] = [
         (Mutant::FenceOff, "fence-off"),
         (Mutant::ClaimIgnoresConflict, "claim-ignores-conflict"),
         (Mutant::LeaseLocalClock, "lease-local-clock"),
         (Mutant::SkipJournal, "skip-journal"),
         (Mutant::LateUnderConfigRule, "late-under-config-rule"),
+        (Mutant::StatementsReopenSkips, "statements-reopen-skips"),
     ];
 
     /// The bug `SETTLEMENTD_CAMPAIGN_MUTANT` names (`Ok(None)`: unset).

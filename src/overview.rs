@@ -190,6 +190,8 @@ pub struct Verdict {
 pub struct Waiting {
     pub late: u64,
     pub held: u64,
+    /// Items of the job's upkeep ([`crate::jobs::Pending::upkeep`]).
+    pub upkeep: u64,
 }
 
 impl Overview {
@@ -257,7 +259,9 @@ impl Month {
     /// counted.
     pub fn closed(&self) -> bool {
         self.all_success()
-            && self.unsettled.is_some_and(|u| u.late == 0 && u.held == 0)
+            && self
+                .unsettled
+                .is_some_and(|u| u.late == 0 && u.held == 0 && u.upkeep == 0)
             && self.correction.is_none()
             && self.shards.iter().all(|s| s.conflict.is_none())
     }
@@ -289,6 +293,15 @@ impl Month {
         }
         if self.late_returns() > 0 {
             open.push(format!("{} {}", self.late_returns(), words.waiting));
+        }
+        let upkeep = self.unsettled.map_or(0, |u| u.upkeep);
+        if upkeep > 0 {
+            open.push(format!("{upkeep} {}", words.upkeep));
+            next.push(
+                "every replica's tick gives them their opening entry (`settlementd migrate` does \
+                 it too); until then `status` totals leave them out and `verify` names them"
+                    .to_string(),
+            );
         }
         if self.held() > 0 {
             open.push(format!("{} {}", self.held(), words.held));
@@ -712,6 +725,7 @@ impl Reader {
                         .fold(Waiting::default(), |w, p| Waiting {
                             late: w.late + p.late,
                             held: w.held + p.held,
+                            upkeep: w.upkeep + p.upkeep,
                         }),
                 ),
                 _ => None,
@@ -1131,7 +1145,11 @@ mod tests {
             !all.closed(),
             "not while its unsettled returns are not counted"
         );
-        all.unsettled = Some(Waiting { late: 0, held: 0 });
+        all.unsettled = Some(Waiting {
+            late: 0,
+            held: 0,
+            upkeep: 0,
+        });
         assert!(all.closed());
         let one_missing = month(vec![Some(run(0, "SUCCESS", 1.0)), None]);
         assert!(!one_missing.closed());
@@ -1147,6 +1165,7 @@ mod tests {
     const WORDS: Words = Words {
         waiting: "late returns or edits waiting",
         held: "rows held (bad dates)",
+        upkeep: "settled loans without a journal entry",
         done: "settled",
         runs: "settles",
     };
@@ -1163,7 +1182,11 @@ mod tests {
     #[test]
     fn a_month_with_late_returns_waiting_or_rows_held_is_not_closed_and_says_what_resolves_it() {
         let mut month = month(vec![Some(run(0, "SUCCESS", 1.0))]);
-        let counted = |late, held| Waiting { late, held };
+        let counted = |late, held| Waiting {
+            late,
+            held,
+            upkeep: 0,
+        };
         month.unsettled = Some(counted(2, 0));
         assert!(month.all_success() && !month.closed());
         assert_eq!(month.late_returns(), 2);
@@ -1191,7 +1214,11 @@ mod tests {
     #[test]
     fn what_waits_behind_a_pause_or_a_rule_conflict_is_never_said_to_run_within_a_heartbeat() {
         let mut month = month(vec![Some(run(0, "SUCCESS", 1.0)), None]);
-        month.unsettled = Some(Waiting { late: 1, held: 0 });
+        month.unsettled = Some(Waiting {
+            late: 1,
+            held: 0,
+            upkeep: 0,
+        });
         let paused = month.verdict(WORDS, Some(&a_pause()));
         assert!(!paused.closed);
         let next = paused.next.unwrap();
@@ -1223,7 +1250,11 @@ mod tests {
                     for correcting in [false, true] {
                         for status in ["SUCCESS", "RUNNING", "FAILED"] {
                             let mut m = month(vec![Some(run(0, status, 1.0))]);
-                            m.unsettled = Some(Waiting { late, held });
+                            m.unsettled = Some(Waiting {
+                                late,
+                                held,
+                                upkeep: 0,
+                            });
                             if conflict {
                                 m.shards[0].conflict = Some("other rule".into());
                             }

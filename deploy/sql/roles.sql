@@ -31,6 +31,8 @@
 --                    that runs as its owner)
 --   loan_changes     SELECT, DELETE (libraryd's edits of settled loans, queued by settlementd's
 --                    triggers on loans; a re-pricing deletes what it did)
+--   member_moves     SELECT (settled loans moved to another member, kept by a trigger on loans
+--                    that runs as its owner; the member statements recompute the old members)
 --   _sqlx_migrations, settlementd_migrations SELECT (/readyz compares them with the binary's
 --                    migrations: the first holds those up to 20261205000001, the second the later ones)
 --   settlementd_prune_period(job, date, older_than_days, limit) EXECUTE: retention
@@ -83,7 +85,8 @@ DECLARE
 BEGIN
     FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
                                 'job_params', 'fine_corrections', 'fine_adjustments',
-                                'fine_journal', 'fine_heads', 'loan_changes', 'job_pauses',
+                                'fine_journal', 'fine_heads', 'loan_changes', 'member_moves',
+                                'job_pauses',
                                 'member_fine_statements', 'member_statement_marks',
                                 'replicas', '_sqlx_migrations', 'settlementd_migrations'] LOOP
         IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
@@ -95,6 +98,7 @@ BEGIN
     FOREACH name IN ARRAY ARRAY['settlementd_prune_period(text, date, integer, integer)',
                                 'settlementd_journal_appended()',
                                 'settlementd_loan_renumbered()',
+                                'settlementd_member_moved()',
                                 'settlementd_retention_untouched(text, date, timestamptz, timestamptz)'] LOOP
         IF to_regprocedure(format('public.%s', name)) IS NOT NULL THEN
             EXECUTE format('ALTER FUNCTION public.%s OWNER TO settlementd_migrator', name);
@@ -168,6 +172,7 @@ BEGIN
                               ('fine_journal', 'SELECT, INSERT'),
                               ('fine_heads', 'SELECT'),
                               ('loan_changes', 'SELECT, DELETE'),
+                              ('member_moves', 'SELECT'),
                               ('_sqlx_migrations', 'SELECT'),
                               ('settlementd_migrations', 'SELECT')) AS g(tbl, privileges)
     LOOP

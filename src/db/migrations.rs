@@ -41,6 +41,7 @@ pub const LOANS_MIGRATIONS: &[i64] = &[
     20261201000001,
     20261203000002,
     20261208000002,
+    20261209000002,
 ];
 
 /// The ledger of migrations after [`SQLX_LEDGER_LAST`]. `release` is the version of the binary

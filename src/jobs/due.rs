@@ -241,7 +241,7 @@ pub fn not_closed(
             .by_period
             .iter()
             .filter(|w| w.business_date == date)
-            .map(|w| w.late)
+            .map(|w| w.late + w.upkeep)
             .sum();
         if started.is_none() && waiting == 0 {
             continue;
@@ -289,6 +289,7 @@ mod tests {
             shard,
             late,
             held: 0,
+            upkeep: 0,
         }
     }
 

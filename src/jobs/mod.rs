@@ -225,6 +225,8 @@ pub struct Words {
     pub waiting: &'static str,
     /// Items left for an operator.
     pub held: &'static str,
+    /// Items the job's upkeep does ([`Pending::upkeep`]).
+    pub upkeep: &'static str,
     /// What a period's facts are ("settled"; "so far" is added while it is open).
     pub done: &'static str,
     /// What a run does to its period ("settles").
@@ -265,6 +267,9 @@ pub struct Pending {
     pub late: u64,
     /// Items left as they are for an operator (the fine settlement: held rows, its `held` note).
     pub held: u64,
+    /// Items the job's upkeep does on every replica's tick, outside any run (the fine settlement:
+    /// settled loans without a journal entry, given their opening entry): not closed until done.
+    pub upkeep: u64,
 }
 
 /// What [`Job::pending`] found.
@@ -381,6 +386,7 @@ pub trait Job: Sync {
         Words {
             waiting: "items waiting",
             held: "items held",
+            upkeep: "items of upkeep waiting",
             done: "done",
             runs: "runs",
         }

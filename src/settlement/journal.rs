@@ -499,6 +499,25 @@ pub async fn any_unjournaled(db: &mut PgConnection) -> sqlx::Result<bool> {
     .await
 }
 
+/// Settled loans without a journal entry by (month of their return, shard of `shards`): what the
+/// replicas' upkeep gives an opening entry ([`open_unjournaled`]). Read through
+/// `loans_settled_unjournaled`, empty in steady state.
+pub async fn unjournaled_by_month(
+    db: &mut PgConnection,
+    shards: i64,
+) -> sqlx::Result<Vec<(NaiveDate, i64, i64)>> {
+    sqlx::query_as(
+        "SELECT date_trunc('month', returned_on)::date, ((id % $1 + $1) % $1)::bigint, count(*)
+           FROM loans
+          WHERE fine_settled_at IS NOT NULL AND fine_seq IS NULL
+            AND returned_on IS NOT NULL AND isfinite(returned_on)
+          GROUP BY 1, 2 ORDER BY 1, 2",
+    )
+    .bind(shards)
+    .fetch_all(db)
+    .await
+}
+
 /// How many settled loans have no journal entry yet (an index probe: none, in steady state).
 pub async fn unjournaled(db: &mut PgConnection) -> sqlx::Result<i64> {
     sqlx::query_scalar(

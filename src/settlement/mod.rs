@@ -471,10 +471,21 @@ impl Job for FineSettlement {
                     shard: shard as u32,
                     late: late as u64,
                     held: held as u64,
+                    upkeep: 0,
                 })
             })
             .collect();
-        for (month, shard, loans) in journal::edits_by_month(&mut tx, shards).await? {
+        let edits = journal::edits_by_month(&mut tx, shards).await?;
+        let unjournaled = journal::unjournaled_by_month(&mut tx, shards).await?;
+        let counted = edits
+            .into_iter()
+            .map(|(month, shard, n)| (month, shard, n as u64, 0))
+            .chain(
+                unjournaled
+                    .into_iter()
+                    .map(|(month, shard, n)| (month, shard, 0, n as u64)),
+            );
+        for (month, shard, late, upkeep) in counted {
             let Some(business_date) = BusinessDate::of_month_of(month) else {
                 continue;
             };
@@ -483,12 +494,16 @@ impl Job for FineSettlement {
                 .iter_mut()
                 .find(|p| p.business_date == business_date && i64::from(p.shard) == shard)
             {
-                Some(p) => p.late += loans as u64,
+                Some(p) => {
+                    p.late += late;
+                    p.upkeep += upkeep;
+                }
                 None => by_period.push(Pending {
                     business_date,
                     shard: shard as u32,
-                    late: loans as u64,
+                    late,
                     held: 0,
+                    upkeep,
                 }),
             }
         }
@@ -582,6 +597,7 @@ impl Job for FineSettlement {
         Words {
             waiting: "late returns or edits waiting",
             held: "rows held (bad dates)",
+            upkeep: "settled loans without a journal entry",
             done: "settled",
             runs: "settles",
         }

@@ -1159,3 +1159,20 @@ pub async fn statements_of(pool: &PgPool, month: BusinessDate) -> Vec<(i64, i64,
     .await
     .unwrap()
 }
+
+/// The replica of `job` for the shard of `s`, on a manual clock.
+pub fn replica_of(
+    pool: &PgPool,
+    s: &settlementd::config::Settings,
+    job: &str,
+    clock: &settlementd::clock::ManualClock,
+) -> settlementd::daemon::replica::Replica {
+    let job = settlementd::registry::build(s).get(job).unwrap().clone();
+    settlementd::daemon::replica::Replica::for_job(
+        pool.clone(),
+        s,
+        job,
+        std::sync::Arc::new(clock.clone()),
+        tokio_util::sync::CancellationToken::new(),
+    )
+}

@@ -12,7 +12,7 @@ use chrono::{DateTime, NaiveDate, Utc};
 use settlementd::calendar::BusinessDate;
 use settlementd::clock::ManualClock;
 use settlementd::config::Settings;
-use settlementd::daemon::replica::{Replica, TickOutcome};
+use settlementd::daemon::replica::TickOutcome;
 use settlementd::jobs::registry::Registered;
 use settlementd::jobs::requests::{self, NewRequest, Stored};
 use settlementd::jobs::{JobKey, RunOptions, RunReport};
@@ -164,18 +164,6 @@ async fn statuses(pool: &PgPool, job: &str, month: BusinessDate) -> Vec<String> 
     .fetch_all(pool)
     .await
     .unwrap()
-}
-
-/// The replica of `job` for the shard of `s`, on a manual clock.
-fn replica_of(pool: &PgPool, s: &Settings, job: &str, clock: &ManualClock) -> Replica {
-    let job = settlementd::registry::build(s).get(job).unwrap().clone();
-    Replica::for_job(
-        pool.clone(),
-        s,
-        job,
-        Arc::new(clock.clone()),
-        CancellationToken::new(),
-    )
 }
 
 /// The report of a tick that ran `month` to SUCCESS.

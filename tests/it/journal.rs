@@ -395,6 +395,7 @@ async fn a_late_return_after_a_reshard_is_settled_within_a_tick_under_the_new_sh
         shard: 1,
         late: 1,
         held: 0,
+        upkeep: 0,
     };
     assert!(pending.by_period.contains(&waiting), "{pending:?}");
     let open = due::not_closed(&periods, &pending, 3, &window);
@@ -1774,10 +1775,12 @@ async fn a_loan_deleted_after_its_return_was_undone_leaves_its_month_right() {
     sql(&db.pool, "DELETE FROM loans WHERE id = 3").await;
     assert_verified(&db.url, &[], "2026-10-31");
     assert_journal_whole(&db.pool).await;
-    // A settled loan deleted behind settlementd's back (the edit triggers off) is still broken.
+    // A settled loan deleted behind settlementd's back (its trigger disabled by the table's owner)
+    // is still broken.
     sqlx::raw_sql(
-        "SET session_replication_role = replica; DELETE FROM loans WHERE id = 4;
-         RESET session_replication_role",
+        "ALTER TABLE loans DISABLE TRIGGER settlementd_settled_deleted;
+         DELETE FROM loans WHERE id = 4;
+         ALTER TABLE loans ENABLE ALWAYS TRIGGER settlementd_settled_deleted",
     )
     .execute(&db.pool)
     .await

@@ -329,3 +329,95 @@ async fn an_entry_that_does_not_continue_its_loans_chain_is_named_by_verify() {
     assert_eq!((entries_, breaks), (2, 1));
     assert!(fine > 0);
 }
+
+/// Before, libraryd's edits made under `session_replication_role = replica` (a restore or
+/// replication tool's setting) escaped settlementd's triggers: a settled loan's due date moved
+/// back ten days kept its old fine, and nothing waited. Now every trigger on loans fires ALWAYS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_made_as_a_replication_tool_is_repriced() {
+    let db = test_db().await;
+    october(&db).await;
+    // A fine below the rule's cap, so that ten more days cost more.
+    let (id, fine): (i64, i64) = sqlx::query_as(
+        "SELECT id, fine_cents FROM loans WHERE fine_cents BETWEEN 1 AND 5000 ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    for statement in [
+        "SET LOCAL session_replication_role = replica",
+        "UPDATE loans SET due_on = due_on - 10 WHERE id = $1",
+    ] {
+        sqlx::query(statement)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    settle_and_state(&db.url);
+    let repriced: i64 = sqlx::query_scalar("SELECT fine_cents FROM loans WHERE id = $1")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(repriced > fine, "{fine} c before, {repriced} c after");
+    assert_eq!(
+        entries(&db.pool, id).await,
+        vec![
+            entry(1, "settled", "2026-10-01", 0, fine),
+            entry(2, "repriced", "2026-10-01", fine, repriced),
+        ]
+    );
+    assert_statements_right(&db.url);
+}
+
+/// Before, a settled loan without a journal entry (settled by a release before the journal, or
+/// its `fine_seq` lost) was left out of `status` totals while the month said "closed"; only
+/// `verify` named it. Now the month is not closed until the loan has its opening entry, and says
+/// what gives it one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_loan_without_a_journal_entry_keeps_its_month_open_until_it_has_one() {
+    let db = test_db().await;
+    october(&db).await;
+    // A loan settled as a release before the journal did: its fine, no entry, no seq.
+    sql(
+        &db.pool,
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_cents,
+                            fine_settled_at)
+         VALUES (900001, 1, 1, '2026-09-18', '2026-10-01', '2026-10-21', 1000, now())",
+    )
+    .await;
+    let status = |url: &str| {
+        let out = cli(url, &[], &["status", "--business-date", OCTOBER, "--json"]);
+        assert_eq!(out.status.code(), Some(0), "status: {}", stderr_of(&out));
+        json_of(&out)
+    };
+    let report = status(&db.url);
+    assert_eq!(report["closed"], false, "{report}");
+    let verdict = report["verdict"].as_str().unwrap_or_default();
+    assert!(
+        verdict.contains("1 settled loans without a journal entry"),
+        "{report}"
+    );
+    assert!(
+        report["next"]
+            .as_str()
+            .is_some_and(|n| n.contains("opening entry")),
+        "{report}"
+    );
+
+    // `migrate` gives it its opening entry: closed, and counted.
+    let out = cli(&db.url, &[], &["migrate"]);
+    assert_eq!(out.status.code(), Some(0), "migrate: {}", stderr_of(&out));
+    let report = status(&db.url);
+    assert_eq!(
+        (&report["closed"], &report["verdict"]),
+        (&serde_json::json!(true), &serde_json::json!("closed")),
+        "{report}"
+    );
+    // The opening entry is a journal row of the month: its member's statement follows.
+    statements_cli(&db.url, "run");
+    assert_right(&db, table_totals(&db.pool).await).await;
+}

@@ -378,3 +378,145 @@ async fn the_commit_order_check_reads_only_the_rows_after_the_marks_snapshot() {
     }
     assert!(times[1] < 5.0, "{times:?}");
 }
+
+/// A member's statement of `month`: (fines, cents), None when they have none.
+async fn statement_of(pool: &PgPool, month: BusinessDate, member: i64) -> Option<(i64, i64)> {
+    sqlx::query_as(
+        "SELECT fines, fine_cents::bigint FROM member_fine_statements
+          WHERE business_date = $1 AND member_id = $2",
+    )
+    .bind(month.date())
+    .bind(member)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+/// `settlementd run --job JOB --business-date OCTOBER --all-shards` over two shards, which must
+/// exit 0.
+fn run_two_shards(url: &str, job: &str) {
+    let out = cli(
+        url,
+        &[("SETTLEMENTD__SHARD__COUNT", "2")],
+        &[
+            "run",
+            "--job",
+            job,
+            "--business-date",
+            OCTOBER,
+            "--all-shards",
+            "--json",
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "run {job}: {} {}",
+        String::from_utf8_lossy(&out.stdout),
+        stderr_of(&out)
+    );
+}
+
+/// Before, a settled loan moved to another member (a member merge in libraryd) wrote nothing: the
+/// old member's statement kept its fine and the new member's never had it, for good, and
+/// `verify --job member-statements` said so for ever. Now the move is remembered and queued as an
+/// edit of the loan's month: the settlement re-journals the loan, and the statements recompute the
+/// old member and the new one, on whichever shards they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_loan_moved_to_another_member_moves_its_fine_between_their_statements() {
+    let db = test_db().await;
+    let month = bd(OCTOBER);
+    seed_month_alone(&db.pool, month, 600, 1).await;
+    run_two_shards(&db.url, "fine-settlement");
+    run_two_shards(&db.url, STATEMENTS);
+    assert_stated(&db.pool, &db.url, month).await;
+
+    // One fined loan to another member with a statement (of the other shard when there is one),
+    // and one to a member who has none.
+    let (from, loan) = member_and_loan(&db.pool, month, i64::MAX).await;
+    let to: i64 = sqlx::query_scalar(
+        "SELECT member_id FROM member_fine_statements
+          WHERE business_date = $1 AND member_id <> $2
+          ORDER BY (member_id % 2) = ($2 % 2), member_id LIMIT 1",
+    )
+    .bind(month.date())
+    .bind(from)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let second: i64 = sqlx::query_scalar(
+        "SELECT id FROM loans
+          WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31' AND fine_cents > 0
+            AND member_id NOT IN ($1, $2) ORDER BY id LIMIT 1",
+    )
+    .bind(from)
+    .bind(to)
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let before = (
+        statement_of(&db.pool, month, from).await,
+        statement_of(&db.pool, month, to).await,
+    );
+    let newcomer = 990_001;
+    sql(
+        &db.pool,
+        &format!(
+            "UPDATE loans SET member_id = CASE id WHEN {loan} THEN {to} ELSE {newcomer} END
+              WHERE id IN ({loan}, {second})"
+        ),
+    )
+    .await;
+    let (code, report, _) = verify_job(&db.url, STATEMENTS, OCTOBER);
+    assert_eq!(code, Some(1), "verify names the stale statements: {report}");
+
+    run_two_shards(&db.url, "fine-settlement");
+    run_two_shards(&db.url, STATEMENTS);
+    assert_stated(&db.pool, &db.url, month).await;
+    let after = (
+        statement_of(&db.pool, month, from).await,
+        statement_of(&db.pool, month, to).await,
+    );
+    assert_ne!(before, after, "the moved fine left {from} for {to}");
+    assert!(statement_of(&db.pool, month, newcomer).await.is_some());
+}
+
+/// Before, the statements looked only at the months of the lookback: an edit of an earlier month
+/// was re-priced by the settlement (it takes libraryd's edits of any month) but never reached the
+/// month's statements (fine 500 → 100, statement 500). Now every month a shard has stated is
+/// watched, whatever its age.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_of_a_month_before_the_lookback_reaches_its_statements() {
+    let db = test_db().await;
+    let january = bd("2026-01-31");
+    seed_month_alone(&db.pool, january, 300, 1).await;
+    run_ok(&db.url, &[], "fine-settlement", "2026-01-31");
+    run_ok(&db.url, &[], STATEMENTS, "2026-01-31");
+    let (member, loan) = member_and_loan(&db.pool, january, i64::MAX).await;
+    let stated = statement_of(&db.pool, january, member).await;
+    sql(
+        &db.pool,
+        &format!("UPDATE loans SET due_on = returned_on WHERE id = {loan}"),
+    )
+    .await;
+
+    // Replicas in June looking back one month (May): January is before it.
+    let clock = settlementd::clock::ManualClock::new(shanghai(2026, 6, 1, 4, 0, 1));
+    let s = settings(&[("SETTLE__LOOKBACK_MONTHS", "1")]);
+    let mut fines = replica_of(&db.pool, &s, "fine-settlement", &clock);
+    let mut statements = replica_of(&db.pool, &s, STATEMENTS, &clock);
+    for _ in 0..3 {
+        fines.tick().await;
+    }
+    let fine: i64 = sqlx::query_scalar("SELECT fine_cents FROM loans WHERE id = $1")
+        .bind(loan)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(fine, 0, "the settlement re-priced January's edit");
+    for _ in 0..3 {
+        statements.tick().await;
+    }
+    assert_stated(&db.pool, &db.url, january).await;
+    assert_ne!(statement_of(&db.pool, january, member).await, stated);
+}

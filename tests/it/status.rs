@@ -977,3 +977,56 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
         "across months, newest first"
     );
 }
+
+/// Before, a RUNNING claim whose lease had expired said "a replica of this shard may take it over"
+/// whether or not one was alive: a frozen shard with no replica left looked as if it would heal by
+/// itself. Now the cell says who takes it over: a live replica of the shard, or nobody until one
+/// starts (and what to run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_says_whether_a_live_replica_of_its_shard_will_take_it_over() {
+    let db = test_db().await;
+    let pool = &db.pool;
+    let month = BusinessDate::month_before(chrono::Utc::now().date_naive());
+    seed_month(pool, month, 300, 1).await;
+    claim_with_one_batch(pool, month, 3, 1, &owner(1), 20).await;
+    sqlx::query("UPDATE job_runs SET heartbeat_at = now() - interval '10 minutes'")
+        .execute(pool)
+        .await
+        .unwrap();
+    let replica = Replica::start(
+        pool,
+        &[
+            ("SETTLEMENTD__SHARD__COUNT", "3"),
+            ("SETTLEMENTD__SHARD__INDEX", "0"),
+        ],
+        Utc::now(),
+    )
+    .await;
+    let page = || async {
+        let html = replica
+            .page(&format!("/status?business_date={month}&shards=3"))
+            .await;
+        text_of(&html, &format!("cell-{month}-1"))
+    };
+    let cell = page().await;
+    assert!(
+        cell.contains("lease expired: no live replica runs this shard: start one"),
+        "{cell}"
+    );
+
+    // A replica of shard 1 reports in: it is the one that takes the claim over.
+    sqlx::query(
+        "INSERT INTO replicas (owner, version, commit, jobs, shards, shard, started_at, seen_at,
+                               ready)
+         VALUES ('replica-1', '0.2.0', 'abc', ARRAY['fine-settlement'], 3, 1, now(), now(), true)",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+    let cell = page().await;
+    assert!(
+        cell.contains("lease expired: a live replica of this shard takes it over"),
+        "{cell}"
+    );
+    replica.stop().await;
+}

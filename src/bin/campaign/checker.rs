@@ -23,6 +23,9 @@
 //!   none with old = new;
 //! - `fines`: every returned loan of the months that the rule can price settled at the fine its
 //!   month's pinned rule gives its final dates; held rows and loans still out unsettled;
+//! - `statements`: every member's statement of each month (`member_fine_statements`) is what the
+//!   loans say: the member's settled loans returned in the month with a fine above 0, how many
+//!   and their sum; no statement for a member without one;
 //! - `requests`: every request answered, every answer to one key the same, stored once, each
 //!   targeted shard served (one new attempt at most) and not left open;
 //! - `verify`: `settlementd verify` right for every month;
@@ -85,6 +88,7 @@ impl Day {
 #[derive(Debug, Clone)]
 pub struct Loan {
     pub id: i64,
+    pub member: i64,
     pub due: Day,
     pub returned: Day,
     pub fine: i64,
@@ -266,6 +270,8 @@ pub struct Facts {
     pub pauses: Vec<Paused>,
     /// Jobs still paused at the end.
     pub paused_left: Vec<String>,
+    /// The member statements: (month end, member) → (fines, cents).
+    pub statements: BTreeMap<(NaiveDate, i64), (i64, i64)>,
 }
 
 /// The fine a rule gives a loan due on `due` and returned on `returned`, computed here: days late
@@ -302,18 +308,27 @@ pub async fn read(
         final_shards,
         ..Facts::default()
     };
-    type LoanRow = (i64, Option<String>, Option<String>, i64, bool, Option<i32>);
+    type LoanRow = (
+        i64,
+        i64,
+        Option<String>,
+        Option<String>,
+        i64,
+        bool,
+        Option<i32>,
+    );
     let loans: Vec<LoanRow> = sqlx::query_as(
-        "SELECT id, due_on::text, returned_on::text, fine_cents::bigint, fine_settled_at IS NOT NULL,
-                fine_seq FROM loans",
+        "SELECT id, member_id, due_on::text, returned_on::text, fine_cents::bigint,
+                fine_settled_at IS NOT NULL, fine_seq FROM loans",
     )
     .fetch_all(&mut *conn)
     .await?;
-    for (id, due, ret, fine, settled, seq) in loans {
+    for (id, member, due, ret, fine, settled, seq) in loans {
         facts.loans.insert(
             id,
             Loan {
                 id,
+                member,
                 due: Day::parse(due.as_deref()),
                 returned: Day::parse(ret.as_deref()),
                 fine,
@@ -470,6 +485,16 @@ pub async fn read(
     facts.paused_left = sqlx::query_scalar("SELECT job_name FROM job_pauses ORDER BY job_name")
         .fetch_all(&mut *conn)
         .await?;
+    let statements: Vec<(NaiveDate, i64, i64, i64)> = sqlx::query_as(
+        "SELECT business_date, member_id, fines::bigint, fine_cents::bigint
+           FROM member_fine_statements",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    facts.statements = statements
+        .into_iter()
+        .map(|(month, member, fines, cents)| ((month, member), (fines, cents)))
+        .collect();
     let finals: Vec<(String, NaiveDate, i32, i32, String, i32)> = sqlx::query_as(
         "SELECT job_name, business_date, shards, shard, status, attempt FROM job_runs",
     )
@@ -622,6 +647,7 @@ pub fn check(facts: &Facts) -> Vec<Violation> {
     check_transitions(facts, &mut out);
     check_journal(facts, &mut out);
     check_fines(facts, &mut out);
+    check_statements(facts, &mut out);
     check_request_shards(facts, &mut out);
     check_pauses(facts, &mut out);
     out
@@ -1287,6 +1313,48 @@ fn check_fines(f: &Facts, out: &mut Vec<Violation>) {
     }
 }
 
+/// Each month's member statements against the loans: per member, the settled loans returned in
+/// the month with a fine above 0 (how many, their sum); a member without one has no statement.
+fn check_statements(f: &Facts, out: &mut Vec<Violation>) {
+    let months: BTreeSet<NaiveDate> = f.months.iter().copied().collect();
+    let mut expected: BTreeMap<(NaiveDate, i64), (i64, i64)> = BTreeMap::new();
+    for l in f.loans.values() {
+        if let Day::On(ret) = l.returned {
+            if l.settled && l.fine > 0 && months.contains(&first_of(ret)) {
+                let s = expected
+                    .entry((month_end(first_of(ret)), l.member))
+                    .or_default();
+                s.0 += 1;
+                s.1 += l.fine;
+            }
+        }
+    }
+    let keys: BTreeSet<&(NaiveDate, i64)> = expected.keys().chain(f.statements.keys()).collect();
+    let wrong: Vec<String> = keys
+        .into_iter()
+        .filter(|k| expected.get(*k) != f.statements.get(*k))
+        .map(|(month, member)| {
+            let show = |s: Option<&(i64, i64)>| {
+                s.map_or("none".to_string(), |(n, c)| format!("{n} fines, {c} cents"))
+            };
+            format!(
+                "member {member} in {month}: the statement says {}, the loans {}",
+                show(f.statements.get(&(*month, *member))),
+                show(expected.get(&(*month, *member)))
+            )
+        })
+        .collect();
+    for w in wrong.iter().take(10) {
+        out.push(violation("statements", w.clone()));
+    }
+    if wrong.len() > 10 {
+        out.push(violation(
+            "statements",
+            format!("… {} members' statements wrong in all", wrong.len()),
+        ));
+    }
+}
+
 /// Seconds from `a` to `b`.
 fn secs(a: DateTime<Utc>, b: DateTime<Utc>) -> f64 {
     (b - a).num_milliseconds() as f64 / 1000.0
@@ -1608,6 +1676,7 @@ mod tests {
             1,
             Loan {
                 id: 1,
+                member: 7,
                 due: Day::On(day(2026, 10, 10)),
                 returned: Day::On(day(2026, 10, 13)),
                 fine: 100,
@@ -1619,6 +1688,7 @@ mod tests {
             2,
             Loan {
                 id: 2,
+                member: 8,
                 due: Day::None,
                 returned: Day::On(day(2026, 10, 13)),
                 fine: 0,
@@ -1630,6 +1700,7 @@ mod tests {
             3,
             Loan {
                 id: 3,
+                member: 9,
                 due: Day::On(day(2026, 10, 20)),
                 returned: Day::None,
                 fine: 0,
@@ -1719,6 +1790,7 @@ mod tests {
             ],
             runs: vec![(key.clone(), "SUCCESS".into(), 1)],
             pins,
+            statements: BTreeMap::from([((day(2026, 10, 31), 7), (1, 100))]),
             events: vec![
                 Event {
                     key: key.clone(),
@@ -1763,6 +1835,26 @@ mod tests {
     #[test]
     fn a_tiny_settled_world_passes() {
         assert_eq!(check(&tiny()), vec![]);
+    }
+
+    #[test]
+    fn a_stale_or_missing_member_statement_is_caught() {
+        let mut f = tiny();
+        f.statements.insert((day(2026, 10, 31), 7), (1, 50));
+        assert_caught(
+            &f,
+            "statements",
+            "member 7 in 2026-10-31: the statement says 1 fines, 50",
+        );
+        f.statements.clear();
+        assert_caught(
+            &f,
+            "statements",
+            "the statement says none, the loans 1 fines, 100 cents",
+        );
+        let mut f = tiny();
+        f.statements.insert((day(2026, 10, 31), 8), (1, 10));
+        assert_caught(&f, "statements", "member 8");
     }
 
     #[test]

@@ -906,7 +906,8 @@ async fn wait_all_exit(world: &World, within: Duration) {
 }
 
 /// What is still open, in one line; `None` when the world is at rest: every month SUCCESS on every
-/// shard of the count, no return of the months unsettled that the rule can price, no edit queued,
+/// shard of the count (the settlement's, and the member statements' with no journal row after
+/// their mark), no return of the months unsettled that the rule can price, no edit queued,
 /// no claim RUNNING, no correction unfinished, no request shard unserved
 /// ([`crate::checker::request_shard_at_rest`]), no job paused. Requests of every shard count: the
 /// replicas serve those accepted before a reshard too (seed 1009), and one whose claim was just
@@ -915,9 +916,9 @@ async fn wait_all_exit(world: &World, within: Duration) {
 async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
     let mut conn = world.connect("campaign").await?;
     let ends: Vec<chrono::NaiveDate> = world.plan.months.iter().map(|m| month_end(*m)).collect();
-    type Open = (i64, i64, i64, i64, i64, i64);
-    let (missing, unsettled, edits, running, corrections, paused): Open =
-        sqlx::query_as(
+    type Open = (i64, i64, i64, i64, i64, i64, i64);
+    let (missing, unsettled, edits, running, corrections, paused, unstated): Open =
+        sqlx::query_as(&format!(
             "SELECT
                  (SELECT count(*) FROM unnest($1::date[]) d, generate_series(0, $2 - 1) s
                    WHERE NOT EXISTS (SELECT 1 FROM job_runs r
@@ -929,8 +930,21 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
                  (SELECT count(*) FROM loan_changes),
                  (SELECT count(*) FROM job_runs WHERE status = 'RUNNING'),
                  (SELECT count(*) FROM fine_corrections WHERE completed_at IS NULL),
-                 (SELECT count(*) FROM job_pauses)",
-        )
+                 (SELECT count(*) FROM job_pauses),
+                 -- The member statements: each month and shard SUCCESS, with no journal row after
+                 -- its mark.
+                 (SELECT count(*) FROM unnest($1::date[]) AS d(day)
+                   CROSS JOIN generate_series(0, $2 - 1) AS s(shard)
+                    LEFT JOIN member_statement_marks k
+                      ON k.business_date = d.day AND k.shards = $2 AND k.shard = s.shard
+                   WHERE NOT EXISTS (SELECT 1 FROM job_runs r
+                                      WHERE r.job_name = '{statements}' AND r.business_date = d.day
+                                        AND r.shards = $2 AND r.shard = s.shard
+                                        AND r.status = 'SUCCESS')
+                      OR {late} > 0)",
+            statements = settlementd::statements::JOB_NAME,
+            late = settlementd::statements::late_rows("date_trunc('month', d.day)::date"),
+        ))
         .bind(&ends)
         .bind(shards as i32)
         .bind(world.plan.months[0])
@@ -946,12 +960,13 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
         .filter(|(state, detail)| !crate::checker::request_shard_at_rest(state, detail.as_deref()))
         .count();
     let _ = sqlx::Connection::close(conn).await;
-    if missing + unsettled + edits + running + corrections + paused == 0 && requests == 0 {
+    if missing + unsettled + edits + running + corrections + paused + unstated == 0 && requests == 0
+    {
         return Ok(None);
     }
     Ok(Some(format!(
         "{missing} month-shards not SUCCESS, {unsettled} returns unsettled, {edits} edits queued, \
          {running} claims RUNNING, {corrections} corrections unfinished, {requests} requests \
-         unserved, {paused} jobs paused"
+         unserved, {paused} jobs paused, {unstated} month-shards of statements not up to date"
     )))
 }

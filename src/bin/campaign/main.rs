@@ -44,14 +44,14 @@ struct Args {
     #[arg(long, value_name = "PATH")]
     settlementd: Option<PathBuf>,
     /// The planted bug to switch on (`fence-off`, `claim-ignores-conflict`, `lease-local-clock`,
-    /// `skip-journal`, `late-under-config-rule`), in a settlementd built with `--features
+    /// `skip-journal`, `late-under-config-rule`, `statements-reopen-skips`), in a settlementd built with `--features
     /// campaign-mutants` (given with --settlementd).
     #[arg(long, value_name = "NAME", value_parser = mutant_name)]
     mutant: Option<String>,
     /// Play every schedule even after a violation.
     #[arg(long)]
     keep_going: bool,
-    /// After one clean schedule, corrupt its database six ways and show each caught.
+    /// After one clean schedule, corrupt its database seven ways and show each caught.
     #[arg(long)]
     self_test: bool,
     /// Where logs of failing schedules are kept (default: a directory under the temp dir).

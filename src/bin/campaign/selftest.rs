@@ -1,5 +1,5 @@
 //! `--self-test`: the checker shown to catch what it claims to. A finished campaign's database is
-//! cloned seven times: one clone is left as it is and must pass; each of the others is corrupted in
+//! cloned eight times: one clone is left as it is and must pass; each of the others is corrupted in
 //! one way and must fail the check named for it.
 
 use crate::checker::{self, Violation};
@@ -93,6 +93,17 @@ const CORRUPTIONS: &[Corruption] = &[
              UPDATE job_runs SET status = 'SUCCESS' WHERE owner = 'self-test';
              COMMIT",
             "DELETE FROM job_pauses WHERE job_name = 'fine-settlement'",
+        ],
+    },
+    Corruption {
+        name: "a member statement left stale",
+        caught_by: "statements",
+        who: "settlementd",
+        sql: &[
+            "UPDATE member_fine_statements SET fine_cents = fine_cents + 5
+               WHERE (business_date, member_id) =
+                     (SELECT business_date, member_id FROM member_fine_statements
+                       ORDER BY business_date, member_id LIMIT 1)",
         ],
     },
 ];

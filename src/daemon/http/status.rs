@@ -26,7 +26,7 @@ use axum::response::{IntoResponse, Response};
 use chrono::{DateTime, TimeZone, Utc};
 use chrono_tz::Tz;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// The most shards a page may show (the runs API's bound: a guard against typos like 30000).
 pub const MAX_SHARDS: u32 = super::runs::MAX_SHARDS;
@@ -255,7 +255,9 @@ fn render(
                     }
                 }
                 (fleet_section(fleet, replica.heartbeat_secs))
-                @for view in views { (job_section(view)) }
+                @for view in views {
+                    (job_section(view, takers(fleet, view, replica.heartbeat_secs)))
+                }
                 footer.note {
                     p {
                         "Read-only. A month is closed when every shard of the count is SUCCESS, nothing waits to be run in it and no correction holds it; "
@@ -332,13 +334,28 @@ fn fleet_section(fleet: Option<&[Member]>, heartbeat_secs: u64) -> Markup {
 }
 
 /// One job: what its replicas watch, its schedule, its months, its history.
-fn job_section(view: &Overview) -> Markup {
+/// The shards of `view`'s count that a live replica of the fleet runs `view`'s job for (reported
+/// within three heartbeats): those that would take over an expired lease. `None`: the fleet is
+/// not known.
+fn takers(fleet: Option<&[Member]>, view: &Overview, heartbeat_secs: u64) -> Option<BTreeSet<u32>> {
+    let live_within = 3.0 * heartbeat_secs as f64;
+    fleet.map(|fleet| {
+        fleet
+            .iter()
+            .filter(|m| m.is_live(live_within) && m.shards == view.shards as i32)
+            .filter(|m| m.jobs.iter().any(|j| j == view.job))
+            .filter_map(|m| u32::try_from(m.shard).ok())
+            .collect()
+    })
+}
+
+fn job_section(view: &Overview, takers: Option<BTreeSet<u32>>) -> Markup {
     html! {
         section.job #(view.job) {
             h2 { "Job " code { (view.job) } }
             (watch(view))
             (schedule(view))
-            (months(view))
+            (months(view, takers.as_ref()))
             (history(view))
         }
     }
@@ -414,7 +431,7 @@ fn schedule(view: &Overview) -> Markup {
     }
 }
 
-fn months(view: &Overview) -> Markup {
+fn months(view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
     let detail = matches!(view.scope, Scope::Month(_));
     html! {
         div.months #{ (view.job) "-months" } {
@@ -441,7 +458,7 @@ fn months(view: &Overview) -> Markup {
                             }
                         }
                         tbody {
-                            @for month in &view.months { (month_row(month, view, detail)) }
+                            @for month in &view.months { (month_row(month, view, detail, takers)) }
                         }
                     }
                 }
@@ -450,7 +467,12 @@ fn months(view: &Overview) -> Markup {
     }
 }
 
-fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
+fn month_row(
+    month: &Month,
+    view: &Overview,
+    detail: bool,
+    takers: Option<&BTreeSet<u32>>,
+) -> Markup {
     let date = month.business_date;
     let job = view.job;
     html! {
@@ -464,7 +486,9 @@ fn month_row(month: &Month, view: &Overview, detail: bool) -> Markup {
                     None => "none pinned yet",
                 }
             }
-            @for shard in &month.shards { (cell(job, date, shard, view.lease_ttl_secs, detail)) }
+            @for shard in &month.shards {
+                (cell(job, date, shard, view.lease_ttl_secs, detail, takers))
+            }
         }
     }
 }
@@ -520,8 +544,24 @@ fn totals(totals: &Totals, words: crate::jobs::Words, detail: bool) -> Markup {
     }
 }
 
-fn cell(job: &str, date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail: bool) -> Markup {
+/// A month's shard: its claim, and what happens next. An expired lease says who takes it over: a
+/// live replica of the shard (`takers`), or nobody until one starts.
+fn cell(
+    job: &str,
+    date: chrono::NaiveDate,
+    shard: &Shard,
+    ttl_secs: u64,
+    detail: bool,
+    takers: Option<&BTreeSet<u32>>,
+) -> Markup {
     let state = shard.state();
+    let taken_over = match takers {
+        Some(t) if !t.contains(&shard.index) => {
+            "no live replica runs this shard: start one, or `settlementd run --wait` of the month and shard takes it over"
+        }
+        Some(_) => "a live replica of this shard takes it over within a heartbeat",
+        None => "a replica of this shard may take it over",
+    };
     let class = format!("cell s-{}", state.word().to_ascii_lowercase());
     html! {
         td class=(class) #{ (job) "-cell-" (date) "-" (shard.index) } data-status=(state.word()) {
@@ -534,7 +574,7 @@ fn cell(job: &str, date: chrono::NaiveDate, shard: &Shard, ttl_secs: u64, detail
                     div.small {
                         "heartbeat " (age(run.heartbeat_age_secs)) " ago"
                         @if shard.lease_expired(ttl_secs) {
-                            " · " strong { "lease expired" } ": a replica of this shard may take it over"
+                            " · " strong { "lease expired" } ": " (taken_over)
                         }
                     }
                     div.small { "release " (run.version.as_deref().unwrap_or("before 0.2.0")) }
