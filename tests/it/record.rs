@@ -96,6 +96,19 @@ fn assert_names_only(url: &str, check: &str, id: i64) {
     );
 }
 
+/// `statements`, each bound to the loan `id`, in one transaction.
+async fn in_one_transaction(pool: &PgPool, id: i64, statements: &[&str]) {
+    let mut tx = pool.begin().await.unwrap();
+    for statement in statements {
+        sqlx::query(statement)
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
 /// The fined loan with the lowest id: (id, fine).
 async fn first_fined(pool: &PgPool) -> (i64, i64) {
     sqlx::query_as("SELECT id, fine_cents FROM loans WHERE fine_cents > 0 ORDER BY id LIMIT 1")
@@ -232,21 +245,18 @@ async fn a_loan_deleted_and_recreated_under_its_id_is_counted_once() {
     let db = test_db().await;
     let (totals, stated) = october(&db).await;
     let (id, fine) = first_fined(&db.pool).await;
-    let mut tx = db.pool.begin().await.unwrap();
-    for statement in [
-        "CREATE TEMP TABLE kept ON COMMIT DROP AS
+    in_one_transaction(
+        &db.pool,
+        id,
+        &[
+            "CREATE TEMP TABLE kept ON COMMIT DROP AS
          SELECT id, member_id, book_id, borrowed_on, due_on, returned_on FROM loans WHERE id = $1",
-        "DELETE FROM loans WHERE id = $1",
-        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+            "DELETE FROM loans WHERE id = $1",
+            "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
          SELECT * FROM kept WHERE id = $1",
-    ] {
-        sqlx::query(statement)
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-    }
-    tx.commit().await.unwrap();
+        ],
+    )
+    .await;
     settle_and_state(&db.url);
     assert_eq!(status_totals(&db.url), totals);
     assert_eq!(table_totals(&db.pool).await, totals);
@@ -344,18 +354,15 @@ async fn an_edit_made_as_a_replication_tool_is_repriced() {
     .fetch_one(&db.pool)
     .await
     .unwrap();
-    let mut tx = db.pool.begin().await.unwrap();
-    for statement in [
-        "SET LOCAL session_replication_role = replica",
-        "UPDATE loans SET due_on = due_on - 10 WHERE id = $1",
-    ] {
-        sqlx::query(statement)
-            .bind(id)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-    }
-    tx.commit().await.unwrap();
+    in_one_transaction(
+        &db.pool,
+        id,
+        &[
+            "SET LOCAL session_replication_role = replica",
+            "UPDATE loans SET due_on = due_on - 10 WHERE id = $1",
+        ],
+    )
+    .await;
     settle_and_state(&db.url);
     let repriced: i64 = sqlx::query_scalar("SELECT fine_cents FROM loans WHERE id = $1")
         .bind(id)
