@@ -130,6 +130,8 @@ impl Scope {
 pub struct Overview {
     /// The job's name.
     pub job: &'static str,
+    /// The job whose months this one follows ([`crate::jobs::Job::after`]).
+    pub after: Option<&'static str>,
     /// What the job calls its items.
     pub words: Words,
     pub scope: Scope,
@@ -172,7 +174,50 @@ pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
     if let Some(key) = &n.correction {
         parts.push(format!("being corrected under key {key:?}"));
     }
+    if let Some(upstream) = n.upstream {
+        parts.push(format!("{upstream} has not closed it"));
+    }
     parts.join(", ")
+}
+
+/// Marks, in each view of a job that follows another ([`Overview::after`]), the months of the
+/// lookback that the job it follows has not closed: a follower's month is not closed before its
+/// input is, even when the follower has nothing waiting (a fresh database, say). `views` holds
+/// one view per job, read at the same time; a follower whose upstream is not among them is left
+/// as it is.
+pub fn follow_upstreams(views: &mut [Overview]) {
+    let open: HashMap<&'static str, Vec<NaiveDate>> = views
+        .iter()
+        .filter_map(|v| {
+            let watch = v.watch.as_ref()?;
+            Some((
+                v.job,
+                watch.not_closed.iter().map(|n| n.business_date).collect(),
+            ))
+        })
+        .collect();
+    for view in views.iter_mut() {
+        let (Some(upstream), Some(watch)) = (view.after, view.watch.as_mut()) else {
+            continue;
+        };
+        for &date in open.get(upstream).into_iter().flatten() {
+            match watch
+                .not_closed
+                .iter_mut()
+                .find(|n| n.business_date == date)
+            {
+                Some(n) => n.upstream = Some(upstream),
+                None => watch.not_closed.push(NotClosed {
+                    business_date: date,
+                    unsettled_shards: 0,
+                    waiting: 0,
+                    correction: None,
+                    upstream: Some(upstream),
+                }),
+            }
+        }
+        watch.not_closed.sort_by_key(|n| n.business_date);
+    }
 }
 
 /// A month's verdict ([`Month::verdict`]).
@@ -768,6 +813,7 @@ impl Reader {
         tx.rollback().await?;
         Ok(Overview {
             job: name,
+            after: job.after(),
             words: job.words(),
             scope,
             shards,
@@ -1168,6 +1214,7 @@ mod tests {
         upkeep: "settled loans without a journal entry",
         done: "settled",
         runs: "settles",
+        pinned: Some("rule"),
     };
 
     fn a_pause() -> Pause {

@@ -220,6 +220,7 @@ impl Job for MemberStatements {
             upkeep: "items of upkeep waiting",
             done: "statements",
             runs: "states",
+            pinned: None,
         }
     }
 

@@ -307,8 +307,12 @@ pub fn report_line(job: &dyn Registered, report: &RunReport) -> String {
                 .filter(|(_, noted)| noted.count > 0)
                 .map(|(name, noted)| format!("; {}", job.explain(name, noted)))
                 .collect();
+            let pinned = match job.words().pinned {
+                Some(word) => format!("; {word}: {}", job.describe(&report.params)),
+                None => String::new(),
+            };
             format!(
-                "{head}: SUCCESS attempt {}{}: scanned {}, updated {}{notes} in {ms} ms; rule: {}",
+                "{head}: SUCCESS attempt {}{}: scanned {}, updated {}{notes} in {ms} ms{pinned}",
                 report.attempt.unwrap_or_default(),
                 if report.late > 0 {
                     format!(" (for {} late items)", report.late)
@@ -319,7 +323,6 @@ pub fn report_line(job: &dyn Registered, report: &RunReport) -> String {
                 },
                 report.scanned,
                 report.updated,
-                job.describe(&report.params)
             )
         }
     }

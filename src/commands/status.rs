@@ -192,10 +192,12 @@ impl MonthStatus {
         if let Some(next) = self.verdict().next {
             let _ = writeln!(out, "next: {next}");
         }
-        let _ = match &self.month.rule_text {
-            Some(rule) => writeln!(out, "rule: {rule}"),
-            None => writeln!(out, "rule: none pinned yet (no claim of the month)"),
-        };
+        if let Some(pinned) = self.words.pinned {
+            let _ = match &self.month.rule_text {
+                Some(rule) => writeln!(out, "{pinned}: {rule}"),
+                None => writeln!(out, "{pinned}: none pinned yet (no claim of the month)"),
+            };
+        }
         if self.month.held() > 0 {
             let _ = writeln!(
                 out,

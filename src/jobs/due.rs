@@ -224,6 +224,9 @@ pub struct NotClosed {
     pub waiting: u64,
     /// The correction holding it.
     pub correction: Option<String>,
+    /// The job this one follows ([`super::Job::after`]), when its month is not closed either:
+    /// whatever this job did of the month is done again once that one closes.
+    pub upstream: Option<&'static str>,
 }
 
 /// The periods of the window that are not closed under `shards`: started, or with items waiting,
@@ -255,6 +258,7 @@ pub fn not_closed(
                 unsettled_shards,
                 waiting,
                 correction,
+                upstream: None,
             });
         }
     }

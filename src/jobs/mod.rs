@@ -231,6 +231,10 @@ pub struct Words {
     pub done: &'static str,
     /// What a run does to its period ("settles").
     pub runs: &'static str,
+    /// What the parameters a first claim pins are called in `status`, `run` and on the page
+    /// ("rule"); `None` for a job whose parameters decide nothing an operator reads (they are
+    /// still pinned and compared, and in the JSON): no such line or column is shown.
+    pub pinned: Option<&'static str>,
 }
 
 /// A fact a job reports about one period, for `status` and the status page (the fine settlement:
@@ -389,6 +393,7 @@ pub trait Job: Sync {
             upkeep: "items of upkeep waiting",
             done: "done",
             runs: "runs",
+            pinned: None,
         }
     }
 

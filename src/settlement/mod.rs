@@ -600,6 +600,7 @@ impl Job for FineSettlement {
             upkeep: "settled loans without a journal entry",
             done: "settled",
             runs: "settles",
+            pinned: Some("rule"),
         }
     }
 

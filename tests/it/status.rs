@@ -1030,3 +1030,34 @@ async fn an_expired_lease_says_whether_a_live_replica_of_its_shard_will_take_it_
     );
     replica.stop().await;
 }
+
+/// A job that follows another is not closed before its input is: on a database whose returns are
+/// not settled yet, the member statements have nothing waiting of their own, yet their months
+/// are not closed while the settlement's are not. And a job without a rule shows no rule column.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_following_jobs_months_are_not_closed_while_the_job_it_follows_has_not_closed_them() {
+    let db = test_db().await;
+    let pool = &db.pool;
+    let month = BusinessDate::month_before(chrono::Utc::now().date_naive());
+    seed_month(pool, month, 50, 1).await;
+    let replica = Replica::start(pool, &[], Utc::now()).await;
+    let html = replica.page("/status").await;
+    let section = |job: &str| {
+        let at = html
+            .find(&format!("id=\"{job}-not-closed\""))
+            .unwrap_or_else(|| panic!("no #{job}-not-closed in the page:\n{html}"));
+        let end = at + html[at..].find("</p>").unwrap();
+        html[at..end].to_string()
+    };
+    let settlement = section("fine-settlement");
+    assert!(settlement.contains("not closed"), "{settlement}");
+    let statements = section("member-statements");
+    assert!(
+        statements.contains("not closed")
+            && statements.contains("fine-settlement has not closed it"),
+        "{statements}"
+    );
+    assert!(!statements.contains("is closed"), "{statements}");
+    assert!(!html.contains("id=\"member-statements-rule-"), "{html}");
+    replica.stop().await;
+}

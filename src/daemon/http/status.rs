@@ -140,6 +140,7 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
                     .await?,
             );
         }
+        crate::overview::follow_upstreams(&mut views);
         Ok::<_, crate::overview::OverviewError>(views)
     }
     .await;
@@ -453,7 +454,8 @@ fn months(view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
                     table.grid {
                         thead {
                             tr {
-                                th { "Month" } th { "Closed" } th { "Totals" } th { "Parameters (pinned)" }
+                                th { "Month" } th { "Closed" } th { "Totals" }
+                                @if let Some(pinned) = view.words.pinned { th { (pinned) " (pinned)" } }
                                 @for shard in 0..view.shards { th { "shard " (shard) } }
                             }
                         }
@@ -480,10 +482,12 @@ fn month_row(
             th { a href=(month_link_date(date, view.shards)) { (date) } }
             td.verdict #{ (job) "-verdict-" (date) } { (verdict(month, view)) }
             td.totals #{ (job) "-totals-" (date) } { (totals(&month.totals, view.words, detail)) }
-            td.rule.small #{ (job) "-rule-" (date) } {
-                @match &month.rule_text {
-                    Some(rule) => (rule),
-                    None => "none pinned yet",
+            @if view.words.pinned.is_some() {
+                td.rule.small #{ (job) "-rule-" (date) } {
+                    @match &month.rule_text {
+                        Some(rule) => (rule),
+                        None => "none pinned yet",
+                    }
                 }
             }
             @for shard in &month.shards {
