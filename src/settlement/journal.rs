@@ -528,8 +528,12 @@ pub async fn unjournaled(db: &mut PgConnection) -> sqlx::Result<i64> {
 }
 
 /// A month's settled loans as the journal and the loans say together: the loans whose last entry
-/// prices them in the month, settled and still returned in it — their count, fine sum and digest
-/// (`md5` of `id:fine_cents` in id order, as [`super::month_totals`] computes it over the table).
+/// prices them in the month, settled and still returned in it — their count, and the sum and
+/// digest of the fines *on the record* (the last entries' `after_cents`; `md5` of `id:fine` in id
+/// order, as [`super::month_totals`] computes it over the table, equal to it while the two agree).
+/// A fine edited by hand in `loans` changes neither: what settlementd settled is what status
+/// says, and `verify` names the loan whose fine the record does not hold. So a closed month's
+/// totals, kept by the status page, cannot drift from what `status` reads afresh.
 /// Reads the month's journal rows and each loan by primary key (the plan is pinned to nested
 /// loops for the rest of the transaction), so it costs what the month holds.
 pub async fn totals(
@@ -544,8 +548,8 @@ pub async fn totals(
     .execute(&mut *db)
     .await?;
     let (settled_rows, sum, digest): (i64, String, String) = sqlx::query_as(
-        "SELECT count(*), COALESCE(sum(l.fine_cents), 0)::text,
-                md5(COALESCE(string_agg(l.id::text || ':' || l.fine_cents::text, ',' ORDER BY l.id),
+        "SELECT count(*), COALESCE(sum(h.after_cents), 0)::text,
+                md5(COALESCE(string_agg(l.id::text || ':' || h.after_cents::text, ',' ORDER BY l.id),
                              ''))
            FROM (SELECT j.id AS jid, j.kind, x.loan_id
                    FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)

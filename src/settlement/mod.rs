@@ -604,8 +604,8 @@ impl Job for FineSettlement {
         }
     }
 
-    /// The month's settled rows, fine sum and digest, from its journal and the loans by primary
-    /// key ([`journal::totals`]).
+    /// The month's settled rows, fine sum and digest on the record, from its journal and the
+    /// loans by primary key ([`journal::totals`]).
     async fn facts(
         &self,
         db: &mut PgConnection,

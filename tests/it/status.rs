@@ -752,17 +752,31 @@ async fn a_bad_status_query_is_a_400_page_that_names_the_problem() {
 
 /// Changes one settled loan's fine behind settlement's back: the month's totals change although
 /// no run happened.
-async fn nudge_a_settled_fine(pool: &PgPool, month: BusinessDate) {
+/// Moves the first settled fine of `month` on the record itself (its head's `after_cents`), as
+/// nothing but a run under a new claim does: the change a kept closed month's totals miss until a
+/// run of the month starts, and an open month's show at once.
+async fn nudge_the_record(pool: &PgPool, month: BusinessDate) {
     sqlx::query(
-        "UPDATE loans SET fine_cents = fine_cents + 1
-          WHERE id = (SELECT min(id) FROM loans
-                       WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NOT NULL)",
+        "UPDATE fine_heads SET after_cents = after_cents + 1
+          WHERE loan_id = (SELECT min(id) FROM loans
+                            WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NOT NULL)",
     )
     .bind(month.first_day())
     .bind(month.date())
     .execute(pool)
     .await
     .unwrap();
+}
+
+/// The fines of `month`'s totals cell on a page.
+fn fines(page: &str, month: &str) -> String {
+    let totals = text_of(page, &format!("totals-{month}"));
+    totals
+        .split("fines ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .unwrap_or_else(|| panic!("fines in {totals}"))
+        .to_string()
 }
 
 #[tokio::test]
@@ -777,23 +791,14 @@ async fn a_closed_months_totals_are_computed_once_until_a_run_of_it_starts_an_op
     }
     settle_as(pool, bd(OCT), 2, 0, &owner(0)).await;
     let replica = Replica::start(pool, &[("SETTLEMENTD__SHARD__COUNT", "2")], Utc::now()).await;
-    let fines = |page: &str, month: &str| {
-        let totals = text_of(page, &format!("totals-{month}"));
-        totals
-            .split("fines ")
-            .nth(1)
-            .and_then(|rest| rest.split(' ').next())
-            .unwrap_or_else(|| panic!("fines in {totals}"))
-            .to_string()
-    };
     let sep = totals_of(pool, bd(SEP)).await;
     let oct = totals_of(pool, bd(OCT)).await;
     let page = replica.page("/status").await;
     assert_eq!(fines(&page, SEP), money(sep.fine_cents_sum));
     assert_eq!(fines(&page, OCT), money(oct.fine_cents_sum));
 
-    nudge_a_settled_fine(pool, bd(SEP)).await;
-    nudge_a_settled_fine(pool, bd(OCT)).await;
+    nudge_the_record(pool, bd(SEP)).await;
+    nudge_the_record(pool, bd(OCT)).await;
     let page = replica.page("/status").await;
     assert_eq!(
         fines(&page, SEP),
@@ -823,6 +828,62 @@ async fn a_closed_months_totals_are_computed_once_until_a_run_of_it_starts_an_op
     .unwrap();
     let page = replica.page("/status").await;
     assert_eq!(fines(&page, SEP), money(sep.fine_cents_sum + 1));
+    replica.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settled_fine_edited_by_hand_moves_neither_the_page_nor_status_and_verify_names_the_loan()
+{
+    let db = test_db().await;
+    let pool = &db.pool;
+    seed_month(pool, bd(SEP), 600, 1).await;
+    for shard in [0, 1] {
+        settle_as(pool, bd(SEP), 2, shard, &owner(shard)).await;
+    }
+    let env = [("SETTLEMENTD__SHARD__COUNT", "2")];
+    let replica = Replica::start(pool, &env, Utc::now()).await;
+    let settled = totals_of(pool, bd(SEP)).await;
+    let page = replica.page("/status").await;
+    assert_eq!(fines(&page, SEP), money(settled.fine_cents_sum), "kept");
+
+    let id: i64 = sqlx::query_scalar(
+        "UPDATE loans SET fine_cents = fine_cents + 100
+          WHERE id = (SELECT min(id) FROM loans
+                       WHERE returned_on BETWEEN $1 AND $2 AND fine_settled_at IS NOT NULL)
+         RETURNING id",
+    )
+    .bind(bd(SEP).first_day())
+    .bind(bd(SEP).date())
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    // The page's kept totals and a fresh `status` read say the same: what was settled.
+    let page = replica.page("/status").await;
+    assert_eq!(fines(&page, SEP), money(settled.fine_cents_sum), "the page");
+    let out = cli(&db.url, &env, &["status", "--business-date", SEP, "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let status = json_of(&out);
+    assert_eq!(
+        (
+            status["totals"]["fine_cents_sum"].as_i64(),
+            status["totals"]["settled_rows"].as_i64(),
+            status["totals"]["digest"].as_str(),
+        ),
+        (
+            i64::try_from(settled.fine_cents_sum).ok(),
+            Some(settled.settled_rows),
+            Some(settled.digest.as_str()),
+        ),
+        "{status}"
+    );
+    // And `verify` names the loan the record does not hold, exit 1.
+    let (code, report) = verify(&db.url, &env, SEP);
+    assert_eq!(code, Some(1), "{report}");
+    assert_eq!(
+        report["journal"]["off_journal"],
+        serde_json::json!({"count": 1, "ids": [id]}),
+        "{report}"
+    );
     replica.stop().await;
 }
 
