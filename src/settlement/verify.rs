@@ -178,7 +178,7 @@ async fn read(
             "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY;
              SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off;
              SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;
-             SET LOCAL jit = off; SET LOCAL work_mem = '64MB'",
+             SET LOCAL enable_memoize = off; SET LOCAL jit = off; SET LOCAL work_mem = '64MB'",
         )
         .await?;
     let month = business_date.first_day();
@@ -283,24 +283,30 @@ async fn journal_side(
                          THEN NULL ELSE {fine} END AS expected
                FROM e LEFT JOIN fine_heads h ON h.loan_id = e.loan_id
                       LEFT JOIN loans l ON l.id = e.loan_id
+         ), f AS (
+             -- Each entry's verdicts, computed once (OFFSET 0 keeps the subquery a fence: the
+             -- aggregates below read its columns instead of re-evaluating each condition).
+             SELECT loan_id, l_fine, expected, {settled} AS settled, {differs} AS differs,
+                    {off_journal} AS off_journal, {stale} AS stale, {broken} AS broken
+               FROM c OFFSET 0
          )
-         SELECT count(*) FILTER (WHERE {settled}),
-                COALESCE(sum(l_fine) FILTER (WHERE {settled}), 0)::text,
+         SELECT count(*) FILTER (WHERE settled),
+                COALESCE(sum(l_fine) FILTER (WHERE settled), 0)::text,
                 md5(COALESCE(string_agg(loan_id::text || ':' || l_fine::text, ',' ORDER BY loan_id)
-                               FILTER (WHERE {settled}), '')),
-                count(*) FILTER (WHERE {differs}),
+                               FILTER (WHERE settled), '')),
+                count(*) FILTER (WHERE differs),
                 COALESCE(sum(COALESCE(l_fine, 0)::numeric - expected)
-                         FILTER (WHERE {differs}), 0)::text,
-                (array_agg(loan_id ORDER BY loan_id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
-                (array_agg(l_fine ORDER BY loan_id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
-                (array_agg(expected ORDER BY loan_id) FILTER (WHERE {differs}))[1:{HELD_IDS}],
-                count(DISTINCT loan_id) FILTER (WHERE {off_journal}),
-                (array_agg(DISTINCT loan_id) FILTER (WHERE {off_journal}))[1:{HELD_IDS}],
-                count(DISTINCT loan_id) FILTER (WHERE {stale}),
-                (array_agg(DISTINCT loan_id) FILTER (WHERE {stale}))[1:{HELD_IDS}],
-                count(DISTINCT loan_id) FILTER (WHERE {broken}),
-                (array_agg(DISTINCT loan_id) FILTER (WHERE {broken}))[1:{HELD_IDS}]
-           FROM c"
+                         FILTER (WHERE differs), 0)::text,
+                (array_agg(loan_id ORDER BY loan_id) FILTER (WHERE differs))[1:{HELD_IDS}],
+                (array_agg(l_fine ORDER BY loan_id) FILTER (WHERE differs))[1:{HELD_IDS}],
+                (array_agg(expected ORDER BY loan_id) FILTER (WHERE differs))[1:{HELD_IDS}],
+                count(DISTINCT loan_id) FILTER (WHERE off_journal),
+                (array_agg(DISTINCT loan_id) FILTER (WHERE off_journal))[1:{HELD_IDS}],
+                count(DISTINCT loan_id) FILTER (WHERE stale),
+                (array_agg(DISTINCT loan_id) FILTER (WHERE stale))[1:{HELD_IDS}],
+                count(DISTINCT loan_id) FILTER (WHERE broken),
+                (array_agg(DISTINCT loan_id) FILTER (WHERE broken))[1:{HELD_IDS}]
+           FROM f"
     );
     type Row = (
         i64,
