@@ -65,6 +65,13 @@ pub enum DbError {
         reason: String,
         hint: &'static str,
     },
+    /// The database named in the URL does not exist on the server (a misspelt name, or one not
+    /// created yet): no retry fixes it.
+    #[error(
+        "cannot connect to the database at {url}: {reason}; check the database name in \
+         database.url, or create the database (createdb) and run `settlementd migrate`"
+    )]
+    NoDatabase { url: String, reason: String },
     /// TLS as the URL asks for it cannot be had: the server's certificate does not verify, names
     /// another host, or the server offers no TLS.
     #[error("cannot connect to the database at {url} with sslmode={mode}: {reason}")]
@@ -116,6 +123,7 @@ impl DbError {
             DbError::BadUrl { .. }
                 | DbError::Auth { .. }
                 | DbError::Hba { .. }
+                | DbError::NoDatabase { .. }
                 | DbError::Tls { .. }
                 | DbError::TransactionPooler { .. }
                 | DbError::Schema(_)
@@ -327,6 +335,11 @@ fn classify(url: &str, mode: PgSslMode, source: sqlx::Error) -> DbError {
                 }
             }
         }
+        // 3D000 invalid_catalog_name: the database does not exist.
+        sqlx::Error::Database(db) if db.code().as_deref() == Some("3D000") => DbError::NoDatabase {
+            url: url_shown,
+            reason: db.message().to_string(),
+        },
         // sqlx's word when the server answers the TLS request with "no".
         sqlx::Error::Tls(e) if e.to_string().contains("does not support TLS") => tls(
             "the server does not offer TLS (it answered the TLS request with no): enable ssl on the \

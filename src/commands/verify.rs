@@ -10,8 +10,7 @@ use crate::config::Settings;
 use crate::jobs::Proof;
 use crate::settlement::verify::{self, Found, RuleSource, Verification};
 use crate::settlement::{self, rule_params};
-use sqlx::pool::PoolConnection;
-use sqlx::Postgres;
+use sqlx::PgPool;
 use std::fmt::Write;
 use std::future::Future;
 
@@ -76,7 +75,8 @@ pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<
     }
     let registry = crate::registry::build(settings);
     let job = registry.get(name).map_err(AppError::Invalid)?.clone();
-    read_month(settings, request, |mut conn, business_date| async move {
+    read_month(settings, request, |pool, business_date| async move {
+        let mut conn = pool.acquire().await?;
         match job.prove(&mut conn, business_date.date()).await? {
             Some(proof) => Ok(Verified::Job(proof)),
             None => Err(AppError::Invalid(format!(
@@ -88,11 +88,11 @@ pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<
     .await
 }
 
-/// `read` of the month `request` names (over in schedule.timezone), on a connection to the
-/// database whose schema was checked; the database is closed after it, whatever it returned.
+/// `read` of the month `request` names (over in schedule.timezone), on the pool of a database
+/// whose schema was checked; the database is closed after it, whatever it returned.
 async fn read_month<T, F, Fut>(settings: &Settings, request: &VerifyRequest, read: F) -> Result<T>
 where
-    F: FnOnce(PoolConnection<Postgres>, BusinessDate) -> Fut,
+    F: FnOnce(PgPool, BusinessDate) -> Fut,
     Fut: Future<Output = Result<T>>,
 {
     let business_date =
@@ -101,7 +101,7 @@ where
     let database = Database::open(settings, request.embedded_db).await?;
     let result = async {
         check_schema(&database.pool, settings).await?;
-        read(database.pool.acquire().await?, business_date).await
+        read(database.pool.clone(), business_date).await
     }
     .await;
     database.close().await;
@@ -109,10 +109,13 @@ where
 }
 
 /// Recomputes every loan returned in the month from its rule. `Ok` whether the month is right or
-/// not ([`Verification::is_right`] says which; the command line exits 1 when it is not).
+/// not ([`Verification::is_right`] says which; the command line exits 1 when it is not). Reads
+/// the month's journal on two connections at once when `database.max_connections` allows two.
 pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Verification> {
-    read_month(settings, request, |mut conn, business_date| async move {
-        verify::verify(&mut conn, business_date, &settings.fine)
+    read_month(settings, request, |pool, business_date| async move {
+        // database.max_connections is at least 2.
+        let (mut conn, mut helper) = tokio::try_join!(pool.acquire(), pool.acquire())?;
+        verify::verify(&mut conn, Some(&mut helper), business_date, &settings.fine)
             .await
             .map_err(|e| match e {
                 Ok(why) => AppError::Invalid(format!("{business_date}: {why}")),

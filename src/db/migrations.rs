@@ -159,7 +159,28 @@ pub async fn migrate_connection(conn: &mut PgConnection) -> Result<Vec<Applied>>
         // Released with the session too, should this fail.
         let _ = conn.unlock().await;
     }
-    result
+    result.map_err(refused_for_rights)
+}
+
+/// A migration this role has no right to apply (SQLSTATE 42501: "permission denied for schema
+/// public" when the runtime role migrates on start) is a configuration error, exit 2, that says
+/// what to change: no restart fixes it.
+fn refused_for_rights(e: DbError) -> DbError {
+    let db = match &e {
+        DbError::Query(sqlx::Error::Database(db))
+        | DbError::Migrate(MigrateError::Execute(sqlx::Error::Database(db)))
+        | DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), _)) => db,
+        _ => return e,
+    };
+    if db.code().as_deref() != Some("42501") {
+        return e;
+    }
+    DbError::Privilege(format!(
+        "this role may not apply settlementd's migrations ({}): apply them as the migration role \
+         with `settlementd migrate` (deploy/sql/roles.sql), and set \
+         database.migrate_on_start = false for the runtime role",
+        db.message()
+    ))
 }
 
 async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {

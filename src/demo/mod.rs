@@ -416,7 +416,7 @@ async fn statements_and_the_journal(
             .join(" ")
     );
     let mut conn = pool.acquire().await?;
-    let proved = settlement::verify::verify(&mut conn, month, &settings.fine)
+    let proved = settlement::verify::verify(&mut conn, None, month, &settings.fine)
         .await
         .map_err(|e| match e {
             Ok(why) => AppError::Invalid(why),

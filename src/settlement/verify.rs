@@ -22,7 +22,8 @@ use super::{describe_params, rule_from_params, rule_of, MonthTotals, HELD_ROW, M
 use crate::calendar::BusinessDate;
 use crate::fine::{FineRule, FineSchedule};
 use crate::jobs::{params, JobError, HELD_IDS};
-use sqlx::{Connection, PgConnection};
+use sqlx::{Connection, Executor, PgConnection};
+use std::fmt::Write;
 
 /// Where the rule a month was checked against came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -138,8 +139,13 @@ impl Verification {
 /// Checks the month of `business_date` against its pinned rule, or, when it has none, against the
 /// rule `rules` give it. `Err(Ok(why))`: no rule to check against (configuration); `Err(Err(e))`
 /// a database error.
+///
+/// With a `helper` connection, the month's journal is read in two halves at once, one on each
+/// connection, in one snapshot (exported by `conn`'s transaction): the probes of the loans and
+/// their heads are most of a verify's time, and they split evenly.
 pub async fn verify(
     conn: &mut PgConnection,
+    helper: Option<&mut PgConnection>,
     business_date: BusinessDate,
     rules: &FineSchedule,
 ) -> Result<Verification, Result<String, JobError>> {
@@ -160,29 +166,50 @@ pub async fn verify(
         None => (configured.clone().map_err(Ok)?, RuleSource::Configuration),
     };
     let configured = configured.ok().filter(|c| *c != rule);
-    read(conn, business_date, rule, rule_source, configured)
+    read(conn, helper, business_date, rule, rule_source, configured)
         .await
         .map_err(|e| Err(JobError::Db(e)))
 }
 
 async fn read(
     conn: &mut PgConnection,
+    helper: Option<&mut PgConnection>,
     business_date: BusinessDate,
     rule: FineRule,
     rule_source: RuleSource,
     configured: Option<FineRule>,
 ) -> sqlx::Result<Verification> {
-    // One snapshot for every statement; loans reached by primary key or the month index only.
+    // One snapshot for every statement (on both connections); loans reached by primary key or
+    // the month index only.
     let mut tx = conn
-        .begin_with(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY;
-             SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off;
-             SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;
-             SET LOCAL enable_memoize = off; SET LOCAL jit = off; SET LOCAL work_mem = '64MB'",
-        )
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await?;
+    tx.execute(PLAN).await?;
     let month = business_date.first_day();
-    let journal = journal_side(&mut tx, business_date, &rule).await?;
+    let journal = match helper {
+        None => journal_side(&mut tx, business_date, &rule, None).await?,
+        Some(helper) => {
+            let snapshot: String = sqlx::query_scalar("SELECT pg_export_snapshot()")
+                .fetch_one(&mut *tx)
+                .await?;
+            let mut other = helper
+                .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+                .await?;
+            // The snapshot's name is PostgreSQL's own (hex digits and dashes), never input.
+            other
+                .execute(format!("SET TRANSACTION SNAPSHOT '{snapshot}'").as_str())
+                .await?;
+            other.execute(PLAN).await?;
+            let (first, second) = tokio::join!(
+                journal_side(&mut tx, business_date, &rule, Some(0)),
+                journal_side(&mut other, business_date, &rule, Some(1)),
+            );
+            other.rollback().await?;
+            first?.and(second?)
+        }
+    };
+    let mut journal = journal;
+    let totals = journal.totals();
     let (unsettled, held) = unsettled_side(&mut tx, business_date).await?;
     let edits_waiting = edits_side(&mut tx, business_date).await?;
     let unjournaled: (i64, Option<Vec<i64>>) = sqlx::query_as(&format!(
@@ -201,8 +228,8 @@ async fn read(
         rule,
         rule_source,
         configured,
-        returned: journal.totals.settled_rows + unsettled.count + held.count,
-        totals: journal.totals,
+        returned: totals.settled_rows + unsettled.count + held.count,
+        totals,
         mismatched: journal.mismatched,
         mismatch_cents: journal.mismatch_cents,
         mismatches: journal.mismatches,
@@ -216,9 +243,16 @@ async fn read(
     })
 }
 
-/// What the month's journal entries and their loans say.
+/// The plan settings of a verify's transaction: nested loops over primary keys, as the month's
+/// size asks for whatever the statistics say, and no memoize (every probe is of another loan).
+const PLAN: &str = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off;
+     SET LOCAL enable_hashjoin = off; SET LOCAL enable_mergejoin = off;
+     SET LOCAL enable_memoize = off; SET LOCAL jit = off; SET LOCAL work_mem = '64MB'";
+
+/// What the month's journal entries (all, or one half of its rows) and their loans say.
 struct JournalSide {
-    totals: MonthTotals,
+    /// The settled loans' ids and fines, in no order.
+    settled: Vec<(i64, Option<i64>)>,
     mismatched: i64,
     mismatch_cents: i128,
     mismatches: Vec<Mismatch>,
@@ -227,14 +261,57 @@ struct JournalSide {
     broken: Found,
 }
 
+impl JournalSide {
+    /// Both halves of the month's journal rows as one. Every finding is of a loan's current entry,
+    /// in exactly one journal row: the halves never count a loan twice, and the first ids of the
+    /// whole are the first of the two halves' first ids.
+    fn and(mut self, other: JournalSide) -> JournalSide {
+        fn first(mut a: Vec<i64>, b: Vec<i64>) -> Vec<i64> {
+            a.extend(b);
+            a.sort_unstable();
+            a.truncate(HELD_IDS);
+            a
+        }
+        let found = |a: Found, b: Found| Found {
+            count: a.count + b.count,
+            ids: first(a.ids, b.ids),
+        };
+        self.settled.extend(other.settled);
+        self.mismatches.extend(other.mismatches);
+        self.mismatches.sort_unstable_by_key(|m| m.id);
+        self.mismatches.truncate(HELD_IDS);
+        JournalSide {
+            settled: self.settled,
+            mismatched: self.mismatched + other.mismatched,
+            mismatch_cents: self.mismatch_cents + other.mismatch_cents,
+            mismatches: self.mismatches,
+            off_journal: found(self.off_journal, other.off_journal),
+            stale: found(self.stale, other.stale),
+            broken: found(self.broken, other.broken),
+        }
+    }
+
+    /// The month's totals, from the settled loans the sides found.
+    fn totals(&mut self) -> MonthTotals {
+        totals_of(std::mem::take(&mut self.settled))
+    }
+}
+
 /// The month's journal entries joined to their heads and loans by primary key: each entry that is
 /// its loan's last on the record (its head, `fine_heads`) is checked; earlier ones are history (the
 /// loan was re-priced, or moved on to another month).
+///
+/// `half`: only the journal rows whose id has this parity (`None`: every row).
 async fn journal_side(
     tx: &mut PgConnection,
     business_date: BusinessDate,
     rule: &FineRule,
+    half: Option<i64>,
 ) -> sqlx::Result<JournalSide> {
+    let half = match half {
+        Some(parity) => format!("AND j.id % 2 = {parity}"),
+        None => String::new(),
+    };
     let fine = FineRule::sql_params(3);
     let in_month = "l_ret BETWEEN $1 AND $2";
     // The loan's last entry on the record (its head, `fine_heads`), of a loan still in `loans`,
@@ -270,7 +347,7 @@ async fn journal_side(
                FROM fine_journal j,
                     unnest(j.loan_ids, j.seqs, j.due_on, j.returned_on, j.after_cents)
                       AS x(loan_id, seq, due_on, returned_on, after_cents)
-              WHERE j.month = $1
+              WHERE j.month = $1 {half}
          ), c AS (
              SELECT e.kind, e.loan_id, e.seq, e.due_on, e.returned_on, e.after_cents,
                     h.journal_id IS NOT DISTINCT FROM e.jid AS cur, h.seq AS h_seq,
@@ -290,10 +367,8 @@ async fn journal_side(
                     {off_journal} AS off_journal, {stale} AS stale, {broken} AS broken
                FROM c OFFSET 0
          )
-         SELECT count(*) FILTER (WHERE settled),
-                COALESCE(sum(l_fine) FILTER (WHERE settled), 0)::text,
-                md5(COALESCE(string_agg(loan_id::text || ':' || l_fine::text, ',' ORDER BY loan_id)
-                               FILTER (WHERE settled), '')),
+         SELECT array_agg(loan_id) FILTER (WHERE settled),
+                array_agg(l_fine) FILTER (WHERE settled),
                 count(*) FILTER (WHERE differs),
                 COALESCE(sum(COALESCE(l_fine, 0)::numeric - expected)
                          FILTER (WHERE differs), 0)::text,
@@ -309,9 +384,8 @@ async fn journal_side(
            FROM f"
     );
     type Row = (
-        i64,
-        String,
-        String,
+        Option<Vec<i64>>,
+        Option<Vec<Option<i64>>>,
         i64,
         String,
         Option<Vec<i64>>,
@@ -333,30 +407,59 @@ async fn journal_side(
         .fetch_one(&mut *tx)
         .await?;
     let mismatches = row
-        .5
+        .4
         .unwrap_or_default()
         .into_iter()
+        .zip(row.5.unwrap_or_default())
         .zip(row.6.unwrap_or_default())
-        .zip(row.7.unwrap_or_default())
         .map(|((id, stored_cents), expected_cents)| Mismatch {
             id,
             stored_cents,
             expected_cents,
         })
         .collect();
+    let settled: Vec<(i64, Option<i64>)> = row
+        .0
+        .unwrap_or_default()
+        .into_iter()
+        .zip(row.1.unwrap_or_default())
+        .collect();
     Ok(JournalSide {
-        totals: MonthTotals {
-            settled_rows: row.0,
-            fine_cents_sum: super::parse_sum(&row.1)?,
-            digest: row.2,
-        },
-        mismatched: row.3,
-        mismatch_cents: super::parse_sum(&row.4)?,
+        settled,
+        mismatched: row.2,
+        mismatch_cents: super::parse_sum(&row.3)?,
         mismatches,
-        off_journal: Found::new(row.8, row.9),
-        stale: Found::new(row.10, row.11),
-        broken: Found::new(row.12, row.13),
+        off_journal: Found::new(row.7, row.8),
+        stale: Found::new(row.9, row.10),
+        broken: Found::new(row.11, row.12),
     })
+}
+
+/// The totals of settled `(id, fine)` pairs, in any order: their count, sum and digest (`md5` of
+/// `id:fine` joined by `,` in id order, as [`super::month_totals`] computes it in SQL, which
+/// leaves a NULL fine out of the sum and the digest). Sorted and hashed here rather than by an
+/// ordered aggregate in the query: the same digest, without the query's sort and string building.
+fn totals_of(mut settled: Vec<(i64, Option<i64>)>) -> MonthTotals {
+    use md5::{Digest, Md5};
+    settled.sort_unstable();
+    let mut hasher = Md5::new();
+    let mut entry = String::with_capacity(44);
+    for (id, fine) in settled.iter().filter_map(|(id, fine)| Some((id, (*fine)?))) {
+        // Writing to a String cannot fail.
+        let _ = write!(entry, "{id}:{fine}");
+        hasher.update(entry.as_bytes());
+        entry.clear();
+        entry.push(',');
+    }
+    MonthTotals {
+        settled_rows: settled.len() as i64,
+        fine_cents_sum: settled
+            .iter()
+            .filter_map(|(_, fine)| *fine)
+            .map(i128::from)
+            .sum(),
+        digest: format!("{:x}", hasher.finalize()),
+    }
 }
 
 /// The month's unsettled returns, from the month index: those the rule can price, and held ones.
@@ -396,4 +499,72 @@ async fn edits_side(tx: &mut PgConnection, business_date: BusinessDate) -> sqlx:
     .fetch_one(&mut *tx)
     .await?;
     Ok(Found::new(count, ids))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_digest_is_md5_of_id_and_fine_in_id_order_whatever_order_they_come_in() {
+        // md5("1:50,2:0,10:7") and md5(""), as PostgreSQL computes them.
+        let totals = totals_of(vec![(10, Some(7)), (1, Some(50)), (2, Some(0))]);
+        assert_eq!(totals.digest, "6659a05cce563eaa7a46c438b576dabf");
+        assert_eq!((totals.settled_rows, totals.fine_cents_sum), (3, 57));
+        assert_eq!(
+            totals_of(Vec::new()).digest,
+            "d41d8cd98f00b204e9800998ecf8427e"
+        );
+        let with_null = totals_of(vec![(3, None), (1, Some(5))]);
+        assert_eq!((with_null.settled_rows, with_null.fine_cents_sum), (2, 5));
+        assert_eq!(with_null.digest, totals_of(vec![(1, Some(5))]).digest);
+    }
+
+    fn side(ids: std::ops::Range<i64>, step: usize) -> JournalSide {
+        let ids: Vec<i64> = ids.step_by(step).collect();
+        let found = || {
+            Found::new(
+                ids.len() as i64,
+                Some(ids.iter().take(HELD_IDS).copied().collect()),
+            )
+        };
+        JournalSide {
+            settled: ids.iter().map(|id| (*id, Some(*id))).collect(),
+            mismatched: ids.len() as i64,
+            mismatch_cents: ids.len() as i128,
+            mismatches: ids
+                .iter()
+                .take(HELD_IDS)
+                .map(|id| Mismatch {
+                    id: *id,
+                    stored_cents: Some(1),
+                    expected_cents: 0,
+                })
+                .collect(),
+            off_journal: found(),
+            stale: found(),
+            broken: found(),
+        }
+    }
+
+    #[test]
+    fn two_halves_of_the_journal_make_the_whole_counts_and_its_first_ids() {
+        // Odd ids in one half, even in the other, as the two connections read them.
+        let mut whole = side(1..101, 1);
+        let mut halves = side(1..101, 2).and(side(2..101, 2));
+        assert_eq!(halves.totals(), whole.totals());
+        assert_eq!(
+            (halves.mismatched, halves.mismatch_cents),
+            (whole.mismatched, whole.mismatch_cents)
+        );
+        assert_eq!(halves.mismatches, whole.mismatches);
+        for (half, all) in [
+            (&halves.off_journal, &whole.off_journal),
+            (&halves.stale, &whole.stale),
+            (&halves.broken, &whole.broken),
+        ] {
+            assert_eq!((half.count, &half.ids), (100, &all.ids));
+            assert_eq!(half.ids, (1..=20).collect::<Vec<i64>>());
+        }
+    }
 }

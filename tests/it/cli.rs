@@ -267,6 +267,32 @@ async fn an_unreachable_database_fails_with_exit_1_and_no_password() {
 }
 
 #[tokio::test]
+async fn a_database_that_does_not_exist_is_exit_2_naming_the_setting_and_serve_does_not_retry_it() {
+    let db = test_db().await;
+    let mut url = url::Url::parse(&db.url).unwrap();
+    url.set_path("/no_such_database");
+    let url = url.to_string();
+    for args in [
+        &["run", "--business-date", "2026-10-31"][..],
+        &["serve"][..],
+    ] {
+        let out = output_within(
+            settlementd(Some(&url))
+                .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
+                .args(args),
+            std::time::Duration::from_secs(60),
+        );
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("\"no_such_database\" does not exist")
+                && err.contains("check the database name in database.url"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_config_file_sits_between_the_defaults_and_the_environment() {
     let db = test_db().await;
     seed_month(&db.pool, bd("2026-10-31"), 200, 1).await;

@@ -216,6 +216,29 @@ pub fn cli(url: &str, env: &[(&str, &str)], args: &[&str]) -> std::process::Outp
         .unwrap()
 }
 
+/// Runs `command` to its end, which must come within `within` (a process that retries for ever
+/// is killed and fails the test): its output.
+pub fn output_within(
+    command: &mut std::process::Command,
+    within: std::time::Duration,
+) -> std::process::Output {
+    let mut child = command
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + within;
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!("still running after {within:?}: {}", stderr_of(&out));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
 /// `settlementd pause` of the fine settlement, which must succeed.
 pub fn pause_settlement(url: &str, reason: &str) {
     run_ok(settlementd(Some(url)).args(["pause", "--job", "fine-settlement", "--reason", reason]));

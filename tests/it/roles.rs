@@ -394,6 +394,28 @@ async fn the_runtime_role_deletes_audit_rows_only_through_retention() {
     assert!(count(audit).await > 0);
 }
 
+#[tokio::test]
+async fn serve_as_the_runtime_role_told_to_migrate_exits_2_saying_what_to_change() {
+    let (_name, admin) = empty_db().await;
+    apply_roles_sql(&admin).await;
+    // The runtime role with the default migrate_on_start = true, on a database nobody migrated:
+    // no restart can fix it, so it is exit 2 (the systemd unit does not restart on it), once.
+    let out = output_within(
+        settlementd(Some(&as_role(&admin, APP)))
+            .env("SETTLEMENTD__HTTP__LISTEN", "127.0.0.1:0")
+            .arg("serve"),
+        std::time::Duration::from_secs(60),
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("this role may not apply settlementd's migrations")
+            && err.contains("database.migrate_on_start = false")
+            && err.contains("settlementd migrate"),
+        "{err}"
+    );
+}
+
 /// psql from the server's bin directory (or PATH), as an operator runs roles.sql.
 fn psql() -> std::path::PathBuf {
     let bindir = settlementd::embedded_pg::find_bindir().expect("server binaries");
