@@ -27,8 +27,8 @@ use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
-    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Params, Pending, PendingReport, Proof,
-    Reopen, Words,
+    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metrics, Params, Pending, PendingReport,
+    Proof, Reopen, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
@@ -211,6 +211,13 @@ impl Job for MemberStatements {
             by_period,
             before: 0,
         })
+    }
+
+    fn metrics(&self) -> Metrics {
+        Metrics {
+            items: "members",
+            ..Metrics::default()
+        }
     }
 
     fn words(&self) -> Words {

@@ -7,26 +7,23 @@
 //! Every metric of a job carries `job_name`. Emitted by the job layer:
 //! `settlementd_claims_total{result=won|lost|done}`, `settlementd_takeovers_total`,
 //! `settlementd_fencing_rejections_total`, `settlementd_rows_scanned_total`,
-//! `settlementd_rows_updated_total`, `settlementd_rule_conflicts_total`; by a job itself (the fine
-//! settlement: `settlementd_odd_rows_total`). Emitted here: the rest.
+//! `settlementd_rows_updated_total`, and the conflicts counter a job declares; by a job itself
+//! (the fine settlement: `settlementd_odd_rows_total`). Emitted here: the rest.
+//!
+//! The families of a job's own items — late items done, items waiting and held, items before the
+//! lookback, refused claims — and the outcome of its successful runs are what the job declares
+//! ([`crate::jobs::Job::metrics`]): the fine settlement's `settlementd_late_returns_settled_total`,
+//! `settlementd_held_rows`, `settlementd_unsettled_in_closed_months`,
+//! `settlementd_unsettled_beyond_lookback`, `settlementd_rule_conflicts_total` and
+//! `outcome="settled"`/`"rule_conflict"` exist for it alone; a job that declares none has none.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// Runs by outcome: `settled`, `skipped` (already SUCCESS or held by a live peer), `failed`,
-/// `lease_lost`, `rule_conflict` (refused: the month is pinned to another rule).
+/// Runs by outcome: the job's own word for success (`settled`; `succeeded` by default), `skipped`
+/// (already SUCCESS or held by a live peer), `failed`, `lease_lost`, and the job's outcome for a
+/// claim refused for other pinned parameters (`rule_conflict`), if it declares one.
 pub const RUNS_TOTAL: &str = "settlementd_runs_total";
-/// Claims refused because the month's pinned rule differs from this replica's (job layer).
-pub const RULE_CONFLICTS_TOTAL: &str = "settlementd_rule_conflicts_total";
-/// Late returns (loans returned into a closed month) this replica settled.
-pub const LATE_RETURNS_SETTLED_TOTAL: &str = "settlementd_late_returns_settled_total";
-/// Late returns still waiting in this shard's closed months inside the lookback.
-pub const UNSETTLED_IN_CLOSED_MONTHS: &str = "settlementd_unsettled_in_closed_months";
-/// Rows of this shard's closed months inside the lookback that the rule cannot price (held).
-pub const HELD_ROWS: &str = "settlementd_held_rows";
-/// Returns the rule can price, unsettled, in months before `settle.lookback_months` (every shard):
-/// what no replica will settle by itself.
-pub const UNSETTLED_BEYOND_LOOKBACK: &str = "settlementd_unsettled_beyond_lookback";
 /// Months inside the lookback that are not closed under the current shard count (every shard):
 /// started or with items waiting, and not SUCCESS on every shard, or with items waiting, or
 /// being corrected.
@@ -40,7 +37,7 @@ pub const PAUSED_SINCE: &str = "settlementd_paused_since_timestamp_seconds";
 pub const RETENTION_DELETED_TOTAL: &str = "settlementd_retention_deleted_total";
 /// Corrections begun and not completed (every month): their months are held, "being corrected".
 pub const CORRECTIONS_UNFINISHED: &str = "settlementd_corrections_unfinished";
-/// Runs of stored run requests by outcome: `settled`, `failed`.
+/// Runs of stored run requests by outcome: the job's word for success (`settled`), `failed`.
 pub const REQUEST_RUNS_TOTAL: &str = "settlementd_request_runs_total";
 /// Run requests accepted over HTTP (new ones, not replays).
 pub const REQUESTS_ACCEPTED_TOTAL: &str = "settlementd_requests_accepted_total";
@@ -108,14 +105,24 @@ pub fn handle() -> PrometheusHandle {
 /// Declares every metric at start-up so `/metrics` lists them before the first run, the per-job
 /// ones for each job of `registry` (and each job's own).
 pub fn describe(registry: &crate::jobs::registry::Registry) {
-    let jobs = registry.names();
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     for job in registry.iter() {
         job.describe_metrics();
+        let names = job.metrics();
+        let counters = [names.conflicts.map(|(counter, _)| counter), names.late_done];
+        for counter in counters.into_iter().flatten() {
+            describe_counter!(counter.name, counter.help);
+        }
+        for gauge in [names.waiting, names.held, names.beyond_lookback]
+            .into_iter()
+            .flatten()
+        {
+            describe_gauge!(gauge.name, gauge.help);
+        }
     }
-    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_counter!(
         RUNS_TOTAL,
-        "Runs by outcome: settled, skipped, failed, lease_lost"
+        "Runs by outcome: the job's success (fine-settlement: settled; others: succeeded), skipped, failed, lease_lost, and a refused claim's (fine-settlement: rule_conflict)"
     );
     describe_histogram!(
         RUN_DURATION_SECONDS,
@@ -147,26 +154,6 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         "Shards of the shard count whose claim for the latest fire's month is not SUCCESS"
     );
     describe_gauge!(SHARDS, "The configured shard.count");
-    describe_counter!(
-        RULE_CONFLICTS_TOTAL,
-        "Claims refused because the month's pinned fine rule differs from this replica's"
-    );
-    describe_counter!(
-        LATE_RETURNS_SETTLED_TOTAL,
-        "Late returns (loans returned into a closed month) settled by this replica"
-    );
-    describe_gauge!(
-        UNSETTLED_IN_CLOSED_MONTHS,
-        "Late returns waiting in this shard's closed months inside settle.lookback_months"
-    );
-    describe_gauge!(
-        HELD_ROWS,
-        "Rows of this shard's closed months that the fine rule cannot price (bad dates), left unsettled"
-    );
-    describe_gauge!(
-        UNSETTLED_BEYOND_LOOKBACK,
-        "Unsettled returns the rule can price in months before settle.lookback_months, every shard: no replica settles them by itself"
-    );
     describe_gauge!(
         MONTHS_NOT_CLOSED,
         "Months inside settle.lookback_months not closed under the current shard count (a shard not SUCCESS, items waiting, or a correction unfinished), every shard"
@@ -208,7 +195,7 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
     .set(1.0);
     describe_counter!(
         REQUEST_RUNS_TOTAL,
-        "Runs of stored run requests by outcome: settled, failed"
+        "Runs of stored run requests by outcome: the job's success (fine-settlement: settled; others: succeeded), failed"
     );
     describe_counter!(
         REQUESTS_ACCEPTED_TOTAL,
@@ -226,13 +213,18 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         "settlementd_fencing_rejections_total",
         "Writes refused because the claim was taken over"
     );
+    let items = registry
+        .iter()
+        .map(|j| format!("{}: {}", j.name(), j.metrics().items))
+        .collect::<Vec<_>>()
+        .join(", ");
     describe_counter!(
         "settlementd_rows_scanned_total",
-        "Loans read by settlement batches"
+        format!("Items the job's batches read ({items})")
     );
     describe_counter!(
         "settlementd_rows_updated_total",
-        "Loans settled by settlement batches"
+        format!("Items the job's batches wrote ({items})")
     );
     describe_counter!(
         AUTH_REFUSED_TOTAL,
@@ -241,30 +233,27 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
     metrics::counter!(AUTH_REFUSED_TOTAL).increment(0);
     metrics::gauge!(CORRECTIONS_UNFINISHED).set(0.0);
     metrics::counter!(RETENTION_DELETED_TOTAL).increment(0);
-    for &job in &jobs {
-        for outcome in [
-            "settled",
-            "skipped",
-            "failed",
-            "lease_lost",
-            "rule_conflict",
-        ] {
+    for job in registry.iter() {
+        let names = job.metrics();
+        let job = job.name();
+        let conflict = names.conflicts.map(|(_, outcome)| outcome);
+        let outcomes = [names.succeeded, "skipped", "failed", "lease_lost"];
+        for outcome in outcomes.into_iter().chain(conflict) {
             metrics::counter!(RUNS_TOTAL, "job_name" => job, "outcome" => outcome).increment(0);
         }
-        for outcome in ["settled", "failed"] {
+        for outcome in [names.succeeded, "failed"] {
             metrics::counter!(REQUEST_RUNS_TOTAL, "job_name" => job, "outcome" => outcome)
                 .increment(0);
         }
         // Set by the replica at each tick; present (0) from the start.
-        for gauge in [
-            UNSETTLED_IN_CLOSED_MONTHS,
-            HELD_ROWS,
-            MONTHS_NOT_CLOSED,
-            UNSETTLED_BEYOND_LOOKBACK,
-            PAUSED,
-            PAUSED_SINCE,
-        ] {
+        for gauge in [MONTHS_NOT_CLOSED, PAUSED, PAUSED_SINCE] {
             metrics::gauge!(gauge, "job_name" => job).set(0.0);
+        }
+        for gauge in [names.waiting, names.held, names.beyond_lookback]
+            .into_iter()
+            .flatten()
+        {
+            metrics::gauge!(gauge.name, "job_name" => job).set(0.0);
         }
         for result in ["won", "lost", "done"] {
             metrics::counter!("settlementd_claims_total", "job_name" => job, "result" => result)
@@ -275,10 +264,12 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
             "settlementd_fencing_rejections_total",
             "settlementd_rows_scanned_total",
             "settlementd_rows_updated_total",
-            RULE_CONFLICTS_TOTAL,
-            LATE_RETURNS_SETTLED_TOTAL,
         ] {
             metrics::counter!(name, "job_name" => job).increment(0);
+        }
+        let counters = [names.conflicts.map(|(counter, _)| counter), names.late_done];
+        for counter in counters.into_iter().flatten() {
+            metrics::counter!(counter.name, "job_name" => job).increment(0);
         }
     }
     metrics::counter!(REQUESTS_ACCEPTED_TOTAL).increment(0);

@@ -215,6 +215,7 @@ async fn run_replica(
     let registry = crate::registry::build(settings);
     let mut scheduler = start_wakeups(settings, &registry, wake.clone()).await;
     let listener = tokio::spawn(wake_on_requests(pool.clone(), wake.clone()));
+    let open = Arc::new(replica::OpenMonths::default());
     let replicas: Vec<Replica> = registry
         .enabled()
         .map(|job| {
@@ -227,6 +228,7 @@ async fn run_replica(
             )
             .with_owner(owner.clone())
             .with_health(health.clone())
+            .with_open_months(open.clone())
         })
         .collect();
     for replica in &replicas {

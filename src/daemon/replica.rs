@@ -21,9 +21,10 @@
 //! - a month held by an unfinished correction is never run here (its correction runs it);
 //! - a claim refused because the month is pinned to another rule is logged once per month and
 //!   retried with the backoff, like a failure, so a fixed configuration finishes the month;
-//! - every tick publishes what is not closed: `settlementd_months_not_closed`,
-//!   `settlementd_unsettled_beyond_lookback`, `settlementd_corrections_unfinished`, and this
-//!   shard's waiting and held rows.
+//! - every tick publishes what is not closed: `settlementd_months_not_closed` (with the months the
+//!   job it follows has not closed, [`OpenMonths`]), `settlementd_corrections_unfinished`, and the
+//!   families the job declares ([`jobs::Metrics`]: items before the lookback, this shard's
+//!   waiting and held items).
 
 use super::health::Health;
 use super::metrics as m;
@@ -36,7 +37,7 @@ use crate::jobs::registry::Registered;
 use crate::jobs::JobKey;
 use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
 use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
-use chrono::{DateTime, TimeDelta, Utc};
+use chrono::{DateTime, NaiveDate, TimeDelta, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
 use sqlx::PgPool;
@@ -106,6 +107,36 @@ pub enum TickOutcome {
     NotReady { slot: Slot, why: String },
 }
 
+/// The months each job of a process last found not closed ([`Replica::tick`]), shared by the
+/// process's replicas: a job's months are not closed while the job it follows
+/// ([`crate::jobs::Job::after`]) has not closed them, as `status` and the page say
+/// ([`crate::overview::follow_upstreams`]). A job whose upstream is not scheduled in the process
+/// counts its own months only.
+#[derive(Debug, Default)]
+pub struct OpenMonths(std::sync::Mutex<HashMap<&'static str, Vec<NaiveDate>>>);
+
+impl OpenMonths {
+    /// Keeps `open` as what `job` found, and returns how many months are not closed for it: its
+    /// own and those the job it follows (`after`) last found.
+    pub fn publish(
+        &self,
+        job: &'static str,
+        after: Option<&'static str>,
+        open: Vec<NaiveDate>,
+    ) -> usize {
+        let mut found = self
+            .0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut months: std::collections::BTreeSet<NaiveDate> = open.iter().copied().collect();
+        if let Some(upstream) = after.and_then(|a| found.get(a)) {
+            months.extend(upstream.iter().copied());
+        }
+        found.insert(job, open);
+        months.len()
+    }
+}
+
 pub struct Replica {
     pool: PgPool,
     /// The job this replica schedules (one replica per enabled job in a `serve` process).
@@ -134,6 +165,8 @@ pub struct Replica {
     conflicts_logged: HashSet<BusinessDate>,
     /// Where each look at what is due leaves the rule conflict it found, for readiness.
     health: Arc<Health>,
+    /// What each job of the process last found not closed, shared by its replicas.
+    open: Arc<OpenMonths>,
     /// Every log line of this replica carries shard, shards and owner.
     span: tracing::Span,
 }
@@ -187,8 +220,16 @@ impl Replica {
             lookback_months: settings.settle.lookback_months,
             conflicts_logged: HashSet::new(),
             health: Arc::new(Health::default()),
+            open: Arc::new(OpenMonths::default()),
             span,
         }
+    }
+
+    /// The same replica sharing `open` with the other jobs' replicas of the process, so that the
+    /// months of a job that follows another are counted not closed while that one's are not.
+    pub fn with_open_months(mut self, open: Arc<OpenMonths>) -> Self {
+        self.open = open;
+        self
     }
 
     /// The same replica reporting what it finds to `health` (shared with the process's probes).
@@ -543,17 +584,28 @@ impl Replica {
         corrections: i64,
     ) {
         let job = self.job.name();
-        let open = due::not_closed(periods, pending, self.shard.count, window);
-        metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open.len() as f64);
-        metrics::gauge!(m::UNSETTLED_BEYOND_LOOKBACK, "job_name" => job).set(pending.before as f64);
+        let names = self.job.metrics();
+        let open: Vec<_> = due::not_closed(periods, pending, self.shard.count, window)
+            .into_iter()
+            .map(|n| n.business_date)
+            .collect();
+        let open = self.open.publish(job, self.job.after(), open);
+        metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open as f64);
         metrics::gauge!(m::CORRECTIONS_UNFINISHED).set(corrections as f64);
         let mine = pending
             .by_period
             .iter()
             .filter(|p| p.shard == self.shard.index && window.contains(&p.business_date));
         let (waiting, held) = mine.fold((0, 0), |(w, h), p| (w + p.late, h + p.held));
-        metrics::gauge!(m::UNSETTLED_IN_CLOSED_MONTHS, "job_name" => job).set(waiting as f64);
-        metrics::gauge!(m::HELD_ROWS, "job_name" => job).set(held as f64);
+        for (metric, value) in [
+            (names.beyond_lookback, pending.before),
+            (names.waiting, waiting),
+            (names.held, held),
+        ] {
+            if let Some(metric) = metric {
+                metrics::gauge!(metric.name, "job_name" => job).set(value as f64);
+            }
+        }
     }
 
     /// Runs one due month of this shard. `None` when it claimed nothing (a live peer holds it, or
@@ -585,15 +637,18 @@ impl Replica {
         match result {
             Ok(report) => match report.skipped {
                 None => {
-                    metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "settled")
+                    let succeeded = self.job.metrics().succeeded;
+                    metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => succeeded)
                         .increment(1);
                     metrics::gauge!(m::LAST_SUCCESS_TIMESTAMP, "job_name" => job)
                         .set(self.clock.now().timestamp() as f64);
                     self.retries.remove(&month);
                     self.conflicts_logged.remove(&month);
                     if report.late > 0 {
-                        metrics::counter!(m::LATE_RETURNS_SETTLED_TOTAL, "job_name" => job)
-                            .increment(report.updated);
+                        if let Some(late) = self.job.metrics().late_done {
+                            metrics::counter!(late.name, "job_name" => job)
+                                .increment(report.updated);
+                        }
                         tracing::info!(business_date = %month, late = report.late, updated = report.updated, "late returns and edits settled");
                         return Some(TickOutcome::LateReturns {
                             business_date: month,
@@ -635,7 +690,9 @@ impl Replica {
                 None
             }
             Err(e) => {
-                metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => failed_outcome(&e)).increment(1);
+                let outcome = failed_outcome(&e, &self.job.metrics());
+                metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => outcome)
+                    .increment(1);
                 let failures = self.retries.get(&month).map_or(0, |r| r.0) + 1;
                 let (after, not_before) = self.retry_after(failures, &e);
                 self.retries.insert(month, (failures, not_before));
@@ -743,7 +800,7 @@ impl Replica {
             let id = request.request_id;
             match result {
                 Ok(report) if report.skipped.is_none() => {
-                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => "settled")
+                    metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => self.job.metrics().succeeded)
                         .increment(1);
                     self.request_retries.remove(&retry_key);
                     tracing::info!(request_id = %id, business_date = %request.business_date, "run request served");
@@ -825,11 +882,11 @@ impl Replica {
     }
 }
 
-/// The `settlementd_runs_total` outcome of a run that ended with `e`: refused for another rule, or
-/// failed.
-fn failed_outcome(e: &JobError) -> &'static str {
-    match e {
-        JobError::ParamsConflict { .. } => "rule_conflict",
+/// The `settlementd_runs_total` outcome of a run that ended with `e`: refused for other pinned
+/// parameters (the outcome the job names, [`jobs::Metrics::conflicts`]), or failed.
+fn failed_outcome(e: &JobError, metrics: &jobs::Metrics) -> &'static str {
+    match (e, metrics.conflicts) {
+        (JobError::ParamsConflict { .. }, Some((_, outcome))) => outcome,
         _ => "failed",
     }
 }

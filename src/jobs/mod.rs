@@ -237,6 +237,51 @@ pub struct Words {
     pub pinned: Option<&'static str>,
 }
 
+/// A metric family a job declares: its name and its help line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Metric {
+    pub name: &'static str,
+    pub help: &'static str,
+}
+
+/// The metrics a job's runs and items are counted under ([`Job::metrics`]). A family left `None`
+/// is one the job has no items for: `/metrics` shows no such series for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Metrics {
+    /// What its batches read and write, in the help of `settlementd_rows_scanned_total` and
+    /// `settlementd_rows_updated_total` ("loans").
+    pub items: &'static str,
+    /// The `outcome` of a run that ended in SUCCESS, in `settlementd_runs_total` and
+    /// `settlementd_request_runs_total` ("settled").
+    pub succeeded: &'static str,
+    /// Claims refused because the period is pinned to other parameters (a counter), and the
+    /// `outcome` such a run has in `settlementd_runs_total`. `None`: such a run counts as
+    /// `failed`.
+    pub conflicts: Option<(Metric, &'static str)>,
+    /// Items done by runs that re-opened a done period (a counter).
+    pub late_done: Option<Metric>,
+    /// Items waiting in this shard's done periods inside the lookback (a gauge).
+    pub waiting: Option<Metric>,
+    /// Items of this shard's done periods left for an operator (a gauge).
+    pub held: Option<Metric>,
+    /// Items waiting in periods before the lookback, every shard (a gauge).
+    pub beyond_lookback: Option<Metric>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            items: "items",
+            succeeded: "succeeded",
+            conflicts: None,
+            late_done: None,
+            waiting: None,
+            held: None,
+            beyond_lookback: None,
+        }
+    }
+}
+
 /// A fact a job reports about one period, for `status` and the status page (the fine settlement:
 /// settled rows, fine sum, digest).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -382,6 +427,12 @@ pub trait Job: Sync {
     /// Declares the job's own metrics (present, at 0, before its first run), labelled `job_name`.
     /// Default: none.
     fn describe_metrics(&self) {}
+
+    /// The names its runs and items are counted under by the job layer and the daemon (see
+    /// [`Metrics`]). Default: runs `succeeded`, and no families of items.
+    fn metrics(&self) -> Metrics {
+        Metrics::default()
+    }
 
     /// What its items are called on the status page and in `status`: those waiting for a run in
     /// a period that is SUCCESS (`waiting`), and those left for an operator (`held`). Default:

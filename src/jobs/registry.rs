@@ -8,8 +8,8 @@
 //! list of [`Registration`]s, each exported by its job's own module.
 
 use super::{
-    Cursor, Fact, Job, JobKey, Noted, Params, PendingReport, Progress, Proof, Result, RunOptions,
-    RunReport, Words,
+    Cursor, Fact, Job, JobKey, Metrics, Noted, Params, PendingReport, Progress, Proof, Result,
+    RunOptions, RunReport, Words,
 };
 use chrono::NaiveDate;
 use croner::Cron;
@@ -77,6 +77,7 @@ pub trait Registered: Send + Sync {
     ) -> Boxed<'a, sqlx::Result<Option<Proof>>>;
     fn words(&self) -> Words;
     fn describe_metrics(&self);
+    fn metrics(&self) -> Metrics;
 }
 
 /// A [`Job`] with its schedule: what the registry holds.
@@ -175,6 +176,10 @@ where
 
     fn describe_metrics(&self) {
         self.job.describe_metrics()
+    }
+
+    fn metrics(&self) -> Metrics {
+        self.job.metrics()
     }
 }
 

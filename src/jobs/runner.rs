@@ -223,8 +223,9 @@ async fn run_in_span<J: Job>(
                 SkipReason::RequestServed
             }
             ClaimOutcome::Conflict { pinned } => {
-                metrics::counter!("settlementd_rule_conflicts_total", "job_name" => job.name())
-                    .increment(1);
+                if let Some((counter, _)) = job.metrics().conflicts {
+                    metrics::counter!(counter.name, "job_name" => job.name()).increment(1);
+                }
                 let (pinned, mine) =
                     super::params::describe_difference(&pinned, &params, &describe);
                 return Err(JobError::ParamsConflict { key, pinned, mine });

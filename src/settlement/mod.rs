@@ -44,8 +44,8 @@ use crate::config::{SessionGuards, Settings, ShardSpec};
 use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
-    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Noted, Notes, Params, Pending,
-    PendingReport, Reopen, Words, HELD_IDS,
+    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
+    Pending, PendingReport, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};
@@ -591,6 +591,36 @@ impl Job for FineSettlement {
             "Loans settled whose dates contradict each other (returned or due before borrowed)"
         );
         metrics::counter!("settlementd_odd_rows_total", "job_name" => JOB_NAME).increment(0);
+    }
+
+    fn metrics(&self) -> Metrics {
+        Metrics {
+            items: "loans",
+            succeeded: "settled",
+            conflicts: Some((
+                Metric {
+                    name: "settlementd_rule_conflicts_total",
+                    help: "Claims refused because the month's pinned fine rule differs from this replica's",
+                },
+                "rule_conflict",
+            )),
+            late_done: Some(Metric {
+                name: "settlementd_late_returns_settled_total",
+                help: "Late returns and edits (loans returned into or edited in a closed month) settled by this replica",
+            }),
+            waiting: Some(Metric {
+                name: "settlementd_unsettled_in_closed_months",
+                help: "Late returns waiting in this shard's closed months inside settle.lookback_months",
+            }),
+            held: Some(Metric {
+                name: "settlementd_held_rows",
+                help: "Rows of this shard's closed months that the fine rule cannot price (bad dates), left unsettled",
+            }),
+            beyond_lookback: Some(Metric {
+                name: "settlementd_unsettled_beyond_lookback",
+                help: "Unsettled returns the rule can price in months before settle.lookback_months, every shard: no replica settles them by itself",
+            }),
+        }
     }
 
     fn words(&self) -> Words {

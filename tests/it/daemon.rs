@@ -871,3 +871,72 @@ async fn a_replica_is_ready_while_its_first_run_is_in_flight() {
         "asked while the run was in flight"
     );
 }
+
+/// Before, `/metrics` declared the fine settlement's families for every job
+/// (`settlementd_held_rows{job_name="member-statements"}`, its late returns, its rule conflicts,
+/// `outcome="settled"`), and member statements' `settlementd_months_not_closed` stayed 0 for a
+/// month the settlement had not closed while `status` and the page said "not closed".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_job_shows_only_its_own_metrics_and_a_follower_counts_the_months_its_upstream_has_not_closed(
+) {
+    let db = test_db().await;
+    seed_month_alone(&db.pool, due_month(), 20, 1).await;
+    // The settlement's month is claimed and fails, again and again: not closed.
+    fail_first_updates(&db.pool, 1_000_000).await;
+    let replica = ServeProcess::start(&db.url, &[]);
+    let statements = "member-statements";
+    assert!(
+        eventually(30, || async {
+            replica.metric("settlementd_months_not_closed").await >= 1.0
+        })
+        .await,
+        "the failing settlement's month is not closed"
+    );
+    assert!(
+        eventually(30, || async {
+            replica
+                .metric_of("settlementd_months_not_closed", statements)
+                .await
+                >= 1.0
+        })
+        .await,
+        "member statements count the month the settlement has not closed"
+    );
+    let (_, body) = get(replica.addr, "/metrics").await.unwrap();
+    for family in [
+        "settlementd_held_rows",
+        "settlementd_late_returns_settled_total",
+        "settlementd_rule_conflicts_total",
+        "settlementd_unsettled_in_closed_months",
+        "settlementd_unsettled_beyond_lookback",
+    ] {
+        let of = |job: &str| format!("{family}{{job_name=\"{job}\"}}");
+        assert!(
+            body.contains(&of(settlement::JOB_NAME)),
+            "{family}:\n{body}"
+        );
+        assert!(!body.contains(&of(statements)), "{family}:\n{body}");
+    }
+    let runs = |job: &str, outcome: &str| {
+        format!("settlementd_runs_total{{job_name=\"{job}\",outcome=\"{outcome}\"}}")
+    };
+    assert!(
+        body.contains(&runs(settlement::JOB_NAME, "settled")),
+        "{body}"
+    );
+    assert!(
+        body.contains(&runs(settlement::JOB_NAME, "rule_conflict")),
+        "{body}"
+    );
+    assert!(body.contains(&runs(statements, "succeeded")), "{body}");
+    assert!(!body.contains(&runs(statements, "settled")), "{body}");
+    assert!(!body.contains(&runs(statements, "rule_conflict")), "{body}");
+    let help = body
+        .lines()
+        .find(|l| l.starts_with("# HELP settlementd_rows_updated_total"))
+        .unwrap_or_default();
+    assert!(
+        help.contains("fine-settlement: loans") && help.contains("member-statements: members"),
+        "{help}"
+    );
+}
