@@ -12,17 +12,15 @@
 //!
 //! The families of a job's own items — late items done, items waiting and held, items before the
 //! lookback, refused claims — and the outcome of its successful runs are what the job declares
-//! ([`crate::jobs::Job::metrics`]): the fine settlement's `settlementd_late_returns_settled_total`,
-//! `settlementd_held_rows`, `settlementd_unsettled_in_closed_months`,
-//! `settlementd_unsettled_beyond_lookback`, `settlementd_rule_conflicts_total` and
-//! `outcome="settled"`/`"rule_conflict"` exist for it alone; a job that declares none has none.
+//! ([`crate::jobs::Job::metrics`]); a job that declares none has none, and every help line that
+//! names jobs is written from the registry.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use std::sync::OnceLock;
 
-/// Runs by outcome: the job's own word for success (`settled`; `succeeded` by default), `skipped`
-/// (already SUCCESS or held by a live peer), `failed`, `lease_lost`, and the job's outcome for a
-/// claim refused for other pinned parameters (`rule_conflict`), if it declares one.
+/// Runs by outcome: the job's own word for success (`succeeded` by default), `skipped` (already
+/// SUCCESS or held by a live peer), `failed`, `lease_lost`, and the job's outcome for a claim
+/// refused for other pinned parameters, if it declares one.
 pub const RUNS_TOTAL: &str = "settlementd_runs_total";
 /// Months inside the lookback that are not closed under the current shard count (every shard):
 /// started or with items waiting, and not SUCCESS on every shard, or with items waiting, or
@@ -37,7 +35,7 @@ pub const PAUSED_SINCE: &str = "settlementd_paused_since_timestamp_seconds";
 pub const RETENTION_DELETED_TOTAL: &str = "settlementd_retention_deleted_total";
 /// Corrections begun and not completed (every month): their months are held, "being corrected".
 pub const CORRECTIONS_UNFINISHED: &str = "settlementd_corrections_unfinished";
-/// Runs of stored run requests by outcome: the job's word for success (`settled`), `failed`.
+/// Runs of stored run requests by outcome: the job's word for success, `failed`.
 pub const REQUEST_RUNS_TOTAL: &str = "settlementd_request_runs_total";
 /// Run requests accepted over HTTP (new ones, not replays).
 pub const REQUESTS_ACCEPTED_TOTAL: &str = "settlementd_requests_accepted_total";
@@ -109,20 +107,30 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
     for job in registry.iter() {
         job.describe_metrics();
         let names = job.metrics();
-        let counters = [names.conflicts.map(|(counter, _)| counter), names.late_done];
-        for counter in counters.into_iter().flatten() {
+        for counter in names.counters() {
             describe_counter!(counter.name, counter.help);
         }
-        for gauge in [names.waiting, names.held, names.beyond_lookback]
-            .into_iter()
-            .flatten()
-        {
+        for gauge in names.gauges() {
             describe_gauge!(gauge.name, gauge.help);
         }
     }
+    let by_job = |say: &dyn Fn(crate::jobs::Metrics) -> String| {
+        registry
+            .iter()
+            .map(|j| format!("{}: {}", j.name(), say(j.metrics())))
+            .collect::<Vec<_>>()
+            .join("; ")
+    };
+    let succeeded = by_job(&|m| m.succeeded.to_string());
+    let refused = by_job(&|m| {
+        m.conflicts
+            .map_or("none", |(_, outcome)| outcome)
+            .to_string()
+    });
+    let items = by_job(&|m| m.items.to_string());
     describe_counter!(
         RUNS_TOTAL,
-        "Runs by outcome: the job's success (fine-settlement: settled; others: succeeded), skipped, failed, lease_lost, and a refused claim's (fine-settlement: rule_conflict)"
+        format!("Runs by outcome: the job's success ({succeeded}), skipped, failed, lease_lost, and a claim refused for other pinned parameters ({refused})")
     );
     describe_histogram!(
         RUN_DURATION_SECONDS,
@@ -195,7 +203,7 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
     .set(1.0);
     describe_counter!(
         REQUEST_RUNS_TOTAL,
-        "Runs of stored run requests by outcome: the job's success (fine-settlement: settled; others: succeeded), failed"
+        format!("Runs of stored run requests by outcome: the job's success ({succeeded}), failed")
     );
     describe_counter!(
         REQUESTS_ACCEPTED_TOTAL,
@@ -213,11 +221,6 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         "settlementd_fencing_rejections_total",
         "Writes refused because the claim was taken over"
     );
-    let items = registry
-        .iter()
-        .map(|j| format!("{}: {}", j.name(), j.metrics().items))
-        .collect::<Vec<_>>()
-        .join(", ");
     describe_counter!(
         "settlementd_rows_scanned_total",
         format!("Items the job's batches read ({items})")
@@ -249,10 +252,7 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         for gauge in [MONTHS_NOT_CLOSED, PAUSED, PAUSED_SINCE] {
             metrics::gauge!(gauge, "job_name" => job).set(0.0);
         }
-        for gauge in [names.waiting, names.held, names.beyond_lookback]
-            .into_iter()
-            .flatten()
-        {
+        for gauge in names.gauges() {
             metrics::gauge!(gauge.name, "job_name" => job).set(0.0);
         }
         for result in ["won", "lost", "done"] {
@@ -267,8 +267,7 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         ] {
             metrics::counter!(name, "job_name" => job).increment(0);
         }
-        let counters = [names.conflicts.map(|(counter, _)| counter), names.late_done];
-        for counter in counters.into_iter().flatten() {
+        for counter in names.counters() {
             metrics::counter!(counter.name, "job_name" => job).increment(0);
         }
     }

@@ -268,6 +268,22 @@ pub struct Metrics {
     pub beyond_lookback: Option<Metric>,
 }
 
+impl Metrics {
+    /// The counters of its items it declares (refused claims, late items done).
+    pub fn counters(&self) -> impl Iterator<Item = Metric> {
+        [self.conflicts.map(|(counter, _)| counter), self.late_done]
+            .into_iter()
+            .flatten()
+    }
+
+    /// The gauges of its items it declares (waiting, held, before the lookback).
+    pub fn gauges(&self) -> impl Iterator<Item = Metric> {
+        [self.waiting, self.held, self.beyond_lookback]
+            .into_iter()
+            .flatten()
+    }
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self {
