@@ -142,8 +142,13 @@ fn quiet(default_level: &str) -> String {
 }
 
 /// Sets up logging on stderr (stdout is for command output).
+///
+/// sqlx's slow-statement warnings carry the whole statement, over many lines; they are replaced by
+/// one line of [`slow::Statements`] naming the statement, and never reach the formatter themselves.
 pub fn init_logging(format: LogFormat, default_level: &str) {
-    use tracing_subscriber::EnvFilter;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{filter::filter_fn, EnvFilter, Layer};
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(quiet(default_level)));
     let json = match format {
@@ -151,21 +156,125 @@ pub fn init_logging(format: LogFormat, default_level: &str) {
         LogFormat::Text => false,
         LogFormat::Auto => !std::io::stdout().is_terminal(),
     };
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = if json {
-        builder
+    let shown = || filter_fn(|meta| !slow::is_sqlx_slow_statement(meta));
+    let json_layer = json.then(|| {
+        tracing_subscriber::fmt::layer()
             .json()
             .flatten_event(true)
             .with_current_span(true)
             .with_span_list(false)
-            .try_init()
-    } else {
-        builder
+            .with_writer(std::io::stderr)
+            .with_filter(shown())
+    });
+    let text_layer = (!json).then(|| {
+        tracing_subscriber::fmt::layer()
             .with_ansi(std::io::stderr().is_terminal())
-            .try_init()
-    };
+            .with_writer(std::io::stderr)
+            .with_filter(shown())
+    });
+    let _ = tracing_subscriber::registry()
+        .with(filter)
+        .with(json_layer)
+        .with(text_layer)
+        // Last: its line is an event of its own, sent once the formatters are done with sqlx's
+        // (an event sent from a layer before them would upset their filters' bookkeeping for the
+        // event they are on).
+        .with(slow::Statements)
+        .try_init();
+}
+
+/// One line for each of sqlx's slow-statement warnings.
+pub mod slow {
+    use tracing::field::{Field, Visit};
+    use tracing::{Event, Metadata, Subscriber};
+    use tracing_subscriber::layer::{Context, Layer};
+
+    /// sqlx's target for the statements it logs; its slow ones alone carry `slow_threshold`.
+    const SQLX_QUERY: &str = "sqlx::query";
+
+    /// Whether `meta` is the callsite of sqlx's slow-statement warning.
+    pub fn is_sqlx_slow_statement(meta: &Metadata<'_>) -> bool {
+        meta.target() == SQLX_QUERY && meta.fields().field("slow_threshold").is_some()
+    }
+
+    /// Logs `slow statement` at WARN with the statement's name ([`name`]), its time in
+    /// milliseconds and its row counts, for each slow statement sqlx reports.
+    pub struct Statements;
+
+    impl<S: Subscriber> Layer<S> for Statements {
+        fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+            if !is_sqlx_slow_statement(event.metadata()) {
+                return;
+            }
+            let mut seen = Seen::default();
+            event.record(&mut seen);
+            tracing::warn!(
+                target: "settlementd::db",
+                statement = %name(&seen.summary),
+                elapsed_ms = (seen.elapsed_secs * 1000.0).round() as u64,
+                rows_affected = seen.rows_affected,
+                rows_returned = seen.rows_returned,
+                "slow statement (over database.slow_statement_ms)"
+            );
+        }
+    }
+
+    #[derive(Default)]
+    struct Seen {
+        summary: String,
+        elapsed_secs: f64,
+        rows_affected: u64,
+        rows_returned: u64,
+    }
+
+    impl Visit for Seen {
+        fn record_str(&mut self, field: &Field, value: &str) {
+            if field.name() == "summary" {
+                self.summary = value.to_string();
+            }
+        }
+        fn record_f64(&mut self, field: &Field, value: f64) {
+            if field.name() == "elapsed_secs" {
+                self.elapsed_secs = value;
+            }
+        }
+        fn record_u64(&mut self, field: &Field, value: u64) {
+            match field.name() {
+                "rows_affected" => self.rows_affected = value,
+                "rows_returned" => self.rows_returned = value,
+                _ => {}
+            }
+        }
+        fn record_debug(&mut self, _field: &Field, _value: &dyn std::fmt::Debug) {}
+    }
+
+    /// A statement's name: the comment it starts with (`/* settle.batch */ UPDATE …`), or its
+    /// first words (sqlx's summary) on one line.
+    pub fn name(summary: &str) -> String {
+        let summary = summary.trim_end_matches(" …").trim();
+        if let Some(rest) = summary.strip_prefix("/*") {
+            if let Some((name, _)) = rest.split_once("*/") {
+                return name.trim().to_string();
+            }
+        }
+        summary.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_statement_is_named_by_its_leading_comment_or_its_first_words() {
+            assert_eq!(
+                super::name("/* settle.batch */ WITH settled …"),
+                "settle.batch"
+            );
+            assert_eq!(
+                super::name("SELECT count(*) FROM\nloans …"),
+                "SELECT count(*) FROM loans"
+            );
+            assert_eq!(super::name("SELECT 1"), "SELECT 1");
+        }
+    }
 }
 
 /// Cancelled on SIGINT or SIGTERM.

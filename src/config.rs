@@ -40,6 +40,8 @@ pub const INTEGER_KEYS: &[(&str, i128, i128)] = &[
     // Each replica uses two connections at a time (batch, heartbeat) plus probes.
     ("database.max_connections", 2, 100),
     ("database.acquire_timeout_secs", 1, 300),
+    // An hour: a statement slower than that is an outage, not a warning.
+    ("database.slow_statement_ms", 1, 3_600_000),
     ("shard.index", 0, MAX_SHARDS as i128 - 1),
     ("shard.count", 1, MAX_SHARDS as i128),
     // A batch is one transaction holding its rows' locks: a million rows is already minutes of locks.
@@ -69,6 +71,8 @@ pub const INTEGER_KEYS: &[(&str, i128, i128)] = &[
     ("fine.rules[].max_cents", 0, i64::MAX as i128),
     // A hundred years of months.
     ("settle.lookback_months", 0, 1200),
+    // Every month has a 28th.
+    ("settle.deadline_day", 1, 28),
     ("retry.initial_secs", 1, 86_400),
     ("retry.max_secs", 1, 86_400),
     ("shutdown.grace_secs", 0, 3600),
@@ -146,6 +150,8 @@ pub struct DatabaseSettings {
     pub max_connections: u32,
     /// Fail fast when the database is unreachable instead of sqlx's 30 s default.
     pub acquire_timeout_secs: u64,
+    /// A statement that takes longer is logged as one `slow statement` warning naming it.
+    pub slow_statement_ms: u64,
     /// `serve` applies migrations at start (safe with N replicas: sqlx takes an advisory lock).
     #[serde(deserialize_with = "de_bool")]
     pub migrate_on_start: bool,
@@ -322,6 +328,12 @@ pub struct SettleSettings {
     /// How many months back (before the current one) a replica looks for late returns — loans
     /// returned in a month that was already closed — and settles them; 0 turns it off.
     pub lookback_months: u32,
+    /// The day of the next month by the end of which (in `schedule.timezone`) a month must be
+    /// closed: finance's deadline. A month still not closed after it counts in
+    /// `settlementd_months_past_deadline` (the `SettlementMonthPastDeadline` alert). Unset: no
+    /// deadline.
+    #[serde(default)]
+    pub deadline_day: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1189,6 +1201,7 @@ mod tests {
         let keys: &[(&str, &str)] = &[
             ("database.max_connections", ""),
             ("database.acquire_timeout_secs", ""),
+            ("database.slow_statement_ms", ""),
             ("shard.index", "[shard]\ncount = 1024\n"),
             ("shard.count", ""),
             ("batch.size", ""),
@@ -1202,6 +1215,7 @@ mod tests {
             ("fine.rules[].grace_days", ""),
             ("fine.rules[].max_cents", ""),
             ("settle.lookback_months", ""),
+            ("settle.deadline_day", ""),
             ("retry.initial_secs", "[retry]\nmax_secs = 86400\n"),
             ("retry.max_secs", "[retry]\ninitial_secs = 1\n"),
             ("shutdown.grace_secs", ""),

@@ -35,7 +35,7 @@ pub use migrations::{
 
 use crate::config::{redact_url, DatabaseSettings, SessionGuards};
 use sqlx::postgres::{PgPoolOptions, PgSslMode};
-use sqlx::{Executor, PgConnection, PgPool, Row};
+use sqlx::{ConnectOptions, Executor, PgConnection, PgPool, Row};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -180,7 +180,12 @@ pub fn pool(
         // Not sent at start-up: PgBouncer refuses start-up parameters it does not know
         // ("unsupported startup parameter: extra_float_digits"), and every value settlementd
         // reads is binary or an integer.
-        .extra_float_digits(None);
+        .extra_float_digits(None)
+        // Logged as one line naming the statement (the logging set up by the app), never its SQL.
+        .log_slow_statements(
+            log::LevelFilter::Warn,
+            Duration::from_millis(settings.slow_statement_ms),
+        );
     // The session guards and the read-only check in one round trip; a plain string runs as a
     // simple query, so no prepared statement is left behind.
     let session = format!("{}; {}", session_guards_sql(guards), server::READ_ONLY_SQL);

@@ -518,6 +518,7 @@ impl Job for MemberStatements {
             .await?;
         }
         Ok(Batch {
+            amount: 0,
             cursor: match page.last() {
                 Some((last, _)) => Cursor {
                     last_id: Some(*last),

@@ -168,6 +168,8 @@ pub struct Reporter {
     owner: Owner,
     jobs: Vec<&'static str>,
     shard: crate::config::ShardSpec,
+    /// A replica that has not reported for three of these is not counted as an owner.
+    heartbeat: Duration,
     started_at: chrono::DateTime<chrono::Utc>,
     last: Option<Result<(), NotReady>>,
 }
@@ -179,6 +181,7 @@ impl Reporter {
         owner: Owner,
         jobs: Vec<&'static str>,
         shard: crate::config::ShardSpec,
+        heartbeat: Duration,
     ) -> Self {
         Self {
             pool,
@@ -186,6 +189,7 @@ impl Reporter {
             owner,
             jobs,
             shard,
+            heartbeat,
             started_at: chrono::Utc::now(),
             last: None,
         }
@@ -218,6 +222,28 @@ impl Reporter {
             tracing::debug!("cannot report this replica in replicas");
         }
         self.last = Some(now);
+        self.publish_owners().await;
+    }
+
+    /// The shard-owner gauges, from `replicas` as every replica last reported.
+    async fn publish_owners(&self) {
+        use super::metrics as m;
+        let listed = tokio::time::timeout(ANSWER_WITHIN, fleet::list(&self.pool)).await;
+        let Ok(Ok(Some(members))) = listed else {
+            tracing::debug!("cannot read replicas for the shard owners");
+            return;
+        };
+        let owners = fleet::owners(
+            &members,
+            self.shard.count,
+            3.0 * self.heartbeat.as_secs_f64(),
+        );
+        let mine = owners.get(self.shard.index as usize).copied().unwrap_or(0);
+        metrics::gauge!(m::SHARD_OWNERS, "shard" => self.shard.index.to_string()).set(mine as f64);
+        for (label, wanted) in [("0", 0..=0), ("1", 1..=1), ("2+", 2..=usize::MAX)] {
+            let shards = owners.iter().filter(|n| wanted.contains(n)).count();
+            metrics::gauge!(m::SHARDS_BY_OWNERS, "owners" => label).set(shards as f64);
+        }
     }
 
     /// Removes this process's row (within a second: a database that does not answer must not

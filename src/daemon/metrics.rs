@@ -63,6 +63,26 @@ pub const READY: &str = "settlementd_ready";
 pub const NOT_READY: &str = "settlementd_not_ready";
 /// Always 1, labelled with this binary's `version` and `commit`: a fleet's releases in one query.
 pub const BUILD_INFO: &str = "settlementd_build_info";
+/// Months not closed (as [`MONTHS_NOT_CLOSED`] counts them) whose deadline has passed: the end of
+/// day `settle.deadline_day` of the next month, in `schedule.timezone` (0 without a deadline).
+pub const MONTHS_PAST_DEADLINE: &str = "settlementd_months_past_deadline";
+/// Unix time of the latest fire's month's deadline (`settle.deadline_day`), for "time left".
+pub const DEADLINE_TIMESTAMP: &str = "settlementd_deadline_timestamp_seconds";
+/// Claims of the job, any month and shard count, RUNNING with a lease older than `lease.ttl_secs`
+/// (database clock): a holder that stopped renewing, not yet taken over.
+pub const EXPIRED_LEASES: &str = "settlementd_expired_leases";
+/// Live replicas (reported within three heartbeats in `replicas`) that own this replica's shard,
+/// itself included, labelled `shard`: 2 or more is a duplicate replica.
+pub const SHARD_OWNERS: &str = "settlementd_shard_owners";
+/// The shards of this replica's shard count by how many live replicas own them (`owners` = `0`,
+/// `1`, `2+`), read from `replicas`: every replica reports the whole fleet, so a shard with no
+/// replica, or with two, shows on whichever replica is scraped, and a duplicate cannot hide a
+/// missing one.
+pub const SHARDS_BY_OWNERS: &str = "settlementd_shards_by_owners";
+/// The pool's connections by `state` (`idle`, `in_use`).
+pub const POOL_CONNECTIONS: &str = "settlementd_db_pool_connections";
+/// The pool's `database.max_connections`.
+pub const POOL_MAX_CONNECTIONS: &str = "settlementd_db_pool_max_connections";
 /// Requests to the runs API refused for a missing or wrong bearer token (`401`).
 pub const AUTH_REFUSED_TOTAL: &str = "settlementd_auth_refused_total";
 
@@ -71,6 +91,24 @@ const DURATION_BUCKETS: &[f64] = &[
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+static PROCESS: OnceLock<metrics_process::Collector> = OnceLock::new();
+
+fn process() -> &'static metrics_process::Collector {
+    PROCESS.get_or_init(metrics_process::Collector::default)
+}
+
+/// What is read when it is scraped rather than when it changes: the process's own metrics
+/// (`process_cpu_seconds_total`, `process_resident_memory_bytes`, `process_open_fds`, …) and the
+/// pool's connections.
+pub fn sample(pool: &sqlx::PgPool) {
+    process().collect();
+    let size = pool.size();
+    let idle = pool.num_idle() as u32;
+    metrics::gauge!(POOL_CONNECTIONS, "state" => "idle").set(f64::from(idle));
+    metrics::gauge!(POOL_CONNECTIONS, "state" => "in_use")
+        .set(f64::from(size.saturating_sub(idle)));
+    metrics::gauge!(POOL_MAX_CONNECTIONS).set(f64::from(pool.options().get_max_connections()));
+}
 
 /// The process's recorder handle, installing the recorder the first time.
 ///
@@ -233,6 +271,33 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         AUTH_REFUSED_TOTAL,
         "Runs API requests refused for a missing or wrong bearer token (401)"
     );
+    describe_gauge!(
+        MONTHS_PAST_DEADLINE,
+        "Months not closed after their deadline: the end of day settle.deadline_day of the next month (0 without a deadline)"
+    );
+    describe_gauge!(
+        DEADLINE_TIMESTAMP,
+        Unit::Seconds,
+        "Unix time of the deadline of the latest fire's month (settle.deadline_day)"
+    );
+    describe_gauge!(
+        EXPIRED_LEASES,
+        "Claims RUNNING with a lease older than lease.ttl_secs (database clock), any month and shard count: a holder that stopped renewing"
+    );
+    describe_gauge!(
+        SHARD_OWNERS,
+        "Live replicas in the replicas table that own this replica's shard, itself included (1 is right)"
+    );
+    describe_gauge!(
+        SHARDS_BY_OWNERS,
+        "Shards of this replica's shard count by how many live replicas own them (owners=0, 1, 2+), from the replicas table"
+    );
+    describe_gauge!(
+        POOL_CONNECTIONS,
+        "The database pool's connections by state (idle, in_use)"
+    );
+    describe_gauge!(POOL_MAX_CONNECTIONS, "database.max_connections");
+    process().describe();
     metrics::counter!(AUTH_REFUSED_TOTAL).increment(0);
     metrics::gauge!(CORRECTIONS_UNFINISHED).set(0.0);
     metrics::counter!(RETENTION_DELETED_TOTAL).increment(0);
@@ -249,7 +314,13 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
                 .increment(0);
         }
         // Set by the replica at each tick; present (0) from the start.
-        for gauge in [MONTHS_NOT_CLOSED, PAUSED, PAUSED_SINCE] {
+        for gauge in [
+            MONTHS_NOT_CLOSED,
+            MONTHS_PAST_DEADLINE,
+            PAUSED,
+            PAUSED_SINCE,
+            EXPIRED_LEASES,
+        ] {
             metrics::gauge!(gauge, "job_name" => job).set(0.0);
         }
         for gauge in names.gauges() {
@@ -267,7 +338,8 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
         ] {
             metrics::counter!(name, "job_name" => job).increment(0);
         }
-        for counter in names.counters() {
+        // The amount is counted by month: no series without one.
+        for counter in names.counters().filter(|c| Some(*c) != names.amount) {
             metrics::counter!(counter.name, "job_name" => job).increment(0);
         }
     }

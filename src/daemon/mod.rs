@@ -155,13 +155,17 @@ pub async fn serve(
         },
         http_stop.clone().cancelled_owned(),
     ));
-    tracing::info!(listen = ?local, "HTTP endpoints up: /healthz /readyz /metrics /v1/runs /status");
+    tracing::info!(
+        listen = local.map(tracing::field::display),
+        "HTTP endpoints up: /healthz /readyz /metrics /v1/runs /status"
+    );
     let reporter = health::Reporter::new(
         pool.clone(),
         health.clone(),
         owner.clone(),
         jobs,
         settings.shard,
+        Duration::from_secs(settings.lease.heartbeat_secs),
     );
 
     let result = run_replica(&settings, pool, clock, owner, health, reporter, shutdown).await;
@@ -366,14 +370,14 @@ async fn ticks(
             match &outcome {
                 TickOutcome::Interrupted { .. } | TickOutcome::ShuttingDown => return,
                 TickOutcome::Settled { slot, .. } => {
-                    tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month settled");
+                    tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month run to SUCCESS");
                     again = true;
                 }
                 // Another request, the schedule or another month may be due: look again at once.
                 TickOutcome::Served { .. }
                 | TickOutcome::RequestFailed { .. }
                 | TickOutcome::LateReturns { .. } => again = true,
-                other => tracing::debug!(outcome = ?other, "tick"),
+                other => tracing::debug!(outcome = other.label(), "tick"),
             }
             if shutdown.is_cancelled() {
                 return;
@@ -508,7 +512,7 @@ async fn start_wakeups(
     match started {
         Ok(scheduler) => Some(scheduler),
         Err(e) => {
-            tracing::warn!(error = %e, crons = ?crons, "cron scheduler did not start; relying on the tick timer");
+            tracing::warn!(error = %e, crons = %crons.join(" | "), "cron scheduler did not start; relying on the tick timer");
             None
         }
     }

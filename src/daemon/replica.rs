@@ -107,6 +107,29 @@ pub enum TickOutcome {
     NotReady { slot: Slot, why: String },
 }
 
+impl TickOutcome {
+    /// The outcome's name, for logs.
+    pub fn label(&self) -> &'static str {
+        match self {
+            TickOutcome::Idle => "idle",
+            TickOutcome::Settled { .. } => "succeeded",
+            TickOutcome::AlreadyDone { .. } => "already_done",
+            TickOutcome::Watching { .. } => "watching",
+            TickOutcome::RetryScheduled { .. } => "retry_scheduled",
+            TickOutcome::BackingOff { .. } => "backing_off",
+            TickOutcome::Interrupted { .. } => "interrupted",
+            TickOutcome::ShuttingDown => "shutting_down",
+            TickOutcome::Served { .. } => "served",
+            TickOutcome::RequestFailed { .. } => "request_failed",
+            TickOutcome::LateReturns { .. } => "late_items_done",
+            TickOutcome::SweepFailed { .. } => "sweep_failed",
+            TickOutcome::Paused { .. } => "paused",
+            TickOutcome::BeingCorrected { .. } => "being_corrected",
+            TickOutcome::NotReady { .. } => "not_ready",
+        }
+    }
+}
+
 /// The months each job of a process last found not closed ([`Replica::tick`]), shared by the
 /// process's replicas: a job's months are not closed while the job it follows
 /// ([`crate::jobs::Job::after`]) has not closed them, as `status` and the page say
@@ -116,14 +139,14 @@ pub enum TickOutcome {
 pub struct OpenMonths(std::sync::Mutex<HashMap<&'static str, Vec<NaiveDate>>>);
 
 impl OpenMonths {
-    /// Keeps `open` as what `job` found, and returns how many months are not closed for it: its
-    /// own and those the job it follows (`after`) last found.
+    /// Keeps `open` as what `job` found, and returns the months not closed for it: its own and
+    /// those the job it follows (`after`) last found.
     pub fn publish(
         &self,
         job: &'static str,
         after: Option<&'static str>,
         open: Vec<NaiveDate>,
-    ) -> usize {
+    ) -> std::collections::BTreeSet<NaiveDate> {
         let mut found = self
             .0
             .lock()
@@ -133,8 +156,20 @@ impl OpenMonths {
             months.extend(upstream.iter().copied());
         }
         found.insert(job, open);
-        months.len()
+        months
     }
+}
+
+/// The end of day `day` of the month after `month`'s (a business date, its last day) in `tz`:
+/// the month's deadline (`settle.deadline_day`). `None` for a day no month has.
+pub fn deadline(month: NaiveDate, day: u32, tz: Tz) -> Option<DateTime<Utc>> {
+    use chrono::TimeZone;
+    let next = month.checked_add_days(chrono::Days::new(1))?;
+    let end = chrono::Datelike::with_day(&next, day)?.checked_add_days(chrono::Days::new(1))?;
+    let at = tz
+        .from_local_datetime(&end.and_hms_opt(0, 0, 0)?)
+        .earliest()?;
+    Some(at.with_timezone(&Utc))
 }
 
 pub struct Replica {
@@ -161,6 +196,9 @@ pub struct Replica {
     /// `settle.lookback_months`: how many months, ending at the latest slot's, are looked at (0:
     /// only that month is run, the others are only counted).
     lookback_months: u32,
+    /// `settle.deadline_day`: a month not closed by the end of this day of the next month is past
+    /// its deadline.
+    deadline_day: Option<u32>,
     /// Months whose rule conflict has been logged: once per month is enough.
     conflicts_logged: HashSet<BusinessDate>,
     /// Where each look at what is due leaves the rule conflict it found, for readiness.
@@ -218,6 +256,7 @@ impl Replica {
             retries: HashMap::new(),
             request_retries: HashMap::new(),
             lookback_months: settings.settle.lookback_months,
+            deadline_day: settings.settle.deadline_day,
             conflicts_logged: HashSet::new(),
             health: Arc::new(Health::default()),
             open: Arc::new(OpenMonths::default()),
@@ -590,7 +629,18 @@ impl Replica {
             .map(|n| n.business_date)
             .collect();
         let open = self.open.publish(job, self.job.after(), open);
-        metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open as f64);
+        metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open.len() as f64);
+        // Without a deadline, no month is past it.
+        let now = self.clock.now();
+        let late = open
+            .iter()
+            .filter(|month| {
+                self.deadline_day
+                    .and_then(|day| deadline(**month, day, self.tz))
+                    .is_some_and(|at| at <= now)
+            })
+            .count();
+        metrics::gauge!(m::MONTHS_PAST_DEADLINE, "job_name" => job).set(late as f64);
         metrics::gauge!(m::CORRECTIONS_UNFINISHED).set(corrections as f64);
         let mine = pending
             .by_period
@@ -859,7 +909,17 @@ impl Replica {
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
             return;
         };
+        match jobs::claim::expired_leases(&self.pool, job, self.opts.lease_ttl).await {
+            Ok(n) => metrics::gauge!(m::EXPIRED_LEASES, "job_name" => job).set(n as f64),
+            Err(e) => tracing::debug!(error = %e, "cannot count the expired leases"),
+        }
         let month = Slot::new(fire_at).business_date;
+        if let Some(day) = self.deadline_day {
+            if let Some(at) = deadline(month.date(), day, self.tz) {
+                metrics::gauge!(m::DEADLINE_TIMESTAMP, "job_name" => job)
+                    .set(at.timestamp() as f64);
+            }
+        }
         match jobs::claim::rows_for(&self.pool, job, month.date(), self.shard.count).await {
             Ok(rows) => {
                 let settled = rows.iter().filter(|r| r.status == "SUCCESS").count() as f64;

@@ -196,7 +196,7 @@ async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
     let newer = ledgers.newer(&MIGRATOR);
     if !newer.is_empty() {
         tracing::info!(
-            versions = ?newer,
+            versions = %newer.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "),
             "the database holds migrations of a newer release; this one reads their schema"
         );
     }

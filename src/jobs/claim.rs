@@ -302,6 +302,26 @@ pub async fn claim_for(
     Ok(outcome)
 }
 
+/// How many claims of `job_name`, under any shard count, are RUNNING with a lease older than
+/// `lease_ttl` on the database clock: held by a holder that stopped renewing (dead, frozen or cut
+/// off). A live replica of the shard takes such a claim over at its next tick; one that stays
+/// has no live replica of its shard and count.
+pub async fn expired_leases(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    lease_ttl: std::time::Duration,
+) -> Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM job_runs
+          WHERE job_name = $1 AND status = 'RUNNING'
+            AND heartbeat_at < clock_timestamp() - make_interval(secs => $2)",
+    )
+    .bind(job_name)
+    .bind(lease_ttl.as_secs_f64())
+    .fetch_one(db)
+    .await?)
+}
+
 /// Closes the claims of `job_name` under a shard count other than `shards` that were left RUNNING
 /// and whose lease has expired (by the database's clock): their holder died (SIGKILL, a lost node)
 /// before the fleet moved to `shards`, and no replica of this count ever looks at another count's

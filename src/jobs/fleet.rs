@@ -92,6 +92,23 @@ impl Member {
     }
 }
 
+/// How many live replicas (reported within `live_within` seconds) of shard count `shards` own each
+/// of its shards, by shard index.
+pub fn owners(members: &[Member], shards: u32, live_within: f64) -> Vec<usize> {
+    let mut owners = vec![0; shards as usize];
+    for m in members {
+        if m.is_live(live_within) && m.shards == shards as i32 {
+            if let Some(n) = usize::try_from(m.shard)
+                .ok()
+                .and_then(|i| owners.get_mut(i))
+            {
+                *n += 1;
+            }
+        }
+    }
+    owners
+}
+
 /// Every replica's row, by shard count, shard and owner. `None` when the table is not there (the
 /// schema predates it): the fleet is unknown, which is not an error for a reader.
 pub async fn list(db: impl PgExecutor<'_>) -> Result<Option<Vec<Member>>> {

@@ -201,6 +201,9 @@ pub struct Batch {
     pub scanned: u64,
     /// Items written.
     pub updated: u64,
+    /// What the job's amount counter counts of this batch ([`Metrics::amount`]; the fine
+    /// settlement: the fine cents it wrote), 0 for a job that declares none.
+    pub amount: u64,
     /// The job's own counts of this batch ([`Noted`]).
     pub notes: Notes,
     /// No more work after this batch.
@@ -266,14 +269,21 @@ pub struct Metrics {
     pub held: Option<Metric>,
     /// Items waiting in periods before the lookback, every shard (a gauge).
     pub beyond_lookback: Option<Metric>,
+    /// What its committed batches amount to ([`Batch::amount`]), a counter labelled with the
+    /// period's `business_date` besides `job_name`.
+    pub amount: Option<Metric>,
 }
 
 impl Metrics {
-    /// The counters of its items it declares (refused claims, late items done).
+    /// The counters of its items it declares (refused claims, late items done, the amount).
     pub fn counters(&self) -> impl Iterator<Item = Metric> {
-        [self.conflicts.map(|(counter, _)| counter), self.late_done]
-            .into_iter()
-            .flatten()
+        [
+            self.conflicts.map(|(counter, _)| counter),
+            self.late_done,
+            self.amount,
+        ]
+        .into_iter()
+        .flatten()
     }
 
     /// The gauges of its items it declares (waiting, held, before the lookback).
@@ -294,6 +304,7 @@ impl Default for Metrics {
             waiting: None,
             held: None,
             beyond_lookback: None,
+            amount: None,
         }
     }
 }

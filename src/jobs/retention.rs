@@ -280,6 +280,7 @@ impl Job for Retention {
         let deleted = pruned.map_or(0, |p| p.events + p.requests + p.runs);
         let moved_on = !pruned.is_some_and(|p| p.state == State::More);
         Ok(Batch {
+            amount: 0,
             cursor: if moved_on {
                 Cursor {
                     last_id: Some(next),

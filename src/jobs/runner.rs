@@ -219,7 +219,10 @@ async fn run_in_span<J: Job>(
             // Another run re-opened the key and finished it meanwhile.
             ClaimOutcome::AlreadyDone { .. } => SkipReason::AlreadyDone,
             ClaimOutcome::RequestServed => {
-                tracing::info!(request = ?opts.request, "skipped: the request was already served");
+                tracing::info!(
+                    request = opts.request.as_deref(),
+                    "skipped: the request was already served"
+                );
                 SkipReason::RequestServed
             }
             ClaimOutcome::Conflict { pinned } => {
@@ -288,7 +291,7 @@ async fn run_in_span<J: Job>(
                 events::fencing_rejected(pool, &claim, "SUCCESS").await;
                 return Err(lease_lost(&claim));
             }
-            tracing::info!(scanned, updated, batches, notes = ?notes, "SUCCESS");
+            tracing::info!(scanned, updated, batches, notes = %in_words(&notes), "SUCCESS");
             return Ok(RunReport {
                 key,
                 skipped: None,
@@ -378,6 +381,8 @@ async fn work<J: Job>(
     let mut cursor = claim.resume;
     let begin = format!("BEGIN; {}; {}", opts.guards.sql(), job.batch_settings());
     let job_name = job.name();
+    let amounts = job.metrics().amount;
+    let business_date = claim.key.business_date.to_string();
     loop {
         if stops.lost.is_cancelled() {
             return Err(lease_lost(claim));
@@ -434,12 +439,32 @@ async fn work<J: Job>(
             .increment(batch.scanned);
         metrics::counter!("settlementd_rows_updated_total", "job_name" => job_name)
             .increment(batch.updated);
+        if let Some(amount) = amounts {
+            metrics::counter!(amount.name, "job_name" => job_name, "business_date" => business_date.clone())
+                .increment(batch.amount);
+        }
         on_progress(progress);
         cursor = batch.cursor;
         if batch.done {
             return Ok((progress, notes));
         }
     }
+}
+
+/// A run's notes for its log line: `name=count` for each, the ids named after the count
+/// (`held=2 [17, 23]`), so that a log reader, text or JSON, gets plain words.
+fn in_words(notes: &super::Notes) -> String {
+    notes
+        .iter()
+        .map(|(name, noted)| match &noted.ids {
+            Some(ids) if !ids.is_empty() => {
+                let ids: Vec<String> = ids.iter().map(ToString::to_string).collect();
+                format!("{name}={} [{}]", noted.count, ids.join(", "))
+            }
+            _ => format!("{name}={}", noted.count),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// What a batch's transaction ended with.

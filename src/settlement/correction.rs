@@ -475,6 +475,7 @@ impl Job for FineCorrection {
         )
         .await?;
         Ok(Batch {
+            amount: 0,
             cursor: Cursor {
                 last_id: Some(last),
                 ..cursor

@@ -620,6 +620,10 @@ impl Job for FineSettlement {
                 name: "settlementd_unsettled_beyond_lookback",
                 help: "Unsettled returns the rule can price in months before settle.lookback_months, every shard: no replica settles them by itself",
             }),
+            amount: Some(Metric {
+                name: "settlementd_fine_cents_settled_total",
+                help: "Fine cents written by this replica's runs as they settled loans (not re-pricings), by month (business_date)",
+            }),
         }
     }
 
@@ -832,27 +836,29 @@ impl FineSettlement {
                 .bind(entries.kind.as_str())
                 .bind(&entries.rule)
                 .bind(entries.attempt);
-            let (odd, held, held_ids): (i64, i64, Vec<i64>) = odd.fetch_one(&mut *tx).await?;
+            let (odd, odd_cents, held, held_ids): (i64, i64, i64, Vec<i64>) =
+                odd.fetch_one(&mut *tx).await?;
             let rest = numbers
                 .iter()
-                .fold(
-                    sqlx::query_scalar(&sql.settle).bind(bounds.month),
-                    |q, n| q.bind(*n),
-                )
+                .fold(sqlx::query_as(&sql.settle).bind(bounds.month), |q, n| {
+                    q.bind(*n)
+                })
                 .bind(entries.kind.as_str())
                 .bind(&entries.rule)
                 .bind(entries.attempt);
-            let rest: i64 = rest.fetch_one(&mut *tx).await?;
-            Ok::<_, sqlx::Error>((odd as u64, rest as u64, held as u64, held_ids))
+            let (rest, rest_cents): (i64, i64) = rest.fetch_one(&mut *tx).await?;
+            let cents = odd_cents.saturating_add(rest_cents) as u64;
+            Ok::<_, sqlx::Error>((odd as u64, rest as u64, cents, held as u64, held_ids))
         };
         let next = if done { None } else { cursor.remaining() };
         let (settled, ()) = tokio::join!(settle, plan.ahead.read(bounds, next, limit));
-        let (odd, rest, held, held_ids) = settled?;
+        let (odd, rest, cents, held, held_ids) = settled?;
         metrics::counter!("settlementd_odd_rows_total", "job_name" => JOB_NAME).increment(odd);
         Ok(Batch {
             cursor,
             scanned: page.scanned as u64,
             updated: odd + rest,
+            amount: cents,
             notes: notes(odd, held, held_ids),
             done,
         })
@@ -980,7 +986,7 @@ impl BatchSql {
 
     fn new(order: &str, last: &str) -> BatchSql {
         let page = format!(
-            "SELECT count(*), {last}(id)::bigint FROM (
+            "/* settle.page */ SELECT count(*), {last}(id)::bigint FROM (
                  SELECT id FROM loans
                   WHERE {MONTH_KEY} = $1 AND fine_settled_at IS NULL AND returned_on IS NOT NULL
                     AND id + 0 BETWEEN $2 AND $3 AND ($4 = 1 OR (id % $4 + $4) % $4 = $5)
@@ -1017,7 +1023,7 @@ impl BatchSql {
         // rows' addresses (a Tid Scan), every condition checked again on the row as it is then
         // (written so that no index can serve it instead); `settle` updates the rest.
         let odd = format!(
-            "WITH flagged AS MATERIALIZED (
+            "/* settle.odd */ WITH flagged AS MATERIALIZED (
                  SELECT l.id, l.ctid, {HELD_ROW} AS held FROM loans l
                   WHERE {range} AND ({HELD_ROW} OR {ODD_ROW})
              ), odd AS (
@@ -1033,13 +1039,13 @@ impl BatchSql {
                  {settled}
              ), journal AS ({journal_odd}
              )
-             SELECT (SELECT count(*) FROM odd),
+             SELECT (SELECT count(*) FROM odd), (SELECT {CENTS} FROM odd),
                     (SELECT count(*) FROM flagged WHERE held),
                     ARRAY(SELECT id::bigint FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})",
             journal_odd = journal("odd"),
         );
         let settle = format!(
-            "WITH settled AS (
+            "/* settle.batch */ WITH settled AS (
                  UPDATE loans l
                     SET fine_cents = {fine}, fine_settled_at = now(),
                         fine_seq = {HEAD_SEQ_NEXT}
@@ -1048,7 +1054,7 @@ impl BatchSql {
                  {settled}
              ), journal AS ({journal_settled}
              )
-             SELECT count(*) FROM settled",
+             SELECT count(*), {CENTS} FROM settled",
             journal_settled = journal("settled"),
         );
         #[cfg(feature = "bench-unjournaled")]
@@ -1056,6 +1062,11 @@ impl BatchSql {
         BatchSql { page, odd, settle }
     }
 }
+
+/// The fine cents a batch statement wrote (`after` of what it settled), for
+/// `settlementd_fine_cents_settled_total`: a counter saturates at `i64::MAX` rather than failing
+/// the batch whose fines sum beyond it.
+const CENTS: &str = "least(coalesce(sum(after), 0), 9223372036854775807)::bigint";
 
 /// The bench's baseline build (`--features bench-unjournaled`, never a release build): the settle
 /// statement as it was before the journal — the same update, no entry written — so that
@@ -1068,7 +1079,10 @@ fn unjournaled(settle: &str) -> String {
         .and_then(|(_, rest)| rest.split_once("RETURNING"))
         .map(|(update, _)| update)
         .unwrap_or(settle);
-    format!("WITH settled AS ({update} RETURNING 1) SELECT count(*) FROM settled")
+    format!(
+        "WITH settled AS ({update} RETURNING l.fine_cents::bigint AS after)
+         SELECT count(*), {CENTS} FROM settled"
+    )
 }
 
 /// One month's unsettled returns of one shard: `late` the rule can price, `held` it cannot.

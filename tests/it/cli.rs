@@ -542,3 +542,57 @@ fn a_reader_that_goes_away_ends_the_command_quietly_as_unix_tools_do() {
     let err = String::from_utf8(out.stderr).unwrap();
     assert!(!err.contains("panicked"), "{err}");
 }
+
+/// sqlx's slow-statement warning carries the whole statement over many lines; settlementd logs
+/// it as one line naming the statement (its leading comment, `settle.batch`), in text and in
+/// JSON, and the statement's text never reaches the log. Every `UPDATE loans` is slowed by a
+/// trigger past `database.slow_statement_ms`.
+#[tokio::test]
+async fn a_slow_statement_is_one_log_line_naming_it_never_the_statement() {
+    for format in ["text", "json"] {
+        let db = test_db().await;
+        seed_month(&db.pool, bd("2026-10-31"), 50, 1).await;
+        sqlx::raw_sql(
+            "CREATE FUNCTION slow_down() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN PERFORM pg_sleep(0.05); RETURN NULL; END $$;
+             CREATE TRIGGER slow_down BEFORE UPDATE ON loans
+                 FOR EACH STATEMENT EXECUTE FUNCTION slow_down();",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let out = output_within(
+            settlementd(Some(&db.url))
+                .env("SETTLEMENTD__DATABASE__SLOW_STATEMENT_MS", "40")
+                .env("SETTLEMENTD__LOG__FORMAT", format)
+                .args(["run", "--business-date", "2026-10-31"]),
+            std::time::Duration::from_secs(60),
+        );
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(0), "{format}: {err}");
+        let slow: Vec<&str> = err
+            .lines()
+            .filter(|l| l.contains("slow statement"))
+            .collect();
+        let named = match format {
+            "text" => "statement=settle.batch",
+            _ => "\"statement\":\"settle.batch\"",
+        };
+        assert!(
+            slow.iter()
+                .any(|l| l.contains(named) && l.contains("elapsed_ms")),
+            "{format}: {err}"
+        );
+        for text in ["UPDATE loans", "WITH settled", "RETURNING", "db.statement"] {
+            assert!(!err.contains(text), "{format}: {text} in the log:\n{err}");
+        }
+        if format == "json" {
+            for line in err.lines() {
+                assert!(
+                    serde_json::from_str::<serde_json::Value>(line).is_ok(),
+                    "a line that is not JSON: {line}"
+                );
+            }
+        }
+    }
+}

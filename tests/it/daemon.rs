@@ -940,3 +940,134 @@ async fn each_job_shows_only_its_own_metrics_and_a_follower_counts_the_months_it
         "{help}"
     );
 }
+
+/// The sum of the series of `name` on `body` whose labels contain every one of `labels`.
+fn series(body: &str, name: &str, labels: &[&str]) -> f64 {
+    body.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
+        .filter(|l| labels.iter().all(|want| l.contains(want)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The fleet seen from `/metrics`: two replicas of shard 0 of 2 and none of shard 1, whose month
+/// is left RUNNING under a lease nobody renews. Each replica reports the shard with two owners and
+/// the one with none, the expired lease, the month past its deadline (day 1 of the next month) on
+/// the replica with that deadline and not on the one whose deadline is day 28 of a month after
+/// the next, the fine cents its runs settled for the month (both together: the month's shard 0
+/// fines on the table), the pool and the process.
+#[tokio::test]
+async fn the_fleet_on_metrics_shows_a_shard_owned_twice_one_owned_by_none_its_expired_lease_the_deadline_and_the_cents_settled(
+) {
+    let db = test_db().await;
+    let month = due_month();
+    seed_month_alone(&db.pool, month, 40, 1).await;
+    sqlx::query(
+        "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
+                               started_at, heartbeat_at)
+         VALUES ($1, $2, 2, 1, 'RUNNING', 1, 'gone', now() - interval '1 hour',
+                 now() - interval '1 hour')",
+    )
+    .bind(settlement::JOB_NAME)
+    .bind(month.date())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let common = [
+        ("SETTLEMENTD__SHARD__INDEX", "0"),
+        ("SETTLEMENTD__SHARD__COUNT", "2"),
+        ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+        ("SETTLEMENTD__LEASE__TTL_SECS", "5"),
+    ];
+    let with = |day: &'static str| {
+        let mut env = common.to_vec();
+        env.push(("SETTLEMENTD__SETTLE__DEADLINE_DAY", day));
+        env
+    };
+    let early = ServeProcess::start(&db.url, &with("1"));
+    let late = ServeProcess::start(&db.url, &with("28"));
+    let settled = sqlx::query_scalar::<_, i64>(
+        "SELECT coalesce(sum(fine_cents), 0)::bigint FROM loans
+          WHERE id % 2 = 0 AND returned_on >= $1 AND returned_on <= $2",
+    )
+    .bind(month.first_day())
+    .bind(month.date());
+    let shard0_done = || async {
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM job_runs
+              WHERE job_name = $1 AND shards = 2 AND shard = 0 AND status = 'SUCCESS'",
+        )
+        .bind(settlement::JOB_NAME)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        rows == 1
+    };
+    assert!(eventually(30, shard0_done).await, "shard 0 is settled");
+    let cents = settled.fetch_one(&db.pool).await.unwrap();
+    assert!(cents > 0, "the month's shard 0 has fines to count");
+    let body_of = |replica: &ServeProcess| {
+        let addr = replica.addr;
+        async move { get(addr, "/metrics").await.unwrap().1 }
+    };
+    for (replica, past) in [(&early, 1.0), (&late, 0.0)] {
+        let seen = eventually(30, || async {
+            let body = body_of(replica).await;
+            series(&body, "settlementd_shard_owners", &["shard=\"0\""]) == 2.0
+                && series(&body, "settlementd_shards_by_owners", &["owners=\"0\""]) == 1.0
+                && series(&body, "settlementd_shards_by_owners", &["owners=\"2+\""]) == 1.0
+                && series(&body, "settlementd_shards_by_owners", &["owners=\"1\""]) == 0.0
+                && series(&body, "settlementd_expired_leases", &["fine-settlement"]) == 1.0
+                && series(
+                    &body,
+                    "settlementd_months_past_deadline",
+                    &["fine-settlement"],
+                ) == past
+        })
+        .await;
+        let body = body_of(replica).await;
+        assert!(seen, "the fleet's gauges (deadline past: {past}):\n{body}");
+        assert_eq!(
+            series(&body, "settlementd_db_pool_max_connections", &[]),
+            5.0,
+            "{body}"
+        );
+        assert!(
+            series(
+                &body,
+                "settlementd_db_pool_connections",
+                &["state=\"idle\""]
+            ) >= 0.0
+                && body.contains("settlementd_db_pool_connections{state=\"in_use\"}"),
+            "{body}"
+        );
+        assert!(
+            series(&body, "process_resident_memory_bytes", &[]) > 0.0,
+            "{body}"
+        );
+        assert!(series(&body, "process_open_fds", &[]) > 0.0, "{body}");
+    }
+    let deadline =
+        settlementd::daemon::replica::deadline(month.date(), 1, chrono_tz::Asia::Shanghai).unwrap();
+    let body = body_of(&early).await;
+    assert_eq!(
+        series(
+            &body,
+            "settlementd_deadline_timestamp_seconds",
+            &["fine-settlement"]
+        ),
+        deadline.timestamp() as f64,
+        "{body}"
+    );
+    let month_label = format!("business_date=\"{}\"", month.date());
+    let counted = series(
+        &body_of(&early).await,
+        "settlementd_fine_cents_settled_total",
+        &[&month_label],
+    ) + series(
+        &body_of(&late).await,
+        "settlementd_fine_cents_settled_total",
+        &[&month_label],
+    );
+    assert_eq!(counted, cents as f64, "the cents the two replicas counted");
+}

@@ -27,6 +27,7 @@ pub async fn render_metrics(State(state): State<HttpState>) -> impl IntoResponse
     let _ = crate::daemon::health::evaluate(&state.pool, &state.health).await;
     // Without the exporter's own listener nothing else drains histograms: do it per scrape.
     state.metrics.run_upkeep();
+    crate::daemon::metrics::sample(&state.pool);
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         state.metrics.render(),

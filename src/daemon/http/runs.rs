@@ -70,9 +70,9 @@ pub async fn create(State(state): State<HttpState>, headers: HeaderMap, body: By
                 request_id = %stored.request_id,
                 job = %stored.job_name,
                 business_date = %stored.business_date,
-                range_to = ?stored.range_to,
+                range_to = stored.range_to.map(tracing::field::display),
                 shards = stored.shards,
-                shard = ?stored.shard,
+                shard = stored.shard,
                 force = stored.force,
                 "run request accepted"
             );
