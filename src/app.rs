@@ -38,6 +38,10 @@ pub enum AppError {
         message: String,
         json: serde_json::Value,
     },
+    /// Exit 5: a range of months ended with keys another run still holds (RUNNING under a lease
+    /// that has not expired): they are not done, and `--wait` waits for them.
+    #[error("{0}")]
+    Held(String),
 }
 
 impl AppError {
@@ -47,6 +51,7 @@ impl AppError {
             AppError::Failed(_) => ExitCode::from(1),
             AppError::Refused(_) => ExitCode::from(3),
             AppError::Paused { .. } => ExitCode::from(4),
+            AppError::Held(_) => ExitCode::from(5),
         }
     }
 }

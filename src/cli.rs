@@ -517,8 +517,14 @@ async fn run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Re
             to,
             all_shards: args.all_shards,
         };
+        // The range's bar counts its months; the month's own items are its message.
+        let months = range_months(&range.from, &range.to);
+        let bar = progress_bar(show_bar, "{bar:40} {pos}/{len} months {msg}");
+        bar.set_length(months);
+        let on_progress = |p: Progress| bar.set_message(items_message(p));
         let mut on_month = |done: &commands::run::MonthDone| {
             bar.suspend(|| done.reports.iter().for_each(print));
+            bar.inc(1);
         };
         let result = commands::run::run_range(settings, &range, &on_progress, &mut on_month).await;
         bar.finish_and_clear();
@@ -539,6 +545,23 @@ fn print_stopped(args: &RunArgs, e: &crate::app::AppError) {
     }
 }
 
+/// How many months `--from` … `--to` holds (0 when either does not parse: the range refuses it).
+fn range_months(from: &str, to: &str) -> u64 {
+    use crate::calendar::BusinessDate;
+    match (BusinessDate::from_month(from), BusinessDate::from_month(to)) {
+        (Ok(from), Ok(to)) => crate::calendar::months_between(from, to).len() as u64,
+        _ => 0,
+    }
+}
+
+/// The message of a range's bar: where the month's run is ("· 1200 of 5000 items of the month").
+fn items_message(p: Progress) -> String {
+    match p.total {
+        Some(total) => format!("· {} of {} items of the month", p.scanned, total),
+        None => format!("· {} items of the month", p.scanned),
+    }
+}
+
 /// A progress bar on stderr when `visible`, else one that draws nothing.
 fn progress_bar(visible: bool, template: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::hidden();
@@ -550,4 +573,26 @@ fn progress_bar(visible: bool, template: &str) -> indicatif::ProgressBar {
         );
     }
     bar
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ranges_bar_counts_its_months_and_says_where_the_month_is() {
+        assert_eq!(range_months("2025-11", "2026-10"), 12);
+        assert_eq!(range_months("2026-10", "2026-10"), 1);
+        assert_eq!(range_months("2026-13", "2026-10"), 0);
+        let at = |total| Progress {
+            total,
+            scanned: 1200,
+            ..Progress::default()
+        };
+        assert_eq!(
+            items_message(at(Some(5000))),
+            "· 1200 of 5000 items of the month"
+        );
+        assert_eq!(items_message(at(None)), "· 1200 items of the month");
+    }
 }

@@ -96,7 +96,9 @@ pub struct MonthDone {
 
 /// Runs every month from `from` to `to` in order, for the shard or every shard, calling
 /// `on_month` after each month. Stops at the first failure: the error names the month and says
-/// that running the same command again resumes (months done are skipped as SUCCESS).
+/// that running the same command again resumes (months done are skipped as SUCCESS). A range
+/// whose every key ran but some were held by another run ends with [`AppError::Held`] (exit 5)
+/// naming them.
 pub async fn run_range(
     settings: &Settings,
     request: &RangeRequest,
@@ -177,7 +179,42 @@ pub async fn run_range(
     }
     .await;
     database.close().await;
-    result.map(|()| done)
+    result?;
+    match held(&done) {
+        Some(why) => Err(AppError::Held(why)),
+        None => Ok(done),
+    }
+}
+
+/// What a range that ended with keys held by another run says (exit 5), or `None` when none was.
+fn held(done: &[MonthDone]) -> Option<String> {
+    let held: Vec<String> = done
+        .iter()
+        .flat_map(|m| &m.reports)
+        .filter(|r| r.skipped == Some(SkipReason::Held))
+        .map(|r| {
+            format!(
+                "{} shard {}/{}",
+                r.key.business_date.format("%Y-%m"),
+                r.key.shard,
+                r.key.shards
+            )
+        })
+        .collect();
+    if held.is_empty() {
+        return None;
+    }
+    let (n, them) = match held.len() {
+        1 => ("1 month's shard".to_string(), "it is"),
+        n => (format!("{n} months' shards"), "they are"),
+    };
+    Some(format!(
+        "the range ended with {n} held by another run, RUNNING under a lease that has not \
+         expired (a live holder, or a dead one whose lease runs out after lease.ttl_secs): {}; \
+         {them} not done — run the same command again with --wait to wait for each to finish or \
+         be taken over (done months are skipped)",
+        held.join(", ")
+    ))
 }
 
 /// A range's failure at `month`, saying where it stopped and how to resume.
@@ -192,6 +229,7 @@ fn stopped(e: AppError, month: BusinessDate, from: &str, to: &str) -> AppError {
         AppError::Failed(_) => AppError::Failed(how),
         AppError::Refused(_) => AppError::Refused(how),
         AppError::Paused { json, .. } => AppError::Paused { message: how, json },
+        AppError::Held(_) => AppError::Held(how),
     }
 }
 
@@ -270,6 +308,11 @@ pub fn report_json(report: &RunReport) -> serde_json::Value {
         "shard": report.key.shard,
         "shards": report.key.shards,
         "skipped": report.skipped.is_some(),
+        "skipped_because": report.skipped.map(|why| match why {
+            SkipReason::Held => "held",
+            SkipReason::AlreadyDone => "already_success",
+            SkipReason::RequestServed => "request_served",
+        }),
         "scanned": report.scanned,
         "updated": report.updated,
         "late_returns": report.late,

@@ -147,6 +147,22 @@ async fn run_in_span<J: Job>(
         })
         .await?;
         if let Some(why) = closed {
+            // Every refusal that applies is named: a pause of either job too.
+            let why = answered(within, async {
+                let mut why = why;
+                for (name, whose) in [(before, ""), (job.name(), " itself")] {
+                    if let Some(p) = super::pause::of(pool, name).await? {
+                        why.push_str(&format!(
+                            "; and {name}{whose} is paused since {} by {}: {} (`settlementd resume --job {name}`)",
+                            p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                            p.paused_by,
+                            p.reason
+                        ));
+                    }
+                }
+                Ok::<_, JobError>(why)
+            })
+            .await?;
             tracing::info!(after = before, "not ready: {why}");
             return Err(JobError::NotReady { key, why });
         }

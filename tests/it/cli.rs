@@ -58,6 +58,7 @@ async fn run_json_prints_exactly_one_object_with_the_contract_keys() {
             "shard",
             "shards",
             "skipped",
+            "skipped_because",
             "updated"
         ]
     );
@@ -423,20 +424,26 @@ fn an_embedded_data_directory_the_server_user_cannot_reach_is_exit_2() {
     assert_invalid(&out, "not searchable");
 }
 
-#[tokio::test]
-async fn run_wait_waits_out_a_dead_runs_lease_and_takes_the_month_over() {
-    let db = test_db().await;
-    seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
-    // A run killed without SIGTERM: RUNNING, heartbeat fresh, nobody renewing it.
+/// October's claim as a run killed without SIGTERM leaves it: RUNNING, heartbeat fresh, nobody
+/// renewing it.
+async fn killed_a_moment_ago(pool: &sqlx::PgPool) {
     sqlx::query(
         "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
                                started_at, heartbeat_at)
          VALUES ('fine-settlement', '2026-10-31', 1, 0, 'RUNNING', 1, 'killed-pod',
                  clock_timestamp(), clock_timestamp())",
     )
-    .execute(&db.pool)
+    .execute(pool)
     .await
     .unwrap();
+}
+
+#[tokio::test]
+async fn run_wait_waits_out_a_dead_runs_lease_and_takes_the_month_over() {
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2026-10-31"), 300, 1).await;
+    // A run killed without SIGTERM: RUNNING, heartbeat fresh, nobody renewing it.
+    killed_a_moment_ago(&db.pool).await;
     let args = ["run", "--business-date", "2026-10-31", "--json"];
     let lease = [
         ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
@@ -595,4 +602,71 @@ async fn a_slow_statement_is_one_log_line_naming_it_never_the_statement() {
             }
         }
     }
+}
+
+/// A range that ends with a month's shard still RUNNING under a lease that has not expired (a
+/// holder killed a moment ago) says so: exit 5, the month named on stderr with `--wait`, and its
+/// JSON line `"skipped_because": "held"` where a month already done says `already_success`. The
+/// same range with `--wait` takes the month over once its lease expires, and exits 0.
+#[tokio::test]
+async fn a_range_that_ends_with_a_held_month_says_so_and_wait_finishes_it() {
+    let db = test_db().await;
+    seed_month_alone(&db.pool, bd("2026-09-30"), 50, 1).await;
+    seed_month_alone(&db.pool, bd("2026-10-31"), 50, 1_000).await;
+    run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", "2026-09-30"]));
+    killed_a_moment_ago(&db.pool).await;
+    let args = ["run", "--from", "2026-09", "--to", "2026-10", "--json"];
+    let lease = [
+        ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+        ("SETTLEMENTD__LEASE__TTL_SECS", "3"),
+    ];
+    let out = settlementd(Some(&db.url))
+        .args(args)
+        .envs(lease)
+        .output()
+        .unwrap();
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(5), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    for needle in ["held by another run", "2026-10 shard 0/1", "--wait"] {
+        assert!(err.contains(needle), "{needle}: {err}");
+    }
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let because: Vec<_> = lines
+        .iter()
+        .map(|v| (v["business_date"].clone(), v["skipped_because"].clone()))
+        .collect();
+    assert_eq!(
+        because,
+        [
+            (
+                serde_json::json!("2026-09-30"),
+                serde_json::json!("already_success")
+            ),
+            (serde_json::json!("2026-10-31"), serde_json::json!("held")),
+        ]
+    );
+
+    let waited = run_ok(
+        settlementd(Some(&db.url))
+            .args(args)
+            .arg("--wait")
+            .envs(lease),
+    );
+    let last: serde_json::Value = serde_json::from_slice(
+        waited
+            .stdout
+            .split(|b| *b == b'\n')
+            .rfind(|l| !l.is_empty())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        (last["skipped_because"].clone(), last["attempt"].as_i64()),
+        (serde_json::Value::Null, Some(2)),
+        "{last}"
+    );
 }

@@ -2661,3 +2661,49 @@ async fn a_pause_stops_a_run_at_its_next_batch_and_run_says_how_much_it_wrote_at
 async fn a_pause_stops_a_run_at_its_next_batch_at_the_default_batch_size() {
     pause_mid_run("10000", 60_000, 0.0).await;
 }
+
+/// With both jobs paused, `run --job member-statements` of a month the settlement has not closed
+/// names every refusal that applies: the month not closed, the settlement's pause and the
+/// statements' own, each with who paused it and how to resume. Nothing is claimed.
+#[tokio::test]
+async fn a_refused_run_names_every_refusal_that_applies_both_pauses_included() {
+    let db = test_db().await;
+    seed_month_alone(&db.pool, bd("2026-10-31"), 20, 1).await;
+    pause_settlement(&db.url, "libraryd is being reloaded");
+    let out = cli(
+        &db.url,
+        &[],
+        &[
+            "pause",
+            "--job",
+            STATEMENTS,
+            "--reason",
+            "statements redesign",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let out = cli(
+        &db.url,
+        &[],
+        &["run", "--job", STATEMENTS, "--business-date", "2026-10-31"],
+    );
+    let line = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(3), "{line}");
+    assert_eq!(line.trim().lines().count(), 1, "{line}");
+    for needle in [
+        "is not ready",
+        "fine-settlement 2026-10-31 has no SUCCESS claim",
+        "fine-settlement is paused since",
+        "libraryd is being reloaded",
+        "member-statements itself is paused since",
+        "statements redesign",
+        "settlementd resume --job member-statements",
+    ] {
+        assert!(line.contains(needle), "{needle}: {line}");
+    }
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM job_runs").await,
+        0,
+        "nothing claimed"
+    );
+}
