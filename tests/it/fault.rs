@@ -259,15 +259,15 @@ async fn kill_at(
             claim_of(&db.pool, shard).await.is_none()
         }
         Point::MidBatch => {
-            // Both statements of each batch (the odd rows', `WITH flagged …`, then the rest's,
-            // `WITH settled …`) pass a gate after they wrote their rows; from the batch after the
+            // Both statements of each batch (the odd rows', `/* settle.odd */ WITH flagged …`,
+            // then the rest's, `/* settle.batch */ WITH settled …`) pass a gate after they wrote their rows; from the batch after the
             // first `batches_first` on, the gate is a lock the test holds. The kill lands while a
             // batch's transaction is open and has written, whatever the machine's load.
             let gate = format!(
                 "CREATE FUNCTION batch_gate() RETURNS trigger LANGUAGE plpgsql AS $$
                  BEGIN
-                     IF current_query() LIKE 'WITH flagged%'
-                        OR current_query() LIKE 'WITH settled%' THEN
+                     IF current_query() LIKE '/* settle.odd */ WITH flagged%'
+                        OR current_query() LIKE '/* settle.batch */ WITH settled%' THEN
                          IF nextval('batch_statements') > {} THEN
                              PERFORM pg_advisory_xact_lock(4243);
                          END IF;
@@ -290,7 +290,7 @@ async fn kill_at(
                 db,
                 spawn_shard(&db.url, shard, batch),
                 4243,
-                "WITH % AS%",
+                "/* settle.% */ WITH % AS%",
                 "a batch statement",
             )
             .await;
