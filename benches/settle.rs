@@ -32,6 +32,9 @@
 //! - `VS` (with `ST`): `settlementd run --job member-statements` of the month after `V`, then
 //!   `settlementd verify --job member-statements`: every member's statement proved against the
 //!   journal; must answer "right";
+//! - `D`: `settlementd run --dry-run` of the unsettled month, 1 shard: it must report the loans
+//!   and fines `L` writes, and leave the month unsettled; `D ÷ L` is what seeing the money before
+//!   it moves costs (target ≤ 1.0);
 //! - `C`: `settlementd correct` of the month right after `R`, to a rate 10 cents higher: every late
 //!   loan's fine changes, each on the record (journal, `fine_adjustments`).
 //!
@@ -94,7 +97,7 @@ struct Shape {
 fn shape(name: &str, base: u64) -> Result<Shape, BoxError> {
     let month = BusinessDate::parse(MONTH)?;
     let scaled = |f: f64| ((base as f64 * f) as u64).max(1000);
-    const ALL: &[&str] = &["L", "L2", "S1", "S2", "S3"];
+    const ALL: &[&str] = &["L", "L2", "D", "S1", "S2", "S3"];
     Ok(match name {
         "append" => {
             // Four months, ids one block per month: July, August (settled), September, October.
@@ -118,7 +121,7 @@ fn shape(name: &str, base: u64) -> Result<Shape, BoxError> {
                     })
                     .collect::<Result<_, BoxError>>()?,
                 analyzed: true,
-                cases: &["L", "L2", "N", "S1", "S2", "S3"],
+                cases: &["L", "L2", "N", "D", "S1", "S2", "S3"],
             }
         }
         "history" | "history2x" => {
@@ -436,7 +439,7 @@ async fn bench(
         _ => case.to_string(),
     };
     let mut samples: Vec<(String, Vec<Sample>)> = Vec::new();
-    for case in ["L", "J", "L2", "N"] {
+    for case in ["L", "J", "L2", "N", "D"] {
         samples.push((case.to_string(), Vec::new()));
     }
     for (i, &b) in batches.iter().enumerate() {
@@ -463,6 +466,7 @@ async fn bench(
         ("J", None, false),
         ("L2", None, false),
         ("N", None, false),
+        ("D", None, false),
     ];
     for (i, &b) in batches.iter().enumerate() {
         for case in ["S1", "S1U", "S2", "S3"] {
@@ -486,6 +490,27 @@ async fn bench(
             }
             let name = label(case, batch);
             reset(&mut db, shape.analyzed, "loans_pristine").await?;
+            if case == "D" {
+                let dry = dry_run_process(&binaries.settlementd, url, month, expected)?;
+                let fines = reference.as_ref().map(|r| r.fine_cents_sum);
+                if fines.is_some_and(|f| f != dry.1) {
+                    return Err(format!(
+                        "the dry run reports fines of {} cents, L wrote {fines:?}",
+                        dry.1
+                    )
+                    .into());
+                }
+                let after = settlement::month_totals(&mut db, month).await?;
+                if after.settled_rows != 0 {
+                    return Err(format!("the dry run settled {} rows", after.settled_rows).into());
+                }
+                println!(
+                    "rep {rep} D         {:>8.0} ms, writes nothing",
+                    dry.0.wall_ms
+                );
+                push("D", dry.0);
+                continue;
+            }
             let sample = match case {
                 "L" => set_based(&mut db, month, None).await?,
                 "J" => set_based_journaled(&mut db, month).await?,
@@ -1031,6 +1056,54 @@ fn command(binary: &Path, url: &str) -> Command {
 
 /// `settlementd verify --json` of `month`, timed from spawn to exit; it must find the month right
 /// with `expected` rows settled.
+/// `settlementd run --dry-run --json` of the unsettled `month`, 1 shard, timed from spawn to exit:
+/// it must report `expected` loans to settle; also returns the fines it reports.
+fn dry_run_process(
+    binary: &Path,
+    url: &str,
+    month: BusinessDate,
+    expected: u64,
+) -> Result<(Sample, i128), BoxError> {
+    let mut cmd = command(binary, url);
+    let t = Instant::now();
+    let out = cmd
+        .env("SETTLEMENTD__DATABASE__URL", url)
+        .args([
+            "run",
+            "--dry-run",
+            "--json",
+            "--shards",
+            "1",
+            "--shard",
+            "0",
+        ])
+        .arg("--business-date")
+        .arg(month.to_string())
+        .stdin(Stdio::null())
+        .output()?;
+    let wall_ms = ms(t.elapsed());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "the dry run printed {:?} ({e}): {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    let settle = &v["by_shard"][0]["settle"];
+    if !out.status.success() || settle["loans"].as_u64() != Some(expected) {
+        return Err(format!("the dry run did not report {expected} loans to settle: {v}").into());
+    }
+    let fines = settle["cents"].to_string().parse::<i128>()?;
+    Ok((
+        Sample {
+            wall_ms,
+            scanned: expected,
+            ..Sample::default()
+        },
+        fines,
+    ))
+}
+
 fn verify_process(
     binary: &Path,
     url: &str,
@@ -1221,6 +1294,7 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
         "C-after-run" => "settlementd correct of the month to another rate, after R",
         "S1U" => "settlementd run, 1 shard, built without the money journal (baseline)",
         "J" => "one set-based UPDATE of the month that also journals it",
+        "D" => "settlementd run --dry-run of the unsettled month, 1 shard (writes nothing)",
         _ => "settlementd run --force of the settled month, after VACUUM",
     };
     let l_rate = samples
@@ -1235,7 +1309,10 @@ fn summarize(samples: &[(String, Vec<Sample>)], expected: u64) -> Vec<Row> {
             let wall = median(v.iter().map(|s| s.wall_ms).collect());
             // A re-run or a verify settles nothing: no rate, no ratio to L (the summary compares
             // verify's time with L's).
-            let rerun = case.starts_with('R') || case.starts_with('V') || case.starts_with('C');
+            let rerun = case.starts_with('R')
+                || case.starts_with('V')
+                || case.starts_with('C')
+                || case == "D";
             let rows = if rerun { 0 } else { expected };
             let rate = rows as f64 / (wall / 1000.0);
             Row {
@@ -1478,7 +1555,7 @@ fn print_summary(all: &[(&str, Vec<Row>)], doubled: Option<&Doubled>) {
 summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; R in ms)"
     );
     println!(
-        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
+        "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
         "shape",
         "S1",
         "S2",
@@ -1490,6 +1567,7 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
         "V÷L",
         "VS÷L",
         "C÷L",
+        "D÷L",
         "S1 ms",
         "R ms",
         "RSS MiB"
@@ -1511,7 +1589,7 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
                 .map(|(v, l)| v.wall_ms / l.wall_ms)
         };
         println!(
-            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
+            "{:<12} {:>6} {:>6} {:>6} {:>6} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>10} {:>10} {:>9}",
             shape,
             fmt(ratio(shape, "S1")),
             fmt(ratio(shape, "S2")),
@@ -1523,6 +1601,7 @@ summary (× L, medians; L2: two set-based UPDATEs, one per shard of 2, at once; 
             fmt(over("V-after-run", "L")),
             fmt(over("VS-after-run", "L")),
             fmt(over("C-after-run", "L")),
+            fmt(over("D", "L")),
             get(shape, "S1").map_or("-".into(), |r| format!("{:.0}", r.wall_ms)),
             get(shape, "R-after-run").map_or("-".into(), |r| format!("{:.1}", r.wall_ms)),
             rss.map_or("-".into(), |m| format!("{m:.1}")),

@@ -487,3 +487,37 @@ pub fn retention_key(
         shard: 0,
     }
 }
+
+/// The dry runs of `months` for `shards` of `count` (`run --dry-run`, `POST /v1/runs/dry-run`),
+/// a month not over yet shown refused.
+pub async fn dry_months(
+    settings: &Settings,
+    pool: &PgPool,
+    job: &dyn crate::jobs::registry::Registered,
+    months: &[BusinessDate],
+    count: u32,
+    shards: &[u32],
+    force: bool,
+) -> Result<Vec<crate::jobs::dry::DryRun>> {
+    let mut out = Vec::new();
+    for month in months {
+        let mut dry = crate::jobs::dry::dry_run(
+            pool,
+            job,
+            month.date(),
+            count,
+            shards,
+            force,
+            std::time::Duration::from_secs(settings.lease.ttl_secs),
+        )
+        .await?;
+        if let Err(e) = ensure_month_is_over(*month, settings, &crate::clock::SystemClock) {
+            dry.refused.insert(0, e.to_string());
+            dry.by_shard
+                .iter_mut()
+                .for_each(|s| s.would = crate::jobs::dry::Would::Refuse);
+        }
+        out.push(dry);
+    }
+    Ok(out)
+}

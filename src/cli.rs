@@ -103,8 +103,13 @@ pub struct RunArgs {
     /// Also wait while the job this one follows has not closed the month, instead of refusing.
     #[arg(long)]
     pub wait: bool,
+    /// Say what the run would write — per shard the loans it would settle, re-price or hold, the
+    /// cents, the rule it would pin, and the members whose fines change — and write nothing (no
+    /// claim, no pin, no journal entry, no event). One report per month (and job).
+    #[arg(long, conflicts_with = "wait")]
+    pub dry_run: bool,
     /// Print one JSON object on stdout (one per line per month, shard and job with --from/--to
-    /// or --all-jobs).
+    /// or --all-jobs; one per month and job with --dry-run).
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -152,12 +157,17 @@ pub struct CorrectArgs {
     #[arg(long, value_name = "YYYY-MM-DD")]
     pub business_date: String,
     /// Why the month is corrected (recorded with every shard's `corrected` event).
-    #[arg(long, value_name = "TEXT")]
-    pub reason: String,
+    #[arg(long, value_name = "TEXT", required_unless_present = "dry_run")]
+    pub reason: Option<String>,
     /// The correction's key, from the ticket that asked for it: the same key again changes
     /// nothing and reports the first result.
-    #[arg(long, value_name = "KEY")]
-    pub key: String,
+    #[arg(long, value_name = "KEY", required_unless_present = "dry_run")]
+    pub key: Option<String>,
+    /// Say what the correction would write — per shard the loans whose fines it changes, the
+    /// cents, the held loans, and the members whose fines change — and write nothing (no key,
+    /// reason or claim needed or recorded).
+    #[arg(long)]
+    pub dry_run: bool,
     /// The shard count to correct under (default: the one the month was settled with).
     #[arg(long, value_name = "M")]
     pub shards: Option<u32>,
@@ -335,7 +345,10 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 vec![args.job.clone()]
             };
             for job in jobs {
-                run_job(&settings, &args, job).await?;
+                match args.dry_run {
+                    true => dry_run_job(&settings, &args, job).await?,
+                    false => run_job(&settings, &args, job).await?,
+                }
             }
         }
         Command::Status(args) => {
@@ -421,11 +434,19 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         Command::Correct(args) => {
             let request = CorrectRequest {
                 business_date: args.business_date,
-                reason: args.reason,
-                key: args.key,
+                reason: args.reason.unwrap_or_default(),
+                key: args.key.unwrap_or_default(),
                 shards: args.shards,
                 embedded_db: args.db.embedded_db,
             };
+            if args.dry_run {
+                let dry = commands::correct::dry_run(&settings, &request).await?;
+                match args.json {
+                    true => println!("{}", dry.to_json()),
+                    false => print!("{}", dry.to_text()),
+                }
+                return Ok(());
+            }
             let corrected = commands::correct::correct(&settings, &request).await?;
             if args.json {
                 println!("{}", commands::correct::to_json(&corrected));
@@ -468,6 +489,32 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
 }
 
 /// `run` of one job (`None`: the default): a month, or a range of months, printing each report.
+/// `run --dry-run` of one job: a report per month, in words or one JSON object per line.
+async fn dry_run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Result<()> {
+    let (from, to) = (args.from.clone(), args.to.clone());
+    let request = RangeRequest {
+        run: RunRequest {
+            job,
+            business_date: args.business_date.clone(),
+            shard: args.shard,
+            shards: args.shards,
+            force: args.force,
+            embedded_db: args.db.embedded_db,
+            ..RunRequest::default()
+        },
+        from: from.unwrap_or_default(),
+        to: to.unwrap_or_default(),
+        all_shards: args.all_shards,
+    };
+    for dry in commands::run::dry_run(settings, &request).await? {
+        match args.json {
+            true => println!("{}", dry.to_json()),
+            false => print!("{}", dry.to_text()),
+        }
+    }
+    Ok(())
+}
+
 async fn run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Result<()> {
     let show_bar = !args.json && std::io::stderr().is_terminal();
     let request = RunRequest {

@@ -26,7 +26,7 @@
 //! | the binary's jobs | [`registry`] | the one list of jobs, their schedules from the settings |
 //! | the jobs' data and tools | [`settlement`], [`statements`], [`seed`], [`db`], [`embedded_pg`] | the fine settlement (loans SQL, journal, verify, corrections); the member statements; synthetic loans; connect and migrate; a private PostgreSQL |
 //! | generic layers | [`jobs`], [`config`] | the `Job` trait and registry types, claim, lease, fencing, pins, pause, what is due, requests, retention, whether the server takes writes, `run_once` (knows nothing of loans); typed, validated settings |
-//! | pure | [`calendar`], [`fine`], [`clock`], [`schedule`], [`mutant`], [`version`] | business dates, the fine rule, injected time, cron slots, the fault campaign's planted bugs, the binary's release and commit (`schedule` uses `calendar`; the others use nothing) |
+//! | pure | [`calendar`], [`fine`], [`clock`], [`schedule`], [`mutant`], [`version`], [`numbers`] | business dates, the fine rule, injected time, cron slots, the fault campaign's planted bugs, the binary's release and commit, counts and money as people write them (`schedule` uses `calendar`; the others use nothing) |
 //!
 //! `python3 ../shared/tools/modcycles.py src` checks the "no cycles, nothing imports `cli`" part.
 
@@ -43,6 +43,7 @@ pub mod embedded_pg;
 pub mod fine;
 pub mod jobs;
 pub mod mutant;
+pub mod numbers;
 pub mod overview;
 pub mod registry;
 pub mod schedule;

@@ -13,8 +13,11 @@ use crate::app::{
 use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec, MAX_SHARDS};
+use crate::jobs::dry::{DryRun, ShardDry, Would};
 use crate::jobs::{self, Params, RunOptions, SkipReason};
+use crate::numbers::things;
 use crate::settlement::correction::{self, Begun, Correction, FineCorrection, ShardRun};
+use crate::settlement::preview::Writer;
 use crate::settlement::{self, describe_params, journal, rule_params};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
@@ -144,6 +147,124 @@ pub async fn correct(settings: &Settings, request: &CorrectRequest) -> Result<Co
             correction,
             replayed: false,
             result,
+        })
+    }
+    .await;
+    database.close().await;
+    result
+}
+
+/// `correct --dry-run`: what a correction of the month to the configuration's rule would write,
+/// shard by shard (the loans whose fines it changes, reverses or takes out, the cents, the held
+/// loans) and member by member, read in one read-only snapshot; nothing is written, no key is
+/// needed. What would refuse the correction is named (a pause, live runs, loans without a journal
+/// entry, another correction unfinished).
+pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<DryRun> {
+    if let Some(shards) = request.shards {
+        ShardSpec::new(0, shards)
+            .map_err(|_| AppError::Invalid(format!("--shards must be 1 to {MAX_SHARDS}")))?;
+    }
+    let business_date =
+        business_date_or_default(Some(&request.business_date), settings, &SystemClock)?;
+    let job = settlement_job(settings);
+    let rule = job
+        .rule_of(business_date.date())
+        .map_err(|why| AppError::Invalid(format!("{business_date}: {why}")))?
+        .rule;
+    let database = Database::open(settings, request.embedded_db).await?;
+    let result = async {
+        check_schema(&database.pool, settings).await?;
+        let pool = &database.pool;
+        let shards = match request.shards {
+            Some(shards) => shards,
+            None => settled_shard_count(pool, business_date).await?,
+        };
+        let mut tx = pool.begin_with(jobs::dry::BEGIN_DRY_RUN).await?;
+        let mut refused = Vec::new();
+        if let Err(e) = ensure_month_is_over(business_date, settings, &SystemClock) {
+            refused.push(e.to_string());
+        }
+        let unjournaled = journal::unjournaled(&mut tx).await?;
+        if unjournaled > 0 {
+            refused.push(format!(
+                "{unjournaled} settled loans have no journal entry yet (`settlementd migrate` \
+                 gives each an opening entry)"
+            ));
+        }
+        if let Some(p) = jobs::pause::of(&mut *tx, settlement::JOB_NAME).await? {
+            refused.push(format!(
+                "{} is paused since {} by {}: {}",
+                settlement::JOB_NAME,
+                p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                p.paused_by,
+                p.reason
+            ));
+        }
+        if let Some(other) = correction::unfinished(&mut *tx).await?.first() {
+            refused.push(format!(
+                "{} is being corrected under key {:?}: that correction finishes first",
+                other.business_date, other.correction_key
+            ));
+        }
+        let claims: Vec<(i32, String, i32)> = sqlx::query_as(
+            "SELECT shard, status, attempt FROM job_runs
+              WHERE job_name = $1 AND business_date = $2 AND shards = $3 ORDER BY shard",
+        )
+        .bind(settlement::JOB_NAME)
+        .bind(business_date.date())
+        .bind(shards as i32)
+        .fetch_all(&mut *tx)
+        .await?;
+        let running: Vec<String> = claims
+            .iter()
+            .filter(|c| c.1 == "RUNNING")
+            .map(|c| format!("shard {}/{shards}", c.0))
+            .collect();
+        if !running.is_empty() {
+            refused.push(format!(
+                "{business_date} has runs in progress ({}): a correction waits for them",
+                running.join(", ")
+            ));
+        }
+        let pinned = jobs::params::pinned(&mut *tx, settlement::JOB_NAME, business_date.date())
+            .await?
+            .map(|p| describe_params(&p));
+        let all: Vec<u32> = (0..shards).collect();
+        let found = settlement::preview::preview(
+            &mut tx,
+            Writer::Correction,
+            business_date,
+            shards,
+            &all,
+            &rule,
+        )
+        .await?;
+        tx.rollback().await?;
+        let would = match refused.is_empty() {
+            true => Would::Run,
+            false => Would::Refuse,
+        };
+        let params = rule_params(&rule);
+        Ok(DryRun {
+            writer: "correction",
+            job: settlement::JOB_NAME,
+            business_date: business_date.date(),
+            shards,
+            params: Some((describe_params(&params), params.0)),
+            pinned,
+            refused,
+            by_shard: all
+                .iter()
+                .map(|&shard| ShardDry {
+                    shard,
+                    claim: claims
+                        .iter()
+                        .find(|c| c.0 as u32 == shard)
+                        .map(|c| (c.1.clone(), c.2)),
+                    would: would.clone(),
+                })
+                .collect(),
+            preview: Some(found.to_preview(Writer::Correction, &all)),
         })
     }
     .await;
@@ -356,16 +477,16 @@ pub fn to_text(c: &Corrected) -> String {
         .clone()
         .map_or("none pinned".into(), |p| describe_params(&Params(p)));
     format!(
-        "correction {:?} of {} ({} shards){}: {} rows changed, net {:+} cents; rule was {old}, is {}\n",
+        "correction {:?} of {} ({}){}: {} changed, net {:+} cents; rule was {old}, is {}\n",
         c.correction.correction_key,
         c.correction.business_date,
-        c.correction.shards,
+        things(c.correction.shards, "shard", "shards"),
         if c.replayed {
             " was done before: nothing changed now"
         } else {
             ""
         },
-        shard_sum(&c.result, "changed"),
+        things(shard_sum(&c.result, "changed"), "row", "rows"),
         net_cents(&c.result),
         describe_params(&Params(c.correction.new_rule.clone()))
     )

@@ -9,6 +9,7 @@ use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec};
 use crate::db;
+use crate::jobs::dry::DryRun;
 use crate::jobs::registry::Registered;
 use crate::jobs::{JobError, JobKey, Progress, RunReport, SkipReason};
 use std::sync::Arc;
@@ -106,16 +107,7 @@ pub async fn run_range(
     on_month: &mut (dyn FnMut(&MonthDone) + Send),
 ) -> Result<Vec<MonthDone>> {
     let job = job_of(settings, request.run.job.as_deref())?;
-    let from = BusinessDate::from_month(&request.from)
-        .map_err(|e| AppError::Invalid(format!("--from: {e}")))?;
-    let to = BusinessDate::from_month(&request.to)
-        .map_err(|e| AppError::Invalid(format!("--to: {e}")))?;
-    if to < from {
-        return Err(AppError::Invalid(format!(
-            "--to {} is before --from {}",
-            request.to, request.from
-        )));
-    }
+    let months = range_months(request)?;
     let shards = request.run.shards.unwrap_or(settings.shard.count);
     let targets: Vec<ShardSpec> = if request.all_shards {
         if request.run.shard.is_some() {
@@ -132,10 +124,6 @@ pub async fn run_range(
             shards,
         )?]
     };
-    let months: Vec<BusinessDate> = crate::calendar::months_between(from, to)
-        .into_iter()
-        .filter_map(|d| BusinessDate::new(d).ok())
-        .collect();
     // Every month is checked before anything runs: a range is refused whole, not half run.
     let mut keys = Vec::new();
     for month in &months {
@@ -184,6 +172,60 @@ pub async fn run_range(
         Some(why) => Err(AppError::Held(why)),
         None => Ok(done),
     }
+}
+
+/// `run --dry-run`: what runs of each month of the request would do, for its shard or every
+/// shard, read in one read-only snapshot per month ([`jobs::dry`]); nothing is written. A month
+/// not over yet, or one the configuration does not cover, is shown with that refusal rather than
+/// refused whole: a dry run of any month says what stands in its way.
+pub async fn dry_run(settings: &Settings, request: &RangeRequest) -> Result<Vec<DryRun>> {
+    let job = job_of(settings, request.run.job.as_deref())?;
+    let months: Vec<BusinessDate> = if request.from.is_empty() {
+        vec![business_date_or_default(
+            request.run.business_date.as_deref(),
+            settings,
+            &SystemClock,
+        )?]
+    } else {
+        range_months(request)?
+    };
+    let count = request.run.shards.unwrap_or(settings.shard.count);
+    let shards: Vec<u32> = if request.all_shards {
+        (0..ShardSpec::new(0, count)?.count).collect()
+    } else {
+        vec![ShardSpec::new(request.run.shard.unwrap_or(settings.shard.index), count)?.index]
+    };
+    let database = open(settings, request.run.embedded_db).await?;
+    let result = crate::app::dry_months(
+        settings,
+        &database.pool,
+        job.as_ref(),
+        &months,
+        count,
+        &shards,
+        request.run.force,
+    )
+    .await;
+    database.close().await;
+    result
+}
+
+/// The months of `--from`/`--to`, in order; `--to` before `--from` is refused.
+fn range_months(request: &RangeRequest) -> Result<Vec<BusinessDate>> {
+    let from = BusinessDate::from_month(&request.from)
+        .map_err(|e| AppError::Invalid(format!("--from: {e}")))?;
+    let to = BusinessDate::from_month(&request.to)
+        .map_err(|e| AppError::Invalid(format!("--to: {e}")))?;
+    if to < from {
+        return Err(AppError::Invalid(format!(
+            "--to {} is before --from {}",
+            request.to, request.from
+        )));
+    }
+    Ok(crate::calendar::months_between(from, to)
+        .into_iter()
+        .filter_map(|d| BusinessDate::new(d).ok())
+        .collect())
 }
 
 /// What a range that ended with keys held by another run says (exit 5), or `None` when none was.

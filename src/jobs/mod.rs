@@ -20,6 +20,7 @@
 //! A [`Job`] supplies the work one batch at a time; [`runner::run_once`] drives it.
 
 pub mod claim;
+pub mod dry;
 pub mod due;
 pub mod events;
 pub mod fleet;
@@ -173,6 +174,27 @@ pub struct Proof {
     /// (each `{count, ids}` or `{count, first}`, as the settlement's).
     pub json: serde_json::Value,
     /// What `verify` prints without `--json` (lines end with a newline).
+    pub text: String,
+}
+
+/// What a run of a period would write, for a dry run ([`Job::preview`], [`dry`]).
+#[derive(Debug, Clone, Default)]
+pub struct Preview {
+    /// By shard.
+    pub shards: std::collections::BTreeMap<u32, ShardPreview>,
+    /// The period's own keys of the dry run's JSON (the fine settlement: the members whose fines
+    /// change) and its lines in words.
+    pub json: serde_json::Map<String, serde_json::Value>,
+    pub text: String,
+}
+
+/// What a run of one shard would write.
+#[derive(Debug, Clone, Default)]
+pub struct ShardPreview {
+    /// Items it would write.
+    pub writes: u64,
+    /// Its keys in the shard's object of the dry run's JSON, and its lines in words.
+    pub json: serde_json::Map<String, serde_json::Value>,
     pub text: String,
 }
 
@@ -492,6 +514,19 @@ pub trait Job: Sync {
         _db: &mut PgConnection,
         _business_date: NaiveDate,
     ) -> impl Future<Output = sqlx::Result<Option<Proof>>> + Send {
+        async { Ok(None) }
+    }
+
+    /// What runs of `business_date` for `shards` of `count` would write, read on `db` (the dry
+    /// run's read-only snapshot: [`dry`]) and written nowhere, at no more than a run's cost.
+    /// `None`: the job cannot tell. Default: `None`.
+    fn preview(
+        &self,
+        _db: &mut PgConnection,
+        _business_date: NaiveDate,
+        _count: u32,
+        _shards: &[u32],
+    ) -> impl Future<Output = sqlx::Result<Option<Preview>>> + Send {
         async { Ok(None) }
     }
 

@@ -8,8 +8,8 @@
 //! list of [`Registration`]s, each exported by its job's own module.
 
 use super::{
-    Cursor, Fact, Job, JobKey, Metrics, Noted, Params, PendingReport, Progress, Proof, Result,
-    RunOptions, RunReport, Words,
+    Cursor, Fact, Job, JobKey, Metrics, Noted, Params, PendingReport, Preview, Progress, Proof,
+    Result, RunOptions, RunReport, Words,
 };
 use chrono::NaiveDate;
 use croner::Cron;
@@ -75,6 +75,14 @@ pub trait Registered: Send + Sync {
         db: &'a mut PgConnection,
         business_date: NaiveDate,
     ) -> Boxed<'a, sqlx::Result<Option<Proof>>>;
+    /// [`Job::preview`]: `None` when the job cannot tell what its runs would write.
+    fn preview<'a>(
+        &'a self,
+        db: &'a mut PgConnection,
+        business_date: NaiveDate,
+        count: u32,
+        shards: &'a [u32],
+    ) -> Boxed<'a, sqlx::Result<Option<Preview>>>;
     fn words(&self) -> Words;
     fn describe_metrics(&self);
     fn metrics(&self) -> Metrics;
@@ -168,6 +176,16 @@ where
         business_date: NaiveDate,
     ) -> Boxed<'a, sqlx::Result<Option<Proof>>> {
         Box::pin(self.job.prove(db, business_date))
+    }
+
+    fn preview<'a>(
+        &'a self,
+        db: &'a mut PgConnection,
+        business_date: NaiveDate,
+        count: u32,
+        shards: &'a [u32],
+    ) -> Boxed<'a, sqlx::Result<Option<Preview>>> {
+        Box::pin(self.job.preview(db, business_date, count, shards))
     }
 
     fn words(&self) -> Words {

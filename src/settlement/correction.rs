@@ -188,6 +188,30 @@ pub async fn unfinished(db: impl PgExecutor<'_>) -> sqlx::Result<Vec<Correction>
     .await
 }
 
+/// The loans a correction of month `$1` (first day) re-prices, shard `$3` of `$2`, by id, after
+/// id `after` (an SQL expression, `NULL` for all): every loan with an entry in the month's
+/// journal, at the seq of its last entry there, and every unsettled return of the month (seq
+/// `NULL`). Its plan reads them; its dry run ([`super::preview`]) prices them, for the shards
+/// `shard` lets through.
+pub(super) fn loans_of_month(after: &str, shard: &dyn Fn(&str) -> String) -> String {
+    let (journal_shard, loans_shard) = (shard("x.loan_id"), shard("l.id"));
+    format!(
+        "SELECT DISTINCT ON (id) id, seq FROM (
+             SELECT x.loan_id AS id, x.seq
+               FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
+              WHERE j.month = $1::date AND ({after} IS NULL OR x.loan_id > {after})
+                AND {journal_shard}
+             UNION ALL
+             SELECT l.id::bigint, NULL FROM loans l
+              WHERE {MONTH_KEY_L} = $1::date::timestamp
+                AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
+                AND ({after} IS NULL OR l.id + 0 > {after})
+                AND {loans_shard}
+         ) t
+         ORDER BY id, seq DESC NULLS FIRST"
+    )
+}
+
 fn job_to_sqlx(e: crate::jobs::JobError) -> sqlx::Error {
     match e {
         crate::jobs::JobError::Db(e) => e,
@@ -398,21 +422,9 @@ impl Job for FineCorrection {
         // loan with that id out).
         let after = claim.resume.last_id;
         let mut tx = pool.begin_with(self.settlement.begin_batch()).await?;
-        let loans: Vec<(i64, Option<i32>)> = sqlx::query_as(&format!(
-            "SELECT DISTINCT ON (id) id, seq FROM (
-                 SELECT x.loan_id AS id, x.seq
-                   FROM fine_journal j, unnest(j.loan_ids, j.seqs) AS x(loan_id, seq)
-                  WHERE j.month = $1::date AND ($4::bigint IS NULL OR x.loan_id > $4)
-                    AND ($2 = 1 OR (x.loan_id % $2 + $2) % $2 = $3)
-                 UNION ALL
-                 SELECT l.id::bigint, NULL FROM loans l
-                  WHERE {MONTH_KEY_L} = $1::date::timestamp
-                    AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
-                    AND ($4::bigint IS NULL OR l.id + 0 > $4)
-                    AND ($2 = 1 OR (l.id % $2 + $2) % $2 = $3)
-             ) t
-             ORDER BY id, seq DESC NULLS FIRST"
-        ))
+        let loans: Vec<(i64, Option<i32>)> = sqlx::query_as(&loans_of_month("$4::bigint", &|id| {
+            format!("($2 = 1 OR ({id} % $2 + $2) % $2 = $3)")
+        }))
         .bind(month.first_day())
         .bind(shards)
         .bind(shard)

@@ -232,8 +232,12 @@ pub async fn reprice(
 /// correction key, `$11` the kind of priced entries, `$12` the business date, and only in the
 /// statement over given loans `$13`/`$14` their ids and seqs.
 fn statement(targets: &str, settles_returns: bool) -> String {
-    let fine = FineRule::sql_params(5);
-    let shard = "($2 = 1 OR (t.loan_id % $2 + $2) % $2 = $3)";
+    let on = Pricing {
+        prefix: "",
+        shard: &|id| format!("($2 = 1 OR ({id} % $2 + $2) % $2 = $3)"),
+        settles_returns,
+        lock: "FOR UPDATE OF l",
+    };
     let journal = |from: &str, kind: &str, rule: &str| {
         insert_from(
             from,
@@ -245,22 +249,6 @@ fn statement(targets: &str, settles_returns: bool) -> String {
             "$10::text",
         )
     };
-    // Which rows are taken. From the queue: settled ones (their earliest edit says their money is
-    // in the month). A correction's: a loan still at the seq of its last entry in the month, or a
-    // return still unsettled; a loan whose money has left the month since the plan (re-priced,
-    // reversed or settled in another month) is another month's, and so are its queued edits.
-    let taken = if settles_returns {
-        "CASE WHEN t.seq IS NULL THEN l.fine_settled_at IS NULL ELSE l.fine_seq = t.seq END"
-    } else {
-        "l.fine_settled_at IS NOT NULL"
-    };
-    // A deletion waiting in the queue is the month's when its loan's money was: any the queue
-    // finds (its earliest edit is in the month), a correction's only at its seq.
-    let gone_taken = if settles_returns {
-        "c.old_fine_seq = t.seq"
-    } else {
-        "true"
-    };
     // The queued edits that go with the batch: every edit of the loans the queue found, and of a
     // correction's only those of the loans it took (`cur`, `gone`). Deleting the edits of every
     // loan it was given dropped another month's edits: a loan corrected in August, since settled
@@ -270,40 +258,10 @@ fn statement(targets: &str, settles_returns: bool) -> String {
     } else {
         "targets"
     };
-    // A correction over the journal's loans writes only the fines it changes. An edit from the
-    // queue is always written, its fine changed or not: the entry carries the loan's new dates,
-    // and the journal must follow them (found by the fault campaign, seed 1018: a due date moved
-    // within the grace days under a correction left the journal's old dates, and verify wrong).
-    let written = if settles_returns {
-        "($10::text IS NULL OR NOT c.settled OR c.old <> c.new)"
-    } else {
-        "true"
-    };
+    let written = on.written("c", "$10::text");
     format!(
-        "WITH {targets},
-         gone AS MATERIALIZED (
-             SELECT DISTINCT ON (c.loan_id) c.loan_id AS id,
-                    COALESCE(h.seq, c.old_fine_seq, 0) + 1 AS seq,
-                    c.old_due_on AS due_on, c.old_returned_on AS returned_on,
-                    COALESCE(h.after_cents, c.old_fine_cents)::bigint AS before, 0::bigint AS after
-               FROM loan_changes c JOIN targets t ON t.loan_id = c.loan_id
-               LEFT JOIN fine_heads h ON h.loan_id = c.loan_id
-              WHERE c.deleted AND {gone_taken}
-                AND NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = c.loan_id)
-              ORDER BY c.loan_id, c.id DESC
-         ), cur AS MATERIALIZED (
-             SELECT l.id::bigint AS id, l.fine_cents::bigint AS old,
-                    COALESCE(h.seq, 0) + 1 AS next_seq, COALESCE(h.after_cents, 0) AS head_after,
-                    l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
-                    (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
-                     AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
-                    CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
-                         THEN NULL ELSE {fine} END AS new
-               FROM targets t JOIN loans l ON l.id = t.loan_id
-               LEFT JOIN fine_heads h ON h.loan_id = l.id
-              WHERE {shard} AND {taken}
-                FOR UPDATE OF l
-         ), priced AS (
+        "WITH {targets}, {pricing},
+         priced AS (
              UPDATE loans l
                 SET fine_cents = c.new, fine_settled_at = COALESCE(l.fine_settled_at, now()),
                     fine_seq = c.next_seq
@@ -337,6 +295,7 @@ fn statement(targets: &str, settles_returns: bool) -> String {
                 (SELECT count(*) FROM cur WHERE held AND NOT settled),
                 ARRAY(SELECT id FROM cur WHERE held AND NOT settled ORDER BY id
                       LIMIT {held_ids})",
+        pricing = on.ctes(),
         priced = journal("priced", "$11::text", "$8::jsonb"),
         reversed = journal("reversed", "'reversed'", "NULL::jsonb"),
         deleted = journal("gone", "'deleted'", "NULL::jsonb"),
@@ -344,30 +303,128 @@ fn statement(targets: &str, settles_returns: bool) -> String {
     )
 }
 
+/// How the loans of a re-pricing are priced: the CTEs `{prefix}gone` (loans deleted in libraryd:
+/// their money taken out) and `{prefix}cur` (each loan found, its money before and as the rule
+/// makes it, and whether it stays in the month) over CTE `{prefix}targets` (`loan_id`, `seq`).
+/// What a batch writes ([`reprice`]) and what a dry run reports ([`super::preview`]) are these
+/// same expressions; the dry run reads them without a lock and for several shards at once.
+///
+/// Parameters: `$1` month (first day), `$2` shard count, `$5`..`$7` the rule, and whatever
+/// `shard` puts in the filter of a loan id (`$3`).
+pub(super) struct Pricing<'a> {
+    pub prefix: &'a str,
+    pub shard: &'a dyn Fn(&str) -> String,
+    /// A correction's loans (settles unsettled returns; takes a loan only at its seq), not the
+    /// queue's.
+    pub settles_returns: bool,
+    /// What ends `cur`: `FOR UPDATE OF l` in a batch, nothing in a dry run.
+    pub lock: &'a str,
+}
+
+impl Pricing<'_> {
+    pub fn ctes(&self) -> String {
+        let fine = FineRule::sql_params(5);
+        let p = self.prefix;
+        let shard = (self.shard)("t.loan_id");
+        let lock = self.lock;
+        // Which rows are taken. From the queue: settled ones (their earliest edit says their
+        // money is in the month). A correction's: a loan still at the seq of its last entry in
+        // the month, or a return still unsettled; a loan whose money has left the month since the
+        // plan (re-priced, reversed or settled in another month) is another month's, and so are
+        // its queued edits.
+        let taken = if self.settles_returns {
+            "CASE WHEN t.seq IS NULL THEN l.fine_settled_at IS NULL ELSE l.fine_seq = t.seq END"
+        } else {
+            "l.fine_settled_at IS NOT NULL"
+        };
+        // A deletion waiting in the queue is the month's when its loan's money was: any the queue
+        // finds (its earliest edit is in the month), a correction's only at its seq.
+        let gone_taken = if self.settles_returns {
+            "c.old_fine_seq = t.seq"
+        } else {
+            "true"
+        };
+        format!(
+            "{p}gone AS MATERIALIZED (
+                 SELECT DISTINCT ON (c.loan_id) c.loan_id AS id,
+                        COALESCE(h.seq, c.old_fine_seq, 0) + 1 AS seq,
+                        c.old_due_on AS due_on, c.old_returned_on AS returned_on,
+                        COALESCE(h.after_cents, c.old_fine_cents)::bigint AS before,
+                        0::bigint AS after
+                   FROM loan_changes c JOIN {p}targets t ON t.loan_id = c.loan_id
+                   LEFT JOIN fine_heads h ON h.loan_id = c.loan_id
+                  WHERE c.deleted AND {gone_taken}
+                    AND NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = c.loan_id)
+                  ORDER BY c.loan_id, c.id DESC
+             ), {p}cur AS MATERIALIZED (
+                 SELECT l.id::bigint AS id, l.member_id, l.due_on, l.fine_cents::bigint AS old,
+                        COALESCE(h.seq, 0) + 1 AS next_seq,
+                        COALESCE(h.after_cents, 0) AS head_after,
+                        l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
+                        (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
+                         AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
+                        CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
+                             THEN NULL ELSE {fine} END AS new
+                   FROM {p}targets t JOIN loans l ON l.id = t.loan_id
+                   LEFT JOIN fine_heads h ON h.loan_id = l.id
+                  WHERE {shard} AND {taken}
+                    {lock}
+             )"
+        )
+    }
+
+    /// Whether the priced row `c` of `cur` is written: a correction over the journal's loans
+    /// writes only the fines it changes. An edit from the queue is always written, its fine
+    /// changed or not: the entry carries the loan's new dates, and the journal must follow them
+    /// (found by the fault campaign, seed 1018: a due date moved within the grace days under a
+    /// correction left the journal's old dates, and verify wrong).
+    /// `correction_key`: the SQL of the key (`NULL`: a run's re-pricing, every row written).
+    pub fn written(&self, c: &str, correction_key: &str) -> String {
+        if self.settles_returns {
+            format!("({correction_key} IS NULL OR NOT {c}.settled OR {c}.old <> {c}.new)")
+        } else {
+            "true".to_string()
+        }
+    }
+}
+
+/// The queue's targets, `{prefix}targets`: the next `limit` loans whose earliest queued edit is
+/// in month `$1`, of the shard(s) `shard` lets through, by id.
+pub(super) fn queue_targets(prefix: &str, shard: &dyn Fn(&str) -> String, limit: &str) -> String {
+    let shard = shard("c.loan_id");
+    // A loan's earliest queued edit says where its money is: its month's run takes it, and every
+    // edit of it with it. The month's loans are read in id order from `loan_changes_by_month` and
+    // each one's earliest edit is one probe of `loan_changes_by_loan`, so a batch stops after
+    // `limit` of them: its cost follows the batch, not the queue (joining the month's loans to
+    // every edit of theirs cost each batch the queue times the batch under the batch's
+    // nested-loop plans).
+    format!(
+        "{prefix}mine AS (
+             SELECT DISTINCT c.loan_id FROM loan_changes c
+              WHERE c.month = $1::date AND {shard}
+              ORDER BY c.loan_id
+         ), {prefix}targets AS MATERIALIZED (
+             SELECT m.loan_id, NULL::int AS seq
+               FROM {prefix}mine m
+               CROSS JOIN LATERAL (
+                    SELECT e.month FROM loan_changes e WHERE e.loan_id = m.loan_id
+                     ORDER BY e.id LIMIT 1
+               ) earliest
+              WHERE earliest.month = $1::date
+              ORDER BY m.loan_id LIMIT {limit}
+         )"
+    )
+}
+
 fn queue_sql() -> &'static str {
     static SQL: OnceLock<String> = OnceLock::new();
     SQL.get_or_init(|| {
-        // A loan's earliest queued edit says where its money is: its month's run takes it, and
-        // every edit of it with it. The month's loans are read in id order from
-        // `loan_changes_by_month` and each one's earliest edit is one probe of
-        // `loan_changes_by_loan`, so a batch stops after `$4` of them: its cost follows the batch,
-        // not the queue (joining the month's loans to every edit of theirs cost each batch the
-        // queue times the batch under the batch's nested-loop plans).
         statement(
-            "mine AS (
-                 SELECT DISTINCT c.loan_id FROM loan_changes c
-                  WHERE c.month = $1::date AND ($2 = 1 OR (c.loan_id % $2 + $2) % $2 = $3)
-                  ORDER BY c.loan_id
-             ), targets AS MATERIALIZED (
-                 SELECT m.loan_id, NULL::int AS seq
-                   FROM mine m
-                   CROSS JOIN LATERAL (
-                        SELECT e.month FROM loan_changes e WHERE e.loan_id = m.loan_id
-                         ORDER BY e.id LIMIT 1
-                   ) earliest
-                  WHERE earliest.month = $1::date
-                  ORDER BY m.loan_id LIMIT $4
-             )",
+            &queue_targets(
+                "",
+                &|id| format!("($2 = 1 OR ({id} % $2 + $2) % $2 = $3)"),
+                "$4",
+            ),
             false,
         )
     })

@@ -37,6 +37,7 @@
 
 pub mod correction;
 pub mod journal;
+pub mod preview;
 pub mod verify;
 
 use crate::calendar::BusinessDate;
@@ -45,7 +46,7 @@ use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
     Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
-    Pending, PendingReport, Reopen, Words, HELD_IDS,
+    Pending, PendingReport, Preview, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};
@@ -668,6 +669,25 @@ impl Job for FineSettlement {
                 value: totals.digest.into(),
             },
         ])
+    }
+
+    /// The month's unsettled returns and queued edits priced as its batches would price them
+    /// ([`preview`]), under the rule the configuration gives the month.
+    async fn preview(
+        &self,
+        db: &mut PgConnection,
+        business_date: NaiveDate,
+        count: u32,
+        shards: &[u32],
+    ) -> sqlx::Result<Option<Preview>> {
+        let month =
+            BusinessDate::new(business_date).map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+        let Ok(rule) = self.rule_of(business_date) else {
+            return Ok(None);
+        };
+        let found =
+            preview::preview(db, preview::Writer::Run, month, count, shards, &rule.rule).await?;
+        Ok(Some(found.to_preview(preview::Writer::Run, shards)))
     }
 
     async fn plan(

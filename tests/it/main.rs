@@ -20,6 +20,7 @@ mod journal;
 mod layers;
 mod load;
 mod pgbouncer;
+mod preview;
 mod record;
 mod reliability;
 mod roles;

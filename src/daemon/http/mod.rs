@@ -2,7 +2,8 @@
 //!
 //! - [`probes`]: `GET /healthz`, `GET /readyz`, `GET /metrics` (no token);
 //! - [`runs`]: `POST /v1/runs`, `GET /v1/runs/{id}` — manual runs, applied once however often a
-//!   request is retried (bearer token, idempotency key);
+//!   request is retried (bearer token, idempotency key); `POST /v1/runs/dry-run` — what such a
+//!   run would write, written nowhere (bearer token);
 //! - [`pause`]: `POST /v1/pause`, `POST /v1/resume` — a job, or every job, paused everywhere
 //!   (bearer token);
 //! - [`status`]: `GET /status` — the months and shards at a glance, an HTML page (no token;
@@ -52,6 +53,7 @@ pub fn router(state: HttpState) -> Router {
         .route("/readyz", get(probes::readyz))
         .route("/metrics", get(probes::render_metrics))
         .route("/v1/runs", post(runs::create))
+        .route("/v1/runs/dry-run", post(runs::dry_run))
         .route("/v1/runs/{id}", get(runs::show))
         .route("/v1/pause", post(pause::pause))
         .route("/v1/resume", post(pause::resume))

@@ -91,6 +91,59 @@ pub async fn create(State(state): State<HttpState>, headers: HeaderMap, body: By
     }
 }
 
+/// `POST /v1/runs/dry-run`: the body of `POST /v1/runs`, checked the same way, answered `200`
+/// with `{"dry_runs": [...]}`, one `run --dry-run --json` object per month (every shard of the
+/// count, or `shard`): what the run would write, written nowhere ([`crate::jobs::dry`]). Stores
+/// nothing, so it needs no `Idempotency-Key`.
+pub async fn dry_run(State(state): State<HttpState>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(refused) = authorize(&state, &headers) {
+        return refused;
+    }
+    let request = match parse(&state, "dry-run".into(), &body) {
+        Ok(request) => request,
+        Err(why) => return error(StatusCode::BAD_REQUEST, why),
+    };
+    let Ok(job) = state.registry.get(&request.job_name) else {
+        return error(StatusCode::BAD_REQUEST, "job: unknown".into());
+    };
+    let months = || -> Result<Vec<BusinessDate>, crate::calendar::CalendarError> {
+        let first = BusinessDate::new(request.business_date)?;
+        let dates = match request.to {
+            None => vec![first.date()],
+            Some(to) => crate::calendar::months_between(first, BusinessDate::new(to)?),
+        };
+        dates.into_iter().map(BusinessDate::new).collect()
+    };
+    let months = match months() {
+        Ok(months) => months,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string()),
+    };
+    let shards: Vec<u32> = match request.shard {
+        Some(shard) => vec![shard],
+        None => (0..request.shards).collect(),
+    };
+    let found = crate::app::dry_months(
+        &state.settings,
+        &state.pool,
+        job.as_ref(),
+        &months,
+        request.shards,
+        &shards,
+        request.force,
+    )
+    .await;
+    match found {
+        Ok(dry) => {
+            let body: Vec<serde_json::Value> = dry.iter().map(|d| d.to_json()).collect();
+            json(
+                StatusCode::OK,
+                serde_json::json!({ "dry_runs": body }).to_string(),
+            )
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+    }
+}
+
 pub async fn show(
     State(state): State<HttpState>,
     Path(id): Path<String>,

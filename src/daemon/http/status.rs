@@ -18,6 +18,7 @@
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
 use crate::jobs::fleet::Member;
+use crate::numbers::{count, money};
 use crate::overview::{Month, Overview, Progress, Scope, Shard, Totals};
 use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
 use axum::extract::State;
@@ -707,30 +708,6 @@ fn age(secs: f64) -> String {
         3600..86400 => format!("{} h {} min", s / 3600, s % 3600 / 60),
         _ => format!("{} d {} h", s / 86400, s % 86400 / 3600),
     }
-}
-
-/// 1234567 → "1,234,567".
-fn count(n: impl Into<i128>) -> String {
-    let n: i128 = n.into();
-    let digits = n.unsigned_abs().to_string();
-    let mut out = String::new();
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i) % 3 == 0 {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    if n < 0 {
-        out.insert(0, '-');
-    }
-    out
-}
-
-/// Cents as money: 1572250 → "15,722.50".
-fn money(cents: i128) -> String {
-    let sign = if cents < 0 { "-" } else { "" };
-    let abs = cents.unsigned_abs();
-    format!("{sign}{}.{:02}", count((abs / 100) as i128), abs % 100)
 }
 
 #[cfg(test)]
