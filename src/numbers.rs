@@ -25,6 +25,31 @@ pub fn money(cents: i128) -> String {
     format!("{sign}{}.{:02}", count((abs / 100) as i128), abs % 100)
 }
 
+/// A counted phrase in its two forms: "late return or edit waiting", "late returns or edits
+/// waiting". Shown alone it is the plural.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Phrase {
+    pub one: &'static str,
+    pub many: &'static str,
+}
+
+impl Phrase {
+    pub const fn new(one: &'static str, many: &'static str) -> Self {
+        Self { one, many }
+    }
+
+    /// "1 row held", "2 rows held".
+    pub fn count(&self, n: impl Into<i128>) -> String {
+        things(n, self.one, self.many)
+    }
+}
+
+impl std::fmt::Display for Phrase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.many)
+    }
+}
+
 /// "1 loan", "2 loans": `n` and the word, singular for exactly one.
 pub fn things(n: impl Into<i128>, one: &str, many: &str) -> String {
     let n: i128 = n.into();

@@ -166,10 +166,13 @@ pub struct Watch {
 pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
     let mut parts = Vec::new();
     if n.unsettled_shards > 0 {
-        parts.push(format!("{} shards not SUCCESS", n.unsettled_shards));
+        parts.push(format!(
+            "{} not SUCCESS",
+            crate::numbers::things(n.unsettled_shards, "shard", "shards")
+        ));
     }
     if n.waiting > 0 {
-        parts.push(format!("{} {}", n.waiting, words.waiting));
+        parts.push(words.waiting.count(n.waiting));
     }
     if let Some(key) = &n.correction {
         parts.push(format!("being corrected under key {key:?}"));
@@ -281,6 +284,10 @@ pub struct Month {
     pub unsettled: Option<Waiting>,
     /// The unfinished correction holding the month (its key, since when): "being corrected".
     pub correction: Option<(String, DateTime<Utc>)>,
+    /// One month's view only: what a run of it would do now ([`crate::jobs::Job::preview`], the
+    /// dry run's numbers, within the view's budget) — its held items with why among them. `None`
+    /// in the overview, or for a job that cannot tell; `Err` when it did not fit.
+    pub preview: Option<std::result::Result<crate::jobs::Preview, String>>,
 }
 
 impl Month {
@@ -337,11 +344,11 @@ impl Month {
             next.push("the count did not fit in the view's database time".to_string());
         }
         if self.late_returns() > 0 {
-            open.push(format!("{} {}", self.late_returns(), words.waiting));
+            open.push(words.waiting.count(self.late_returns()));
         }
         let upkeep = self.unsettled.map_or(0, |u| u.upkeep);
         if upkeep > 0 {
-            open.push(format!("{upkeep} {}", words.upkeep));
+            open.push(words.upkeep.count(upkeep));
             next.push(
                 "every replica's tick gives them their opening entry (`settlementd migrate` does \
                  it too); until then `status` totals leave them out and `verify` names them"
@@ -349,9 +356,9 @@ impl Month {
             );
         }
         if self.held() > 0 {
-            open.push(format!("{} {}", self.held(), words.held));
+            open.push(words.held.count(self.held()));
             next.push(
-                "fix them in libraryd (`settlementd verify` names them); the next run takes them"
+                "fix them in libraryd (`settlementd verify` and the month's page name them); the next run takes them"
                     .to_string(),
             );
         }
@@ -786,7 +793,7 @@ impl Reader {
                     deadline,
                     (business_date, month_attempts),
                     runs,
-                    shards,
+                    (shards, matches!(scope, Scope::Month(_))),
                     (counted, correction),
                 )
                 .await?;
@@ -840,7 +847,7 @@ impl Reader {
         deadline: Instant,
         (business_date, month_attempts): (NaiveDate, i64),
         runs: Vec<JobRunRow>,
-        shards: u32,
+        (shards, detail): (u32, bool),
         (unsettled, correction): (Option<Waiting>, Option<(String, DateTime<Utc>)>),
     ) -> Result<Month> {
         let mut runs: BTreeMap<u32, JobRunRow> =
@@ -883,6 +890,18 @@ impl Reader {
                 Err(why) => Totals::Unavailable(why),
             },
         };
+        let preview = match detail {
+            false => None,
+            true => {
+                let job = job.clone();
+                let all: Vec<u32> = (0..shards).collect();
+                costly(tx, (deadline, self.budget), move |c| {
+                    Box::pin(async move { job.preview(c, business_date, shards, &all).await })
+                })
+                .await?
+                .transpose()
+            }
+        };
         Ok(Month {
             business_date,
             shards: month_shards,
@@ -891,6 +910,7 @@ impl Reader {
             rule_text: None,
             unsettled,
             correction,
+            preview,
         })
     }
 
@@ -1151,6 +1171,7 @@ mod tests {
             started_at: Utc::now(),
             finished_at: None,
             heartbeat_age_secs,
+            started_age_secs: heartbeat_age_secs,
             last_id: None,
             last_id_desc: None,
             scanned: 0,
@@ -1178,6 +1199,7 @@ mod tests {
             rule_text: None,
             unsettled: None,
             correction: None,
+            preview: None,
         }
     }
 
@@ -1209,9 +1231,15 @@ mod tests {
     }
 
     const WORDS: Words = Words {
-        waiting: "late returns or edits waiting",
-        held: "rows held (bad dates)",
-        upkeep: "settled loans without a journal entry",
+        waiting: crate::numbers::Phrase::new(
+            "late return or edit waiting",
+            "late returns or edits waiting",
+        ),
+        held: crate::numbers::Phrase::new("row held (bad dates)", "rows held (bad dates)"),
+        upkeep: crate::numbers::Phrase::new(
+            "settled loan without a journal entry",
+            "settled loans without a journal entry",
+        ),
         done: "settled",
         runs: "settles",
         pinned: Some("rule"),
@@ -1280,7 +1308,7 @@ mod tests {
         let refused = month.verdict(WORDS, None);
         assert_eq!(
             refused.words,
-            "not closed: shard 1 refused (rule conflict); 1 late returns or edits waiting"
+            "not closed: shard 1 refused (rule conflict); 1 late return or edit waiting"
         );
         let next = refused.next.unwrap();
         assert!(

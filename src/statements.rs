@@ -28,7 +28,7 @@ use crate::config::Settings;
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
     Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metrics, Params, Pending, PendingReport,
-    Proof, Reopen, Words,
+    Phrase, Proof, Reopen, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
@@ -222,9 +222,9 @@ impl Job for MemberStatements {
 
     fn words(&self) -> Words {
         Words {
-            waiting: "journal rows waiting",
-            held: "members held",
-            upkeep: "items of upkeep waiting",
+            waiting: Phrase::new("journal row waiting", "journal rows waiting"),
+            held: Phrase::new("member held", "members held"),
+            upkeep: Phrase::new("item of upkeep waiting", "items of upkeep waiting"),
             done: "statements",
             runs: "states",
             pinned: None,

@@ -327,7 +327,10 @@ impl Asked<'_> {
             ));
         }
         if let Some(shards) = self.shards.filter(|s| *s as i32 != c.shards) {
-            differs.push(format!("{} shards (this request: {shards})", c.shards));
+            differs.push(format!(
+                "{} (this request: {shards})",
+                things(c.shards, "shard", "shards")
+            ));
         }
         if differs.is_empty() {
             return Ok(c);

@@ -201,9 +201,8 @@ impl MonthStatus {
         if self.month.held() > 0 {
             let _ = writeln!(
                 out,
-                "{} {}: left as they are until they are fixed",
-                self.month.held(),
-                self.words.held
+                "{}: left as they are until they are fixed",
+                self.words.held.count(self.month.held())
             );
         }
         let _ = writeln!(
@@ -253,7 +252,12 @@ impl MonthStatus {
                 self.business_date.first_day().format("%Y-%m"),
                 facts
                     .iter()
-                    .map(|f| format!("{}={}", f.name, plain(&f.value)))
+                    .map(|f| match (f.kind, plain(&f.value).parse::<i128>()) {
+                        // Cents as the number, then as money: `fine_cents_sum=5217650 (52,176.50)`.
+                        (crate::jobs::FactKind::Cents, Ok(cents)) =>
+                            format!("{}={cents} ({})", f.name, crate::numbers::money(cents)),
+                        _ => format!("{}={}", f.name, plain(&f.value)),
+                    })
                     .collect::<Vec<_>>()
                     .join(" ")
             ),
@@ -281,9 +285,10 @@ impl MonthStatus {
             if watch.before_lookback > 0 {
                 let _ = writeln!(
                     out,
-                    "{} {} in months before the lookback of {} months: no replica runs them by \
-                     itself (`settlementd run --business-date D` does)",
-                    watch.before_lookback, self.words.waiting, watch.lookback_months
+                    "{} in months before the lookback of {}: no replica runs them by itself \
+                     (`settlementd run --business-date D` does)",
+                    self.words.waiting.count(watch.before_lookback),
+                    crate::numbers::things(watch.lookback_months, "month", "months")
                 );
             }
         }

@@ -699,7 +699,7 @@ impl Replica {
                             metrics::counter!(late.name, "job_name" => job)
                                 .increment(report.updated);
                         }
-                        tracing::info!(business_date = %month, late = report.late, updated = report.updated, what = self.job.words().waiting, "items that arrived after the month was done are done");
+                        tracing::info!(business_date = %month, late = report.late, updated = report.updated, what = self.job.words().waiting.many, "items that arrived after the month was done are done");
                         return Some(TickOutcome::LateReturns {
                             business_date: month,
                             report,

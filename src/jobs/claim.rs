@@ -592,6 +592,8 @@ pub struct JobRunRow {
     pub finished_at: Option<chrono::DateTime<chrono::Utc>>,
     /// Seconds since the last heartbeat, on the database clock.
     pub heartbeat_age_secs: f64,
+    /// Seconds since the attempt started, on the database clock (a run's rate and time left).
+    pub started_age_secs: f64,
     pub last_id: Option<i64>,
     pub last_id_desc: Option<i64>,
     pub scanned: i64,
@@ -683,6 +685,7 @@ pub async fn latest_months(
                   AS month_attempts,
                 j.shard, j.status, j.attempt, j.owner, j.started_at, j.finished_at,
                 extract(epoch FROM clock_timestamp() - j.heartbeat_at)::float8 AS heartbeat_age_secs,
+                extract(epoch FROM clock_timestamp() - j.started_at)::float8 AS started_age_secs,
                 j.last_id, j.last_id_desc, j.scanned, j.updated, j.last_error, j.version
            FROM months m
            JOIN job_runs j

@@ -41,6 +41,8 @@ use std::fmt;
 use std::future::Future;
 use std::time::Duration;
 
+pub use crate::numbers::Phrase;
+
 pub use claim::{Claim, ClaimOutcome};
 pub use params::Params;
 pub use runner::{run_once, Progress, RunOptions, RunReport, SkipReason};
@@ -193,6 +195,9 @@ pub struct Preview {
 pub struct ShardPreview {
     /// Items it would write.
     pub writes: u64,
+    /// The first items it would leave for an operator, each with why (the fine settlement: held
+    /// loans and their due dates).
+    pub held: Vec<(i64, String)>,
     /// Its keys in the shard's object of the dry run's JSON, and its lines in words.
     pub json: serde_json::Map<String, serde_json::Value>,
     pub text: String,
@@ -247,11 +252,11 @@ impl Batch {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Words {
     /// Items waiting for a run in a period that is SUCCESS.
-    pub waiting: &'static str,
+    pub waiting: Phrase,
     /// Items left for an operator.
-    pub held: &'static str,
+    pub held: Phrase,
     /// Items the job's upkeep does ([`Pending::upkeep`]).
-    pub upkeep: &'static str,
+    pub upkeep: Phrase,
     /// What a period's facts are ("settled"; "so far" is added while it is open).
     pub done: &'static str,
     /// What a run does to its period ("settles").
@@ -488,9 +493,9 @@ pub trait Job: Sync {
     /// "items waiting", "items held".
     fn words(&self) -> Words {
         Words {
-            waiting: "items waiting",
-            held: "items held",
-            upkeep: "items of upkeep waiting",
+            waiting: Phrase::new("item waiting", "items waiting"),
+            held: Phrase::new("item held", "items held"),
+            upkeep: Phrase::new("item of upkeep waiting", "items of upkeep waiting"),
             done: "done",
             runs: "runs",
             pinned: None,

@@ -46,7 +46,7 @@ use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::jobs::registry::{Entry, Registration};
 use crate::jobs::{
     Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
-    Pending, PendingReport, Preview, Reopen, Words, HELD_IDS,
+    Pending, PendingReport, Phrase, Preview, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};
@@ -630,9 +630,15 @@ impl Job for FineSettlement {
 
     fn words(&self) -> Words {
         Words {
-            waiting: "late returns or edits waiting",
-            held: "rows held (bad dates)",
-            upkeep: "settled loans without a journal entry",
+            waiting: Phrase::new(
+                "late return or edit waiting",
+                "late returns or edits waiting",
+            ),
+            held: Phrase::new("row held (bad dates)", "rows held (bad dates)"),
+            upkeep: Phrase::new(
+                "settled loan without a journal entry",
+                "settled loans without a journal entry",
+            ),
             done: "settled",
             runs: "settles",
             pinned: Some("rule"),

@@ -123,7 +123,21 @@ impl MonthPreview {
                     let json = self.shard_json(writer, shard);
                     let writes = json.get("writes").and_then(Value::as_u64).unwrap_or(0);
                     let text = self.shard_text(writer, shard);
-                    (shard, ShardPreview { writes, json, text })
+                    let held = self
+                        .held
+                        .iter()
+                        .filter(|h| h.shard == shard)
+                        .map(|h| (h.id, h.why.clone()))
+                        .collect();
+                    (
+                        shard,
+                        ShardPreview {
+                            writes,
+                            held,
+                            json,
+                            text,
+                        },
+                    )
                 })
                 .collect(),
             json: self.month_json(),

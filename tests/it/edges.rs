@@ -121,7 +121,9 @@ async fn held_rows_between_ordinary_ones_are_named_and_left_while_every_other_ro
         "held rows are not done: {text}"
     );
     assert!(
-        text.contains("next: fix them in libraryd (`settlementd verify` names them)"),
+        text.contains(
+            "next: fix them in libraryd (`settlementd verify` and the month's page name them)"
+        ),
         "{text}"
     );
     let out = cli(&db.url, &[], &["verify", "--business-date", &m, "--json"]);

@@ -750,7 +750,7 @@ async fn a_correction_key_reused_with_another_rule_or_reason_is_refused_and_chan
         "rule 50 cents a day",
         "(this configuration: 60 cents a day",
         r#"reason "the rate is 50" (this request: "another reason")"#,
-        "1 shards (this request: 3)",
+        "1 shard (this request: 3)",
     ] {
         assert!(line.contains(needle), "{needle}: {line}");
     }

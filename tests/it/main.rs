@@ -19,6 +19,7 @@ mod jobs;
 mod journal;
 mod layers;
 mod load;
+mod page;
 mod pgbouncer;
 mod preview;
 mod record;

@@ -405,7 +405,7 @@ async fn a_settled_loan_without_a_journal_entry_keeps_its_month_open_until_it_ha
     assert_eq!(report["closed"], false, "{report}");
     let verdict = report["verdict"].as_str().unwrap_or_default();
     assert!(
-        verdict.contains("1 settled loans without a journal entry"),
+        verdict.contains("1 settled loan without a journal entry"),
         "{report}"
     );
     assert!(

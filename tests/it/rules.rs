@@ -348,7 +348,7 @@ async fn a_run_of_a_closed_month_settles_its_late_returns_under_the_pinned_rule(
     assert_eq!(status["closed"], false, "{status}");
     assert_eq!(
         status["verdict"],
-        "not closed: 1 late returns or edits waiting"
+        "not closed: 1 late return or edit waiting"
     );
     assert_eq!(
         status["next"],

@@ -24,14 +24,18 @@ use tokio_util::sync::CancellationToken;
 /// A replica (`daemon::serve`: HTTP and the schedule loop) on `pool`, in process, with the default
 /// schedule and `catch_up = false` on a clock stopped at `now`: its schedule never fires during a
 /// test, so it changes nothing the test did not.
-struct Replica {
-    addr: SocketAddr,
+pub(crate) struct Replica {
+    pub(crate) addr: SocketAddr,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<settlementd::app::Result<()>>,
 }
 
 impl Replica {
-    async fn start(pool: &PgPool, overrides: &[(&str, &str)], now: DateTime<Utc>) -> Self {
+    pub(crate) async fn start(
+        pool: &PgPool,
+        overrides: &[(&str, &str)],
+        now: DateTime<Utc>,
+    ) -> Self {
         // The page of a replica that schedules nothing: the months stay as each test leaves them.
         let mut env = vec![
             ("SETTLEMENTD__SCHEDULE__CATCH_UP", "false"),
@@ -63,7 +67,7 @@ impl Replica {
         panic!("the replica's HTTP endpoints never came up");
     }
 
-    async fn get(&self, path: &str) -> Answer {
+    pub(crate) async fn get(&self, path: &str) -> Answer {
         http(self.addr, "GET", path, &[], "").await.unwrap()
     }
 
@@ -73,7 +77,7 @@ impl Replica {
         answer.body
     }
 
-    async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.stop.cancel();
         self.task.await.unwrap().unwrap();
     }
@@ -92,7 +96,13 @@ fn key(month: BusinessDate, shards: u32, shard: u32) -> settlementd::jobs::JobKe
 }
 
 /// Settles one shard of `month` to SUCCESS as `owner`, as a replica would.
-async fn settle_as(pool: &PgPool, month: BusinessDate, shards: u32, shard: u32, owner: &str) {
+pub(crate) async fn settle_as(
+    pool: &PgPool,
+    month: BusinessDate,
+    shards: u32,
+    shard: u32,
+    owner: &str,
+) {
     let options = settlementd::jobs::RunOptions {
         owner: Owner(owner.into()),
         ..run_options(false, false)
@@ -112,7 +122,7 @@ async fn settle_as(pool: &PgPool, month: BusinessDate, shards: u32, shard: u32, 
 
 /// Claims one shard of `month` as `owner` and commits one batch of `batch` loans, as a replica
 /// that is still working on it: the row is RUNNING with a fresh heartbeat.
-async fn claim_with_one_batch(
+pub(crate) async fn claim_with_one_batch(
     pool: &PgPool,
     month: BusinessDate,
     shards: u32,
@@ -154,7 +164,7 @@ const INLINE: &[&str] = &["a", "span", "code", "strong", "b", "em", "small"];
 
 /// The text a person reads in the element with `id`: tags dropped (a line break between blocks),
 /// entities decoded, white space folded.
-fn text_of(html: &str, id: &str) -> String {
+pub(crate) fn text_of(html: &str, id: &str) -> String {
     let at = html
         .find(&format!("id=\"fine-settlement-{id}\""))
         .unwrap_or_else(|| panic!("no element #{id} in the page:\n{html}"));
@@ -218,7 +228,7 @@ fn text_of(html: &str, id: &str) -> String {
 
 /// Headless Chromium as `.ci/run` installs it (Debian's `chromium`); `SETTLEMENTD_CHROMIUM` names
 /// another binary. Missing, the test fails: it must not pass without looking at the page.
-fn chromium_binary() -> PathBuf {
+pub(crate) fn chromium_binary() -> PathBuf {
     let found = match std::env::var_os("SETTLEMENTD_CHROMIUM") {
         Some(path) => Some(PathBuf::from(path)).filter(|p| p.is_file()),
         None => std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
@@ -234,24 +244,28 @@ fn chromium_binary() -> PathBuf {
     })
 }
 
+/// How every test starts headless Chromium: no sandbox (the tests run as root), nothing fetched
+/// from elsewhere, no scrollbars in screenshots.
+pub(crate) const CHROMIUM_FLAGS: [&str; 10] = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+];
+
 /// Runs headless Chromium with `args` in a fresh profile; returns its stdout. (JavaScript stays
 /// on: `--dump-dom` needs it. The page has no script for it to run, which the test checks.)
-async fn chromium(args: &[String]) -> String {
+pub(crate) async fn chromium(args: &[String]) -> String {
     let profile = tempfile::tempdir().unwrap();
     let mut command = tokio::process::Command::new(chromium_binary());
     command
-        .args([
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-dev-shm-usage",
-            "--hide-scrollbars",
-        ])
+        .args(CHROMIUM_FLAGS)
         .arg(format!("--user-data-dir={}", profile.path().display()))
         .args(args)
         .stdin(std::process::Stdio::null())
@@ -294,7 +308,7 @@ const SEP: &str = "2026-09-30";
 const OCT: &str = "2026-10-31";
 const FAILURE: &str = "database error: canceling statement due to statement timeout";
 
-fn owner(shard: u32) -> String {
+pub(crate) fn owner(shard: u32) -> String {
     format!("settlementd-{shard}/7-{:08x}", 0x3f2a_9c10 + shard)
 }
 
@@ -439,7 +453,11 @@ impl FourMonths {
                 cell.starts_with(&format!("SUCCESS attempt 1 owner {}", owner(shard))),
                 "{cell}"
             );
-            assert!(cell.contains("rows updated"), "{cell}");
+            assert!(cell.contains("rows updated by attempt 1"), "{cell}");
+            // A closed shard says when it finished and how long it took, not a heartbeat.
+            assert!(cell.contains("finished 20"), "{cell}");
+            assert!(cell.contains(" +08:00 · took "), "one time zone: {cell}");
+            assert!(!cell.contains("heartbeat"), "{cell}");
         }
         let cell = text_of(dom, &format!("cell-{missing}-2"));
         assert!(cell.starts_with("missing no claim"), "{cell}");
@@ -468,8 +486,8 @@ impl FourMonths {
         assert!(age < 60, "{cell}");
         assert!(!cell.contains("lease expired"), "{cell}");
         assert!(
-            cell.ends_with(&format!(
-                "150 rows updated read 150 of {} ({} %)",
+            cell.contains(&format!(
+                "150 rows updated by attempt 1 read 150 of {} ({} %)",
                 grouped(self.shard_total),
                 150 * 100 / self.shard_total
             )),
@@ -482,9 +500,10 @@ impl FourMonths {
         assert_eq!(
             text_of(dom, &format!("totals-{closed}")),
             format!(
-                "settled {} rows fines {} digest {}…",
+                "settled {} rows fines {} ({} cents) digest {}…",
                 grouped(closed_totals.settled_rows),
                 money(closed_totals.fine_cents_sum),
+                grouped(closed_totals.fine_cents_sum as i64),
                 &closed_totals.digest[..12]
             )
         );
@@ -614,7 +633,7 @@ async fn a_person_opening_status_in_a_browser_sees_which_months_are_closed_and_w
     .await;
     months.check_details(pool, &closed, &running).await;
 
-    // What the README shows (docs/status-page.png): the page as a browser draws it.
+    // The page as a browser draws it, at 1280 px (`docs/status/` holds the every-state test's).
     let scratch = tempfile::tempdir().unwrap();
     let screenshot = std::env::var_os("SETTLEMENTD_STATUS_SCREENSHOT")
         .map(PathBuf::from)
@@ -940,9 +959,10 @@ async fn a_slow_database_makes_the_page_show_totals_unavailable_within_its_budge
     assert_eq!(
         shown,
         format!(
-            "settled {} rows fines {} digest {}…",
+            "settled {} rows fines {} ({} cents) digest {}…",
             grouped(expected.settled_rows),
             money(expected.fine_cents_sum),
+            grouped(expected.fine_cents_sum as i64),
             &expected.digest[..12]
         )
     );

@@ -18,7 +18,7 @@
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
 use crate::jobs::fleet::Member;
-use crate::numbers::{count, money};
+use crate::numbers::{count, money, things};
 use crate::overview::{Month, Overview, Progress, Scope, Shard, Totals};
 use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
 use axum::extract::State;
@@ -160,7 +160,12 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
             tracing::warn!(error = %e, "status page: cannot read the database");
             respond(
                 StatusCode::SERVICE_UNAVAILABLE,
-                notice("Database unavailable", &format!("{e}. Reload in a moment.")),
+                notice_reloading(
+                    "Database unavailable",
+                    &format!(
+                        "{e}. This page reloads itself every {REFRESH_SECS} s until the database answers."
+                    ),
+                ),
             )
         }
     }
@@ -207,6 +212,12 @@ thead th{background:#f6f8fa}.wrap{overflow-x:auto}td.cell{min-width:15em}
 .closed,.open{font-weight:700}.error{font-family:ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere;max-width:30em}
 progress{width:100%;height:.8em}code{font-family:ui-monospace,monospace}dt{font-weight:700}dd{margin:0 0 .5em 1em}
 th a,code,.nowrap{white-space:nowrap}
+tr.empty th,tr.empty td{color:#59636e;font-weight:400}
+@media (max-width:640px){body{margin:.6em}table.stack,table.stack tbody,table.stack tr,table.stack th,table.stack td{display:block;width:auto}
+table.stack thead{display:none}table.stack tr{border:1px solid #d1d9e0;margin:0 0 .8em}table.stack td,table.stack th{border:0;border-top:1px solid #d1d9e0}
+table.stack td[data-label]::before{content:attr(data-label);display:block;font-size:.85em;color:#59636e}td.cell{min-width:0}
+.wrap{overflow-x:visible}.error{max-width:none}code{white-space:normal;overflow-wrap:anywhere}
+table.stack td{text-align:left}#fleet-table td{display:inline-block;vertical-align:top;border:0;padding:.2em .6em}}
 ";
 
 /// The whole page: a section per job.
@@ -256,7 +267,7 @@ fn render(
                         p { a href=(format!("?shards={}", query.shards)) { "← every month" } }
                     }
                 }
-                (fleet_section(fleet, replica.heartbeat_secs))
+                (fleet_section(fleet, &doing(views), replica.heartbeat_secs))
                 @for view in views {
                     (job_section(view, takers(fleet, view, replica.heartbeat_secs)))
                 }
@@ -277,7 +288,34 @@ fn render(
 
 /// Every replica that reported in `replicas`: its release, shard, readiness and last report. A
 /// mixed fleet (more than one release among the live ones) is said so above the table.
-fn fleet_section(fleet: Option<&[Member]>, heartbeat_secs: u64) -> Markup {
+/// What each owner is doing: the RUNNING claims it holds on the page, by owner.
+fn doing(views: &[Overview]) -> BTreeMap<String, Vec<String>> {
+    let mut by_owner: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for view in views {
+        for month in &view.months {
+            for shard in &month.shards {
+                let Some(run) = shard.run.as_ref().filter(|r| r.status == "RUNNING") else {
+                    continue;
+                };
+                let progress = shard
+                    .progress
+                    .map(|p| format!(" ({} %)", p.percent()))
+                    .unwrap_or_default();
+                by_owner.entry(run.owner.clone()).or_default().push(format!(
+                    "{} {} shard {} of {}{progress}",
+                    view.job, month.business_date, shard.index, view.shards
+                ));
+            }
+        }
+    }
+    by_owner
+}
+
+fn fleet_section(
+    fleet: Option<&[Member]>,
+    doing: &BTreeMap<String, Vec<String>>,
+    heartbeat_secs: u64,
+) -> Markup {
     let live_within = 3.0 * heartbeat_secs as f64;
     let releases: BTreeMap<&str, usize> = fleet
         .unwrap_or_default()
@@ -305,21 +343,29 @@ fn fleet_section(fleet: Option<&[Member]>, heartbeat_secs: u64) -> Markup {
                         }
                     }
                     div.wrap {
-                        table #fleet-table {
-                            thead { tr { th { "replica" } th { "release" } th { "shard" } th { "jobs" } th { "ready" } th { "last report" } } }
+                        table.stack #fleet-table {
+                            thead { tr { th { "replica" } th { "release" } th { "shard" } th { "jobs" } th { "ready" } th { "doing" } th { "last report" } } }
                             tbody {
                                 @for m in members {
                                     tr data-owner=(m.owner) data-version=(m.version) {
                                         td { code { (m.owner) } }
-                                        td { (m.version) " " span.small { "(commit " code { (m.commit) } ")" } }
-                                        td.num { (m.shard) " of " (m.shards) }
-                                        td { (m.jobs.join(", ")) }
+                                        td data-label="release" { (m.version) " " span.small { "(commit " code { (m.commit) } ")" } }
+                                        td.num data-label="shard" { (m.shard) " of " (m.shards) }
+                                        td data-label="jobs" { (m.jobs.join(", ")) }
                                         @if m.ready {
-                                            td.closed { "ready" }
+                                            td.closed data-label="ready" { "ready" }
                                         } @else {
-                                            td.error { "NOT READY: " (m.reason.as_deref().unwrap_or("")) }
+                                            td.error data-label="ready" { "NOT READY: " (m.reason.as_deref().unwrap_or("")) }
                                         }
-                                        td.small {
+                                        td.small.doing data-label="doing" {
+                                            @match doing.get(&m.owner) {
+                                                Some(runs) if m.is_live(live_within) => { "running " (runs.join("; ")) }
+                                                Some(runs) => { "held, when last seen: " (runs.join("; ")) " (its lease decides who goes on)" }
+                                                None if m.is_live(live_within) => "idle: no claim held",
+                                                None => "",
+                                            }
+                                        }
+                                        td.small data-label="last report" {
                                             (age(m.seen_age_secs)) " ago"
                                             @if !m.is_live(live_within) { " · " strong { "gone?" } " (no report for 3 heartbeats)" }
                                         }
@@ -358,6 +404,7 @@ fn job_section(view: &Overview, takers: Option<BTreeSet<u32>>) -> Markup {
             (watch(view))
             (schedule(view))
             (months(view, takers.as_ref()))
+            @if let Scope::Month(_) = view.scope { (would_now(view)) }
             (history(view))
         }
     }
@@ -366,6 +413,7 @@ fn job_section(view: &Overview, takers: Option<BTreeSet<u32>>) -> Markup {
 /// The pause, the months of the lookback not closed, what waits before it.
 fn watch(view: &Overview) -> Markup {
     let id = |what: &str| format!("{}-{what}", view.job);
+    let tz = view.schedule.timezone;
     html! {
         div.watch #(id("watch")) {
             @match &view.watch {
@@ -373,15 +421,15 @@ fn watch(view: &Overview) -> Markup {
                 Some(w) => {
                     @if let Some(p) = &w.paused {
                         p.open #(id("paused")) {
-                            "PAUSED since " (p.paused_at.format("%Y-%m-%d %H:%M:%S UTC")) " by " code { (p.paused_by) } ": " (p.reason)
+                            "PAUSED since " (local(p.paused_at, tz)) " by " code { (p.paused_by) } ": " (p.reason)
                             br; span.small { "nothing new is claimed; `settlementd resume` (or POST /v1/resume) lets it go on" }
                         }
                     }
                     p #(id("not-closed")) {
                         @if w.not_closed.is_empty() {
-                            span.closed { "every month of the lookback (" (w.lookback_months) " months) is closed" }
+                            span.closed { "every month of the lookback (" (things(w.lookback_months, "month", "months")) ") is closed" }
                         } @else {
-                            span.open { (w.not_closed.len()) " months of the lookback not closed: " }
+                            span.open { (things(w.not_closed.len() as i128, "month", "months")) " of the lookback not closed: " }
                             @for (i, n) in w.not_closed.iter().enumerate() {
                                 @if i > 0 { "; " }
                                 a href=(month_link_date(n.business_date, view.shards)) { (n.business_date) }
@@ -391,7 +439,7 @@ fn watch(view: &Overview) -> Markup {
                     }
                     @if w.before_lookback > 0 {
                         p.late #(id("before-lookback")) {
-                            (w.before_lookback) " " (view.words.waiting) " in months before the lookback: no replica runs them by itself"
+                            (view.words.waiting.count(w.before_lookback)) " in months before the lookback: no replica runs them by itself"
                         }
                     }
                 }
@@ -452,7 +500,7 @@ fn months(view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
                 }
             } @else {
                 div.wrap {
-                    table.grid {
+                    table.grid.stack {
                         thead {
                             tr {
                                 th { "Month" } th { "Closed" } th { "Totals" }
@@ -461,10 +509,73 @@ fn months(view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
                             }
                         }
                         tbody {
-                            @for month in &view.months { (month_row(month, view, detail, takers)) }
+                            @for run in collapsed(&view.months, detail) {
+                                @match run {
+                                    Rows::One(month) => (month_row(month, view, detail, takers)),
+                                    Rows::Empty(empty) => (empty_row(empty, view)),
+                                }
+                            }
                         }
                     }
                 }
+            }
+        }
+    }
+}
+
+/// The rows of the months table: a month, or a run of consecutive closed months that had
+/// nothing to do (every fact a count of 0), shown as one row.
+enum Rows<'a> {
+    One(&'a Month),
+    Empty(Vec<&'a Month>),
+}
+
+/// A closed month whose counts are all 0: every shard SUCCESS, nothing done, nothing waiting.
+fn is_empty(month: &Month) -> bool {
+    let Totals::Closed(facts) = &month.totals else {
+        return false;
+    };
+    month.closed()
+        && facts
+            .iter()
+            .filter(|f| f.kind == crate::jobs::FactKind::Count)
+            .all(|f| f.value.as_i64() == Some(0) || f.value.as_str() == Some("0"))
+        && month
+            .shards
+            .iter()
+            .all(|s| s.run.as_ref().is_some_and(|r| r.updated == 0))
+}
+
+/// `months` with each run of two or more empty months as one row (never on one month's page).
+fn collapsed(months: &[Month], detail: bool) -> Vec<Rows<'_>> {
+    let mut out: Vec<Rows> = Vec::new();
+    for month in months {
+        match out.last_mut() {
+            Some(Rows::Empty(run)) if !detail && is_empty(month) => run.push(month),
+            _ if !detail && is_empty(month) => out.push(Rows::Empty(vec![month])),
+            _ => out.push(Rows::One(month)),
+        }
+    }
+    out.into_iter()
+        .flat_map(|rows| match rows {
+            Rows::Empty(run) if run.len() == 1 => vec![Rows::One(run[0])],
+            rows => vec![rows],
+        })
+        .collect()
+}
+
+/// A run of empty months (newest first): one row naming them.
+fn empty_row(months: Vec<&Month>, view: &Overview) -> Markup {
+    let (newest, oldest) = (
+        months[0].business_date,
+        months[months.len() - 1].business_date,
+    );
+    html! {
+        tr.empty #{ (view.job) "-empty-" (oldest) "-" (newest) } {
+            th { a href=(month_link_date(oldest, view.shards)) { (oldest) } " – " a href=(month_link_date(newest, view.shards)) { (newest) } }
+            td colspan=(view.shards + 2 + u32::from(view.words.pinned.is_some())) {
+                (things(months.len() as i128, "month", "months")) " closed with nothing to do (every shard SUCCESS, nothing "
+                (view.words.done) ", nothing waiting)"
             }
         }
     }
@@ -481,10 +592,10 @@ fn month_row(
     html! {
         tr #{ (job) "-month-" (date) } {
             th { a href=(month_link_date(date, view.shards)) { (date) } }
-            td.verdict #{ (job) "-verdict-" (date) } { (verdict(month, view)) }
-            td.totals #{ (job) "-totals-" (date) } { (totals(&month.totals, view.words, detail)) }
-            @if view.words.pinned.is_some() {
-                td.rule.small #{ (job) "-rule-" (date) } {
+            td.verdict #{ (job) "-verdict-" (date) } data-label="closed" { (verdict(month, view)) }
+            td.totals #{ (job) "-totals-" (date) } data-label="totals" { (totals(&month.totals, view.words, detail)) }
+            @if let Some(pinned) = view.words.pinned {
+                td.rule.small #{ (job) "-rule-" (date) } data-label=(format!("{pinned} (pinned)")) {
                     @match &month.rule_text {
                         Some(rule) => (rule),
                         None => "none pinned yet",
@@ -492,7 +603,7 @@ fn month_row(
                 }
             }
             @for shard in &month.shards {
-                (cell(job, date, shard, view.lease_ttl_secs, detail, takers))
+                (cell(job, date, shard, (view.lease_ttl_secs, view.schedule.timezone), detail, takers))
             }
         }
     }
@@ -500,6 +611,53 @@ fn month_row(
 
 /// Closed; being corrected; closed but for items waiting; or not closed and why. Held rows are
 /// named either way: they are what the month's own data keeps from being done.
+/// One month's page: what a run of it would do now (the dry run's numbers: `settlementd run
+/// --dry-run`), each shard's items held with why.
+fn would_now(view: &Overview) -> Markup {
+    let id = format!("{}-would", view.job);
+    let Some(month) = view.months.first() else {
+        return html! {};
+    };
+    let command = format!(
+        "settlementd run --dry-run --job {} --business-date {} --all-shards --shards {}",
+        view.job, month.business_date, view.shards
+    );
+    html! {
+        div.would #(id) {
+            h3 { "What a run would do now" }
+            @match &month.preview {
+                None => p.note { (view.job) " cannot tell what its runs would write." },
+                Some(Err(why)) => p.note { "The dry run " (why) ": " code { (command) } " tells." },
+                Some(Ok(preview)) => {
+                    @let writes: u64 = preview.shards.values().map(|s| s.writes).sum();
+                    p {
+                        @if writes == 0 { "Nothing to write: a run now would change nothing." }
+                        @else { "A run of every shard now would write " (things(writes as i128, "item", "items")) ": " }
+                        @for (shard, p) in preview.shards.iter().filter(|(_, p)| p.writes > 0) {
+                            " shard " (shard) " " (count(p.writes as i64)) ";"
+                        }
+                    }
+                    @let held: Vec<(u32, &(i64, String))> = preview.shards.iter().flat_map(|(s, p)| p.held.iter().map(move |h| (*s, h))).collect();
+                    @if !held.is_empty() {
+                        p.late { (view.words.held) ", left as they are until fixed (the first of each shard):" }
+                        div.wrap {
+                            table.held.stack #{ (view.job) "-held" } {
+                                thead { tr { th { "shard" } th { "id" } th { "why" } } }
+                                tbody {
+                                    @for (shard, (item, why)) in held {
+                                        tr { td.num { (shard) } td.num { code { (item) } } td { (why) } }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    p.note { "Read in this view's snapshot and written nowhere; the whole report: " code { (command) } }
+                }
+            }
+        }
+    }
+}
+
 fn verdict(month: &Month, view: &Overview) -> Markup {
     let paused = view.watch.as_ref().and_then(|w| w.paused.as_ref());
     let verdict = month.verdict(view.words, paused);
@@ -529,8 +687,17 @@ fn totals(totals: &Totals, words: crate::jobs::Words, detail: bool) -> Markup {
                     other => other.to_string(),
                 };
                 @match fact.kind {
-                    FactKind::Count => div { (text.parse::<i128>().map_or(text.clone(), count)) " " (fact.label) },
-                    FactKind::Cents => div { (fact.label) " " (text.parse::<i128>().map_or(text.clone(), money)) },
+                    FactKind::Count => div {
+                        @match text.parse::<i128>() {
+                            // A label is plural ("rows"): one is "1 row".
+                            Ok(n) => (things(n, fact.label.strip_suffix('s').unwrap_or(fact.label), fact.label)),
+                            Err(_) => { (text) " " (fact.label) }
+                        }
+                    },
+                    FactKind::Cents => div {
+                        (fact.label) " " (text.parse::<i128>().map_or(text.clone(), money))
+                        " " span.small { "(" (text.parse::<i128>().map_or(text.clone(), count)) " cents)" }
+                    },
                     FactKind::Digest => {
                         @let short = if detail || text.len() <= 12 { text.clone() } else { format!("{}…", &text[..12]) };
                         div.small { (fact.label) " " code title=(text) { (short) } }
@@ -555,7 +722,7 @@ fn cell(
     job: &str,
     date: chrono::NaiveDate,
     shard: &Shard,
-    ttl_secs: u64,
+    (ttl_secs, tz): (u64, Tz),
     detail: bool,
     takers: Option<&BTreeSet<u32>>,
 ) -> Markup {
@@ -569,28 +736,35 @@ fn cell(
     };
     let class = format!("cell s-{}", state.word().to_ascii_lowercase());
     html! {
-        td class=(class) #{ (job) "-cell-" (date) "-" (shard.index) } data-status=(state.word()) {
+        td class=(class) #{ (job) "-cell-" (date) "-" (shard.index) } data-status=(state.word()) data-label=(format!("shard {}", shard.index)) {
             div.status { (state.word()) }
             @match &shard.run {
                 None => div.small { "no claim: no replica of this shard has started the month" },
                 Some(run) => {
                     div { "attempt " (run.attempt) }
                     div.small { "owner " code { (run.owner) } }
-                    div.small {
-                        "heartbeat " (age(run.heartbeat_age_secs)) " ago"
-                        @if shard.lease_expired(ttl_secs) {
-                            " · " strong { "lease expired" } ": " (taken_over)
-                        }
+                    @match (run.status.as_str(), run.finished_at) {
+                        ("SUCCESS", Some(finished)) => div.small.finished {
+                            "finished " (local(finished, tz)) " · took " (age((finished - run.started_at).num_milliseconds() as f64 / 1000.0))
+                        },
+                        _ => div.small {
+                            "heartbeat " (age(run.heartbeat_age_secs)) " ago"
+                            @if shard.lease_expired(ttl_secs) {
+                                " · " strong { "lease expired" } ": " (taken_over)
+                            }
+                        },
                     }
                     div.small { "release " (run.version.as_deref().unwrap_or("before 0.2.0")) }
-                    div { (count(run.updated)) " rows updated" }
-                    @if let Some(progress) = shard.progress { (bar(progress)) }
+                    div.updated {
+                        (things(run.updated, "row", "rows")) " updated by attempt " (run.attempt)
+                        @if run.attempt > 1 && run.updated == 0 && run.status == "SUCCESS" {
+                            br; span.small { "earlier attempts' rows stay as they settled them (the month's totals count them)" }
+                        }
+                    }
+                    @if let Some(progress) = shard.progress { (bar(progress, run.started_age_secs)) }
                     @if detail {
                         div.small { "read " (count(run.scanned)) " · resumes " (run.cursor()) }
-                        div.small { "started " (run.started_at.format("%Y-%m-%d %H:%M:%S UTC")) }
-                        @if let Some(finished) = run.finished_at {
-                            div.small { "finished " (finished.format("%Y-%m-%d %H:%M:%S UTC")) }
-                        }
+                        div.small { "started " (local(run.started_at, tz)) }
                     }
                     @if let Some(error) = &run.last_error {
                         div.error { (error) }
@@ -604,11 +778,23 @@ fn cell(
     }
 }
 
-fn bar(progress: Progress) -> Markup {
+/// A running shard's progress: read of its total, at what rate since its attempt started
+/// (`running_secs` ago), and about how long is left at that rate.
+fn bar(progress: Progress, running_secs: f64) -> Markup {
+    let rate = (running_secs > 0.5).then(|| progress.read as f64 / running_secs);
+    let left = rate
+        .filter(|r| *r > 0.0)
+        .map(|r| progress.total.saturating_sub(progress.read) as f64 / r);
     html! {
         progress max=(progress.total) value=(progress.read.min(progress.total)) {}
-        div.small {
+        div.small.rate {
             "read " (count(progress.read as i64)) " of " (count(progress.total as i64)) " (" (progress.percent()) " %)"
+            @if let Some(rate) = rate {
+                " · " (count(rate.round() as i64)) " a second"
+            }
+            @if let Some(left) = left {
+                " · about " (age(left)) " left"
+            }
         }
     }
 }
@@ -631,17 +817,17 @@ fn history(view: &Overview) -> Markup {
                         p.note { "No audit events (the trail starts with the version that added it)." }
                     } @else {
                         div.wrap {
-                            table.history {
+                            table.history.stack {
                                 thead { tr { th { "When" } th { "Month" } th { "Event" } th { "Attempt" } th { "By" } th { "Detail" } } }
                                 tbody {
                                     @for e in events {
                                         tr {
-                                            td.small.nowrap { (local(e.event.at, tz)) }
-                                            td.nowrap { (e.business_date) }
-                                            td { (e.event.event) }
-                                            td.num { (e.event.attempt.map_or(String::new(), |a| a.to_string())) }
-                                            td.small { code { (e.event.owner) } }
-                                            td.small {
+                                            td.small.nowrap data-label="when" { (local(e.event.at, tz)) }
+                                            td.nowrap data-label="month" { (e.business_date) }
+                                            td data-label="event" { (e.event.event) }
+                                            td.num data-label="attempt" { (e.event.attempt.map_or(String::new(), |a| a.to_string())) }
+                                            td.small data-label="by" { code { (e.event.owner) } }
+                                            td.small data-label="detail" {
                                                 (e.event.message.as_deref().unwrap_or(""))
                                                 @if let Some(request) = &e.event.request_id {
                                                     br; "request " code title=(request) { (request.get(..8).unwrap_or(request)) "…" }
@@ -662,11 +848,24 @@ fn history(view: &Overview) -> Markup {
 
 /// A short page for errors and the turned-off page.
 fn notice(title: &str, message: &str) -> Markup {
+    notice_page(title, message, false)
+}
+
+/// [`notice`] of a state that passes (the database down): it reloads itself.
+fn notice_reloading(title: &str, message: &str) -> Markup {
+    notice_page(title, message, true)
+}
+
+fn notice_page(title: &str, message: &str, reloads: bool) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
             head {
                 meta charset="utf-8";
+                meta name="viewport" content="width=device-width, initial-scale=1";
+                @if reloads {
+                    meta http-equiv="refresh" content=(REFRESH_SECS);
+                }
                 title { (title) " — settlementd status" }
                 style { (PreEscaped(CSS)) }
             }
