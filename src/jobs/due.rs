@@ -101,9 +101,10 @@ pub async fn closed(
         // safe (it settles only what is due) and closes it.
         let month = business_date.format("%Y-%m");
         Some(format!(
-            "{job_name} {business_date} has no SUCCESS claim under {shards} shards (never run, \
-             or pruned by retention): run it first, `settlementd run --job {job_name} --from \
-             {month} --to {month} --all-shards --shards {shards}`"
+            "{job_name} {business_date} has no SUCCESS claim under {} (never run, or pruned by \
+             retention): run it first, `settlementd run --job {job_name} --from {month} --to \
+             {month} --all-shards --shards {shards}`",
+            crate::numbers::things(shards, "shard", "shards")
         ))
     } else if success < i64::from(shards) {
         Some(format!(
