@@ -55,3 +55,28 @@ pub fn things(n: impl Into<i128>, one: &str, many: &str) -> String {
     let n: i128 = n.into();
     format!("{} {}", count(n), if n == 1 { one } else { many })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_money_and_phrases_read_as_a_person_writes_them() {
+        assert_eq!(count(0), "0");
+        assert_eq!(count(1_234_567), "1,234,567");
+        assert_eq!(count(-1_000), "-1,000");
+        assert_eq!(money(5_259_800), "52,598.00");
+        assert_eq!(money(-4_600), "-46.00");
+        assert_eq!(money(7), "0.07");
+        assert_eq!(things(1, "loan", "loans"), "1 loan");
+        assert_eq!(things(0, "loan", "loans"), "0 loans");
+        assert_eq!(things(18_028, "loan", "loans"), "18,028 loans");
+        let waiting = Phrase::new(
+            "late return or edit waiting",
+            "late returns or edits waiting",
+        );
+        assert_eq!(waiting.count(1), "1 late return or edit waiting");
+        assert_eq!(waiting.count(2), "2 late returns or edits waiting");
+        assert_eq!(waiting.to_string(), "late returns or edits waiting");
+    }
+}

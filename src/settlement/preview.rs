@@ -505,3 +505,43 @@ pub async fn preview(
 fn parse<T: serde::de::DeserializeOwned>(text: &str) -> sqlx::Result<T> {
     serde_json::from_str(text).map_err(|e| sqlx::Error::Protocol(format!("a preview's row: {e}")))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_of_the_writer_is_in_a_shards_object_at_zero_when_it_would_do_none() {
+        let mut found = MonthPreview::default();
+        found.by_shard.entry(1).or_default().insert(
+            "settle".into(),
+            Kind {
+                loans: 3,
+                changed: 2,
+                before_cents: 0,
+                after_cents: 150,
+            },
+        );
+        found.held.push(Held {
+            shard: 1,
+            id: 17,
+            why: "no due date".into(),
+        });
+        let run = found.shard_json(Writer::Run, 1);
+        for kind in ["settle", "reprice", "reverse", "delete", "hold"] {
+            assert!(run.contains_key(kind), "{kind}: {run:?}");
+        }
+        assert_eq!(run["writes"], 3);
+        assert_eq!(run["fine_cents"], 150);
+        assert_eq!(run["hold"]["first"][0]["why"], "no due date");
+        let other = found.shard_json(Writer::Run, 0);
+        assert_eq!(other["writes"], 0);
+        assert_eq!(other["hold"]["first"], serde_json::json!([]));
+        let correction = found.shard_json(Writer::Correction, 1);
+        assert!(correction.contains_key("correct") && !correction.contains_key("settle"));
+        assert_eq!(found.shard_text(Writer::Run, 0), "    nothing to write\n");
+        assert!(found
+            .shard_text(Writer::Run, 1)
+            .starts_with("    settle 3 loans: fines 1.50 (150 cents)\n"));
+    }
+}
