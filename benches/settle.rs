@@ -1056,6 +1056,31 @@ fn command(binary: &Path, url: &str) -> Command {
 
 /// `settlementd verify --json` of `month`, timed from spawn to exit; it must find the month right
 /// with `expected` rows settled.
+/// `settlementd ARGS` against `url`, timed from spawn to exit: its wall time, whether it exited 0,
+/// and the one JSON object it printed.
+fn json_process(
+    binary: &Path,
+    url: &str,
+    args: &[&str],
+) -> Result<(f64, bool, serde_json::Value), BoxError> {
+    let t = Instant::now();
+    let out = command(binary, url)
+        .env("SETTLEMENTD__DATABASE__URL", url)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    let wall_ms = ms(t.elapsed());
+    let v = serde_json::from_slice(&out.stdout).map_err(|e| {
+        format!(
+            "settlementd {} printed {:?} ({e}): {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })?;
+    Ok((wall_ms, out.status.success(), v))
+}
+
 /// `settlementd run --dry-run --json` of the unsettled `month`, 1 shard, timed from spawn to exit:
 /// it must report `expected` loans to settle; also returns the fines it reports.
 fn dry_run_process(
@@ -1064,33 +1089,23 @@ fn dry_run_process(
     month: BusinessDate,
     expected: u64,
 ) -> Result<(Sample, i128), BoxError> {
-    let mut cmd = command(binary, url);
-    let t = Instant::now();
-    let out = cmd
-        .env("SETTLEMENTD__DATABASE__URL", url)
-        .args([
-            "run",
-            "--dry-run",
-            "--json",
-            "--shards",
-            "1",
-            "--shard",
-            "0",
-        ])
-        .arg("--business-date")
-        .arg(month.to_string())
-        .stdin(Stdio::null())
-        .output()?;
-    let wall_ms = ms(t.elapsed());
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-        format!(
-            "the dry run printed {:?} ({e}): {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })?;
+    let month = month.to_string();
+    let args = [
+        "run",
+        "--dry-run",
+        "--json",
+        "--shards",
+        "1",
+        "--shard",
+        "0",
+    ];
+    let (wall_ms, success, v) = json_process(
+        binary,
+        url,
+        &[&args[..], &["--business-date", &month]].concat(),
+    )?;
     let settle = &v["by_shard"][0]["settle"];
-    if !out.status.success() || settle["loans"].as_u64() != Some(expected) {
+    if !success || settle["loans"].as_u64() != Some(expected) {
         return Err(format!("the dry run did not report {expected} loans to settle: {v}").into());
     }
     let fines = settle["cents"].to_string().parse::<i128>()?;
@@ -1110,24 +1125,14 @@ fn verify_process(
     month: BusinessDate,
     expected: u64,
 ) -> Result<Sample, BoxError> {
-    let mut cmd = command(binary, url);
-    let t = Instant::now();
-    let out = cmd
-        .env("SETTLEMENTD__DATABASE__URL", url)
-        .args(["verify", "--json", "--business-date"])
-        .arg(month.to_string())
-        .stdin(Stdio::null())
-        .output()?;
-    let wall_ms = ms(t.elapsed());
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
-        format!(
-            "verify printed {:?} ({e}): {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })?;
+    let month = month.to_string();
+    let (wall_ms, success, v) = json_process(
+        binary,
+        url,
+        &["verify", "--json", "--business-date", &month],
+    )?;
     let settled = v["totals"]["settled_rows"].as_u64();
-    if !out.status.success() || v["right"] != true || settled != Some(expected) {
+    if !success || v["right"] != true || settled != Some(expected) {
         return Err(
             format!("verify did not find the month right with {expected} rows: {v}").into(),
         );

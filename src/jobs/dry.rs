@@ -114,8 +114,7 @@ pub async fn dry_run(
             .await?;
             if !same {
                 refused.push(format!(
-                    "the month is pinned to {}; this configuration's is {} (`settlementd correct` \
-                     re-pins it)",
+                    "the month is pinned to {}; this configuration's is {}",
                     job.describe(pinned),
                     job.describe(mine)
                 ));
@@ -141,29 +140,28 @@ pub async fn dry_run(
     .await?;
     let preview = job.preview(&mut tx, business_date, count, shards).await?;
     tx.rollback().await?;
-    let by_shard = shards
-        .iter()
-        .map(|&shard| {
-            let claim = claims.iter().find(|c| c.0 as u32 == shard);
-            let writes = preview
-                .as_ref()
-                .and_then(|p| p.shards.get(&shard))
-                .map(|s| s.writes);
-            let would = match claim {
-                _ if !refused.is_empty() => Would::Refuse,
-                Some((_, status, _, true)) if status == "RUNNING" => Would::Skip("held"),
-                Some((_, status, _, _)) if status == "SUCCESS" && !force && writes == Some(0) => {
-                    Would::Skip("already_success")
+    let mut by_shard = Vec::new();
+    for &shard in shards {
+        let claim = claims.iter().find(|c| c.0 as u32 == shard);
+        // As the claim decides: a SUCCESS key is skipped unless forced or the job reports items
+        // that arrived after it was done ([`Job::late_items`], read from the job's own data).
+        let would = match claim {
+            _ if !refused.is_empty() => Would::Refuse,
+            Some((_, status, _, true)) if status == "RUNNING" => Would::Skip("held"),
+            Some((_, status, _, _)) if status == "SUCCESS" && !force => {
+                match job.late_items(pool, &key(shard)).await? {
+                    0 => Would::Skip("already_success"),
+                    _ => Would::Run,
                 }
-                _ => Would::Run,
-            };
-            ShardDry {
-                shard,
-                claim: claim.map(|c| (c.1.clone(), c.2)),
-                would,
             }
-        })
-        .collect();
+            _ => Would::Run,
+        };
+        by_shard.push(ShardDry {
+            shard,
+            claim: claim.map(|c| (c.1.clone(), c.2)),
+            would,
+        });
+    }
     Ok(DryRun {
         writer: "run",
         job: job.name(),

@@ -58,6 +58,8 @@ pub trait Registered: Send + Sync {
         periods: &'a [NaiveDate],
     ) -> Boxed<'a, sqlx::Result<PendingReport>>;
     fn upkeep<'a>(&'a self, pool: &'a PgPool, until: Instant) -> Boxed<'a, sqlx::Result<u64>>;
+    /// [`Job::late_items`]: what a claim of a SUCCESS key asks before it skips it.
+    fn late_items<'a>(&'a self, pool: &'a PgPool, key: &'a JobKey) -> Boxed<'a, sqlx::Result<u64>>;
     fn facts<'a>(
         &'a self,
         db: &'a mut PgConnection,
@@ -151,6 +153,10 @@ where
 
     fn upkeep<'a>(&'a self, pool: &'a PgPool, until: Instant) -> Boxed<'a, sqlx::Result<u64>> {
         Box::pin(self.job.upkeep(pool, until))
+    }
+
+    fn late_items<'a>(&'a self, pool: &'a PgPool, key: &'a JobKey) -> Boxed<'a, sqlx::Result<u64>> {
+        Box::pin(self.job.late_items(pool, key))
     }
 
     fn facts<'a>(

@@ -59,8 +59,8 @@ impl Kind {
         json!({
             "loans": self.loans,
             "changed": self.changed,
-            "cents": self.after_cents.to_string().parse::<Value>().unwrap_or(Value::Null),
-            "net_cents": self.net_cents().to_string().parse::<Value>().unwrap_or(Value::Null),
+            "cents": number(self.after_cents),
+            "net_cents": number(self.net_cents()),
         })
     }
 }
@@ -279,6 +279,8 @@ impl MonthPreview {
     }
 }
 
+/// A sum of cents as a JSON number, however large (serde_json's arbitrary precision is off, so
+/// an i128 goes through its text).
 fn number(n: i128) -> Value {
     n.to_string().parse::<Value>().unwrap_or(Value::Null)
 }
@@ -367,6 +369,7 @@ fn statement(writer: Writer) -> String {
                 settles_returns: true,
                 lock: "",
             };
+            // A correction's key is never NULL: only the fines it changes are written.
             let written = loans.written("c", "'dry run'::text");
             (
                 format!(
