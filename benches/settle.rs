@@ -65,8 +65,8 @@ use chrono::NaiveDate;
 use settlementd::calendar::BusinessDate;
 use settlementd::embedded_pg::{EmbeddedOptions, EmbeddedPg};
 use settlementd::fine::FineRule;
+use settlementd::jobs::fine_settlement::{self, MonthTotals};
 use settlementd::seed::{self, SeedSpec};
-use settlementd::settlement::{self, MonthTotals};
 use sqlx::{Connection, PgConnection};
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -500,7 +500,7 @@ async fn bench(
                     )
                     .into());
                 }
-                let after = settlement::month_totals(&mut db, month).await?;
+                let after = fine_settlement::month_totals(&mut db, month).await?;
                 if after.settled_rows != 0 {
                     return Err(format!("the dry run settled {} rows", after.settled_rows).into());
                 }
@@ -620,7 +620,7 @@ async fn checked(
     if sample.updated != expected {
         return Err(format!("{name}: updated {} of {expected}", sample.updated).into());
     }
-    let totals = settlement::month_totals(db, month).await?;
+    let totals = fine_settlement::month_totals(db, month).await?;
     match reference {
         Some(r) if *r != totals => {
             Err(format!("{name}: month totals {totals:?} differ from {r:?}").into())
@@ -664,7 +664,9 @@ async fn generate(
     settle_before(&mut *db, month).await?;
     // The earlier months on the record, as `settlementd migrate` leaves a database settled before
     // the journal: every settled loan with its opening entry.
-    while settlementd::settlement::journal::open_unjournaled(&mut *db, 100_000).await? > 0 {}
+    while settlementd::jobs::fine_settlement::journal::open_unjournaled(&mut *db, 100_000).await?
+        > 0
+    {}
     for sql in [
         "CREATE TABLE loans_pristine AS SELECT * FROM loans ORDER BY id",
         "DROP TABLE IF EXISTS journal_pristine",
@@ -1156,7 +1158,12 @@ fn statements_process(
     let t = Instant::now();
     let out = cmd
         .env("SETTLEMENTD__DATABASE__URL", url)
-        .args([verb, "--job", settlementd::statements::JOB_NAME, "--json"])
+        .args([
+            verb,
+            "--job",
+            settlementd::jobs::member_statements::JOB_NAME,
+            "--json",
+        ])
         .args(["--business-date", &month.to_string()])
         .stdin(Stdio::null())
         .output()?;
@@ -1486,7 +1493,7 @@ async fn doubling(
         // What every run on this table must leave: the month as the set-based UPDATE leaves it.
         reset(&mut db, shape.analyzed, table).await?;
         set_based(&mut db, month, None).await?;
-        let reference = settlement::month_totals(&mut db, month).await?;
+        let reference = fine_settlement::month_totals(&mut db, month).await?;
         tables.push((name, table, shape.analyzed, expected, reference));
         println!("doubling: {name}, {loans} loans, {expected} to settle, kept as {table}");
     }

@@ -9,8 +9,8 @@ use crate::clock::Clock;
 use crate::config::{ConfigError, LogFormat, Settings};
 use crate::db::{self, DbError};
 use crate::embedded_pg::{EmbeddedError, EmbeddedOptions, EmbeddedPg};
-use crate::jobs::{JobError, Owner, RunOptions};
-use crate::settlement::FineSettlement;
+use crate::job_layer::{JobError, Owner, RunOptions};
+use crate::jobs::fine_settlement::FineSettlement;
 use sqlx::PgPool;
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -104,7 +104,9 @@ impl From<JobError> for AppError {
             | JobError::BeingCorrected { .. }
             | JobError::NotReady { .. }
             | JobError::Paused { .. } => AppError::Refused(e.to_string()),
-            JobError::NoParams { .. } => AppError::Invalid(e.to_string()),
+            JobError::NoParams { .. } | JobError::NotAPeriod { .. } => {
+                AppError::Invalid(e.to_string())
+            }
             _ => AppError::Failed(with_hint(e.to_string(), undefined_table(&e))),
         }
     }
@@ -436,24 +438,24 @@ pub fn settlement_job(settings: &Settings) -> FineSettlement {
     FineSettlement::of(settings)
 }
 
-/// The lease's server-side guards of every batch transaction ([`crate::jobs::lease::Guards`]).
-pub fn guards(settings: &Settings) -> crate::jobs::lease::Guards {
+/// The lease's server-side guards of every batch transaction ([`crate::job_layer::lease::Guards`]).
+pub fn guards(settings: &Settings) -> crate::job_layer::lease::Guards {
     let g = settings.lease.guards();
-    crate::jobs::lease::Guards {
+    crate::job_layer::lease::Guards {
         idle_in_transaction: g.idle_in_transaction,
         lock_timeout: g.lock_timeout,
         statement_timeout: g.statement_timeout,
     }
 }
 
-/// The retention job of `settings` ([`crate::jobs::retention`]) deleting what closed more than
+/// The retention job of `settings` ([`crate::job_layer::retention`]) deleting what closed more than
 /// `older_than_days` ago, never a period inside a job's lookback as of `now`.
 pub fn retention_job(
     settings: &Settings,
     older_than_days: u32,
     now: chrono::DateTime<chrono::Utc>,
-) -> crate::jobs::retention::Retention {
-    let registry = crate::registry::build(settings);
+) -> crate::job_layer::retention::Retention {
+    let registry = crate::jobs::build(settings);
     let tz = settings.schedule.timezone;
     let lookback_starts = registry
         .iter()
@@ -465,7 +467,7 @@ pub fn retention_job(
             (job.name(), window.first().copied().unwrap_or(latest.date()))
         })
         .collect();
-    crate::jobs::retention::Retention {
+    crate::job_layer::retention::Retention {
         registry,
         shards: settings.shard.count,
         older_than_days,
@@ -479,9 +481,9 @@ pub fn retention_job(
 pub fn retention_key(
     settings: &Settings,
     now: chrono::DateTime<chrono::Utc>,
-) -> crate::jobs::JobKey {
-    crate::jobs::JobKey {
-        job_name: crate::jobs::retention::NAME.to_string(),
+) -> crate::job_layer::JobKey {
+    crate::job_layer::JobKey {
+        job_name: crate::job_layer::retention::NAME.to_string(),
         business_date: now.with_timezone(&settings.schedule.timezone).date_naive(),
         shards: 1,
         shard: 0,
@@ -493,18 +495,18 @@ pub fn retention_key(
 pub async fn dry_months(
     settings: &Settings,
     pool: &PgPool,
-    job: &dyn crate::jobs::registry::Registered,
+    job: &dyn crate::job_layer::registry::Registered,
     months: &[BusinessDate],
     count: u32,
     shards: &[u32],
     force: bool,
-) -> Result<Vec<crate::jobs::dry::DryRun>> {
+) -> Result<Vec<crate::job_layer::dry::DryRun>> {
     let mut out = Vec::new();
     for month in months {
-        let mut dry = crate::jobs::dry::dry_run(
+        let mut dry = crate::job_layer::dry::dry_run(
             pool,
             job,
-            month.date(),
+            *month,
             count,
             shards,
             force,
@@ -515,7 +517,7 @@ pub async fn dry_months(
             dry.refused.insert(0, e.to_string());
             dry.by_shard
                 .iter_mut()
-                .for_each(|s| s.would = crate::jobs::dry::Would::Refuse);
+                .for_each(|s| s.would = crate::job_layer::dry::Would::Refuse);
         }
         out.push(dry);
     }

@@ -47,6 +47,13 @@ impl BusinessDate {
         }
     }
 
+    /// The business date of the month `date` is in: `date` itself when it is one. Unchecked
+    /// against [`FIRST_YEAR`] and [`LAST_YEAR`]: for a key that [`BusinessDate::new`] accepted
+    /// already, or a daily key's month.
+    pub fn of_month(date: NaiveDate) -> Self {
+        Self(month_end(date.year(), date.month()).unwrap_or(date))
+    }
+
     pub fn parse(text: &str) -> Result<Self, CalendarError> {
         let date = NaiveDate::parse_from_str(text.trim(), "%Y-%m-%d")
             .map_err(|_| CalendarError::Unparsable(text.to_string()))?;
@@ -95,6 +102,11 @@ impl BusinessDate {
     /// First day of the settled month.
     pub fn first_day(&self) -> NaiveDate {
         self.0.with_day(1).expect("day 1 exists in every month")
+    }
+
+    /// The first day of the month of any date.
+    pub fn month_start(date: NaiveDate) -> NaiveDate {
+        date.with_day(1).unwrap_or(date)
     }
 
     /// The first days of the months of `periods` (business dates; a date that is not one is

@@ -9,7 +9,7 @@ use crate::commands::{
     seed::SeedRequest, status::StatusRequest, verify::VerifyRequest,
 };
 use crate::config::Settings;
-use crate::jobs::{Progress, RunReport};
+use crate::job_layer::{Progress, RunReport};
 use clap::{Args, Parser, Subcommand};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -336,7 +336,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
         }
         Command::Run(args) => {
             let jobs: Vec<Option<String>> = if args.all_jobs {
-                crate::registry::build(&settings)
+                crate::jobs::build(&settings)
                     .iter()
                     .filter(|j| j.schedule().enabled)
                     .map(|j| Some(j.name().to_string()))
@@ -461,7 +461,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 if args.json {
                     println!("{}", slot.to_json());
                 } else {
-                    println!("{}", commands::schedule::slot_line(&slot));
+                    println!("{}", commands::schedule::slot_line(job.as_ref(), &slot));
                 }
             }
         }
@@ -537,7 +537,10 @@ async fn run_job(settings: &Settings, args: &RunArgs, job: Option<String>) -> Re
     };
     let print = |report: &RunReport| {
         if args.json {
-            println!("{}", commands::run::report_json(report));
+            let words = commands::run::job_of(settings, Some(&report.key.job_name))
+                .map(|j| j.words())
+                .unwrap_or_else(|_| job.words());
+            println!("{}", commands::run::report_json(report, &words));
         } else {
             println!("{}", commands::run::report_line(job.as_ref(), report));
         }

@@ -110,22 +110,28 @@ pub struct Settings {
     pub http: HttpSettings,
     pub log: LogSettings,
     /// `[jobs.<section>]`, one per job of the binary's registry (a job's name with `-` written
-    /// `_`): whether a replica schedules it and when. Which sections exist is the registry's to
-    /// say: it refuses an unknown one (the registry, `src/registry.rs`).
+    /// `_`): whether a replica schedules it and when, and its own keys. Which sections exist, and
+    /// what a job's own keys are, is the list of jobs' to say (`src/jobs/mod.rs`).
     #[serde(default)]
     pub jobs: std::collections::BTreeMap<String, JobSettings>,
     pub retention: RetentionSettings,
 }
 
-/// `[jobs.<section>]`: one job's schedule; unset keys take the job's defaults.
+/// The section whose `cron` the deprecated `schedule.cron` is (the fine settlement's).
+const LEGACY_CRON_SECTION: &str = "fine_settlement";
+
+/// `[jobs.<section>]`: one job's schedule — unset keys take the job's defaults — and its own keys,
+/// which the job deserializes and checks itself (the list of jobs, `src/jobs/mod.rs`).
 #[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct JobSettings {
     #[serde(default, deserialize_with = "de_opt_bool")]
     pub enabled: Option<bool>,
     /// Six fields, seconds first, in `schedule.timezone`.
     #[serde(default, deserialize_with = "de_opt_cron")]
     pub cron: Option<Cron>,
+    /// Every other key of the section, as written: the job's own settings.
+    #[serde(flatten)]
+    pub own: serde_json::Map<String, serde_json::Value>,
 }
 
 /// `[retention]`: `serve` deletes the audit trail, run requests and claims of months closed longer
@@ -339,8 +345,9 @@ pub struct SettleSettings {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ScheduleSettings {
-    /// The cron of the job that reads it (the fine settlement's, from before jobs had sections of
-    /// their own): `None` when unset, and then `[jobs.<section>] cron` or the job's default.
+    /// Deprecated: the fine settlement's cron from before jobs had sections of their own, the old
+    /// name of `[jobs.fine_settlement] cron`. Still read: [`Settings::load`] moves it there (and
+    /// refuses both set), so it is always `None` after loading.
     #[serde(default, deserialize_with = "de_opt_cron")]
     pub cron: Option<Cron>,
     #[serde(deserialize_with = "de_tz")]
@@ -542,6 +549,23 @@ impl Settings {
         Self::load_from(file, std::env::vars())
     }
 
+    /// `schedule.cron` moved to `[jobs.fine_settlement] cron`, its name since jobs have sections:
+    /// the one place the old key is read.
+    fn move_legacy_cron(&mut self) -> Result<()> {
+        let Some(cron) = self.schedule.cron.take() else {
+            return Ok(());
+        };
+        let section = self.jobs.entry(LEGACY_CRON_SECTION.into()).or_default();
+        if section.cron.is_some() {
+            return Err(ConfigError(format!(
+                "schedule.cron and jobs.{LEGACY_CRON_SECTION}.cron are both set: they are the same \
+                 setting, keep one (schedule.cron is its old name)"
+            )));
+        }
+        section.cron = Some(cron);
+        Ok(())
+    }
+
     /// As [`Settings::load`] with an explicit environment (tests pass their own).
     pub fn load_from(
         file: Option<&Path>,
@@ -596,6 +620,7 @@ impl Settings {
             .try_deserialize()
             .map_err(|e| ConfigError(masked(&one_line(&e.to_string()), &secrets)))?;
         settings.fine = settings.fine_settings.schedule()?;
+        settings.move_legacy_cron()?;
         settings.database.read_secret_files()?;
         settings.http.read_token()?;
         if settings.database.url.is_none() {

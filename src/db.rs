@@ -19,7 +19,7 @@
 //! Nothing is written through a connection to a read-only server (a standby, or a primary with
 //! `default_transaction_read_only`, as the old primary is during a failover): every connection is
 //! checked when it is made (in the round trip of the session guards) and again each time the pool
-//! hands it out ([`crate::jobs::server`]); one to a read-only server is closed instead. A pool whose
+//! hands it out ([`crate::job_layer::server`]); one to a read-only server is closed instead. A pool whose
 //! endpoint leads only to a read-only server hands out nothing: [`connect`] says
 //! [`DbError::ReadOnly`] (not a configuration error: a failover passes, and `serve` waits as for a
 //! server that is down), and readiness asks [`writable`].
@@ -27,7 +27,7 @@
 pub mod migrations;
 pub mod options;
 
-use crate::jobs::server::{self, Direct};
+use crate::job_layer::server::{self, Direct};
 pub use migrations::{
     alters_loans, embedded, migrate, migrate_connection, schema_is_current, statements, Applied,
     LOANS_MIGRATIONS,

@@ -42,7 +42,7 @@ fn main() -> ExitCode {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let settings = match settlementd::registry::load(cli.config.as_deref()) {
+    let settings = match settlementd::jobs::load(cli.config.as_deref()) {
         Ok(settings) => settings,
         Err(e) => {
             eprintln!("settlementd: {e}");

@@ -11,7 +11,7 @@
 //!   `statement_timeout` is lowered before each statement to what is left. The claims and the
 //!   history are cheap (primary keys, the trail's indexes) and must be read; what is costly
 //!   degrades instead of making the view wait.
-//! - A month's facts are the job's ([`crate::jobs::Job::facts`]; the fine settlement: settled rows,
+//! - A month's facts are the job's ([`crate::job_layer::Job::facts`]; the fine settlement: settled rows,
 //!   fine sum and digest, read through the money journal). A **closed** month (every shard
 //!   SUCCESS, nothing waiting) cannot change while no run of it starts again — an edit of its
 //!   loans is queued and makes it wait, and re-pricing is a run — and every claim raises
@@ -20,9 +20,9 @@
 //!   [`BACKGROUND_TIMEOUT`]) and shown from a later view on. An **open** month's are computed live
 //!   within what is left of the budget, or shown as unavailable.
 //! - A running shard's progress bar needs how many items its run still has to read
-//!   ([`crate::jobs::Job::remaining`]); that is counted once per attempt, within the budget.
+//!   ([`crate::job_layer::Job::remaining`]); that is counted once per attempt, within the budget.
 //! - A month whose every shard is SUCCESS is *closed* only when nothing waits for a run in it (the
-//!   job's [`crate::jobs::Job::pending`]; the fine settlement: late returns and edits of settled
+//!   job's [`crate::job_layer::Job::pending`]; the fine settlement: late returns and edits of settled
 //!   loans); a month held by an unfinished correction is "being corrected", never closed.
 //! - Each month shows its pinned parameters, and a shard whose latest claim was refused because
 //!   its replica's parameters differ (a `rule_conflict` event newer than the shard's claim) shows
@@ -35,12 +35,12 @@
 
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
-use crate::jobs::claim::{self, JobRunRow, MonthRunRow};
-use crate::jobs::due::{self, NotClosed};
-use crate::jobs::events::{self, ShardEvent};
-use crate::jobs::pause::{self, Pause};
-use crate::jobs::registry::Registered;
-use crate::jobs::{params, Fact, JobError, JobKey, Params, Words};
+use crate::job_layer::claim::{self, JobRunRow, MonthRunRow};
+use crate::job_layer::due::{self, NotClosed};
+use crate::job_layer::events::{self, ShardEvent};
+use crate::job_layer::pause::{self, Pause};
+use crate::job_layer::registry::Registered;
+use crate::job_layer::{params, Fact, JobError, JobKey, Params, Words};
 use crate::schedule::{self, Slot};
 use chrono::{DateTime, NaiveDate, Utc};
 use chrono_tz::Tz;
@@ -130,7 +130,7 @@ impl Scope {
 pub struct Overview {
     /// The job's name.
     pub job: &'static str,
-    /// The job whose months this one follows ([`crate::jobs::Job::after`]).
+    /// The job whose months this one follows ([`crate::job_layer::Job::after`]).
     pub after: Option<&'static str>,
     /// What the job calls its items.
     pub words: Words,
@@ -238,7 +238,7 @@ pub struct Verdict {
 pub struct Waiting {
     pub late: u64,
     pub held: u64,
-    /// Items of the job's upkeep ([`crate::jobs::Pending::upkeep`]).
+    /// Items of the job's upkeep ([`crate::job_layer::Pending::upkeep`]).
     pub upkeep: u64,
 }
 
@@ -277,17 +277,17 @@ pub struct Month {
     pub totals: Totals,
     /// The parameters the month's first claim pinned (or its last correction); `None`: none yet.
     pub rule: Option<Params>,
-    /// The same in words ([`crate::jobs::Job::describe`]).
+    /// The same in words ([`crate::job_layer::Job::describe`]).
     pub rule_text: Option<String>,
     /// When every shard is SUCCESS: the items still waiting for a run, and held. `None` when not
     /// counted (an open month, or the count did not fit in the view's budget).
     pub unsettled: Option<Waiting>,
     /// The unfinished correction holding the month (its key, since when): "being corrected".
     pub correction: Option<(String, DateTime<Utc>)>,
-    /// One month's view only: what a run of it would do now ([`crate::jobs::Job::preview`], the
+    /// One month's view only: what a run of it would do now ([`crate::job_layer::Job::preview`], the
     /// dry run's numbers, within the view's budget) — its held items with why among them. `None`
     /// in the overview, or for a job that cannot tell; `Err` when it did not fit.
-    pub preview: Option<std::result::Result<crate::jobs::Preview, String>>,
+    pub preview: Option<std::result::Result<crate::job_layer::Preview, String>>,
 }
 
 impl Month {
@@ -506,7 +506,7 @@ impl Progress {
     }
 }
 
-/// A month's facts ([`crate::jobs::Job::facts`]).
+/// A month's facts ([`crate::job_layer::Job::facts`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Totals {
     /// A closed month's, computed once.
@@ -595,10 +595,10 @@ impl Reader {
         }
     }
 
-    /// The fleet's replicas ([`crate::jobs::fleet::list`]) within the view's budget; `None` when
+    /// The fleet's replicas ([`crate::job_layer::fleet::list`]) within the view's budget; `None` when
     /// the schema predates the registry or it could not be read in time.
-    pub async fn fleet(&self) -> Option<Vec<crate::jobs::fleet::Member>> {
-        match tokio::time::timeout(self.budget, crate::jobs::fleet::list(&self.pool)).await {
+    pub async fn fleet(&self) -> Option<Vec<crate::job_layer::fleet::Member>> {
+        match tokio::time::timeout(self.budget, crate::job_layer::fleet::list(&self.pool)).await {
             Ok(Ok(fleet)) => fleet,
             Ok(Err(e)) => {
                 tracing::debug!(error = %e, "cannot read the fleet");
@@ -890,13 +890,13 @@ impl Reader {
                 Err(why) => Totals::Unavailable(why),
             },
         };
-        let preview = match detail {
-            false => None,
-            true => {
+        let preview = match (detail, BusinessDate::new(business_date)) {
+            (false, _) | (_, Err(_)) => None,
+            (true, Ok(month)) => {
                 let job = job.clone();
                 let all: Vec<u32> = (0..shards).collect();
                 costly(tx, (deadline, self.budget), move |c| {
-                    Box::pin(async move { job.preview(c, business_date, shards, &all).await })
+                    Box::pin(async move { job.preview(c, month, shards, &all).await })
                 })
                 .await?
                 .transpose()
@@ -1065,7 +1065,7 @@ async fn totals_in_background(
 ) -> sqlx::Result<Vec<Fact>> {
     let mut tx = pool.begin_with("BEGIN READ ONLY").await?;
     set_timeout(&mut tx, BACKGROUND_TIMEOUT).await?;
-    let facts = job.facts(&mut tx, month.date()).await?;
+    let facts = job.facts(&mut tx, month).await?;
     tx.rollback().await?;
     Ok(facts)
 }
@@ -1112,7 +1112,7 @@ fn facts_of(
     month: BusinessDate,
 ) -> impl for<'a> FnOnce(&'a mut PgConnection) -> Read<'a, Vec<Fact>> {
     let job = job.clone();
-    move |c| Box::pin(async move { job.facts(c, month.date()).await })
+    move |c| Box::pin(async move { job.facts(c, month).await })
 }
 
 /// Runs one costly read in a savepoint, limited to what is left of the budget. `Ok(Err(why))`
@@ -1240,8 +1240,10 @@ mod tests {
             "settled loan without a journal entry",
             "settled loans without a journal entry",
         ),
-        done: "settled",
-        runs: "settles",
+        waiting_key: "late_returns",
+        written: crate::numbers::Phrase::new("row updated", "rows updated"),
+        facts_are: "settled",
+        run_does: "settles",
         pinned: Some("rule"),
     };
 

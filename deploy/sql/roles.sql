@@ -1,8 +1,9 @@
 -- Least privilege for settlementd, in the libraryd database. Run as a superuser or the database
 -- owner, with psql -v ON_ERROR_STOP=1 -d libraryd -f deploy/sql/roles.sql:
 --   1. once before the first `settlementd migrate`, to create the roles;
---   2. again after every migration that adds a table, to grant on it (it is idempotent, and each
---      run resets settlementd_app to exactly the grants below).
+--   2. again after a migration that adds a table settlementd itself names below, to give it its
+--      exact grants (it is idempotent, and each run resets settlementd_app to exactly the grants
+--      below). A job's own tables need neither a line here nor a re-run: see "A job's own tables".
 -- It runs as one transaction: a re-run is atomic, so settlementd_app, working meanwhile, never
 -- sees its grants revoked and not yet granted again; an error leaves everything as it was.
 -- Set the passwords yourself (psql: \password settlementd_app); none is stored here.
@@ -48,8 +49,13 @@
 -- retention fails with 42501, logged, and changes nothing; docs/OPERATIONS.md, "From 0.1.0 to
 -- 0.2.0".) libraryd's own roles need nothing: the triggers' function runs as its owner, the
 -- migrator (SECURITY DEFINER).
--- Job tables are granted by name, not through default privileges, so a table a later migration
--- adds gets nothing until it is named here.
+-- A job's own tables: a table the migrator creates that this file does not name (a new job's
+-- output, docs/ADDING-A-JOB.md) gets SELECT, INSERT, UPDATE, DELETE, and USAGE on its sequences,
+-- through the migrator's default privileges, the moment its migration creates it, and again from
+-- every run of this file; no TRUNCATE, REFERENCES, TRIGGER or DDL. A table named below has exactly
+-- its grants instead: settlementd's own tables, where append-only matters (the journal, the audit
+-- trail), are named, and a later release that adds one names it here. Run `settlementd migrate` as
+-- the migrator (as the deploy files do): a table another role creates gets nothing by default.
 
 BEGIN;
 
@@ -134,6 +140,12 @@ BEGIN
 END
 $$;
 
+-- A job's own tables, from now on: granted when the migrator creates them.
+ALTER DEFAULT PRIVILEGES FOR ROLE settlementd_migrator IN SCHEMA public
+    GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO settlementd_app;
+ALTER DEFAULT PRIVILEGES FOR ROLE settlementd_migrator IN SCHEMA public
+    GRANT USAGE ON SEQUENCES TO settlementd_app;
+
 -- The runtime role: first revoke everything (table and column privileges), then grant exactly.
 REVOKE ALL ON ALL TABLES IN SCHEMA public FROM settlementd_app;
 REVOKE ALL ON ALL SEQUENCES IN SCHEMA public FROM settlementd_app;
@@ -157,8 +169,9 @@ BEGIN
             RAISE NOTICE 'loans has no fine_settled_at yet: run this again after settlementd migrate';
         END IF;
     END IF;
-    FOR grant_ IN
-        SELECT * FROM (VALUES ('job_runs', 'SELECT, INSERT, UPDATE'),
+    CREATE TEMPORARY TABLE settlementd_grants ON COMMIT DROP AS
+        SELECT * FROM (VALUES ('loans', NULL),
+                              ('job_runs', 'SELECT, INSERT, UPDATE'),
                               ('run_requests', 'SELECT, INSERT, UPDATE'),
                               ('run_request_shards', 'SELECT, INSERT, UPDATE'),
                               ('job_events', 'SELECT, INSERT'),
@@ -174,7 +187,15 @@ BEGIN
                               ('loan_changes', 'SELECT, DELETE'),
                               ('member_moves', 'SELECT'),
                               ('_sqlx_migrations', 'SELECT'),
-                              ('settlementd_migrations', 'SELECT')) AS g(tbl, privileges)
+                              ('settlementd_migrations', 'SELECT')) AS g(tbl, privileges);
+    -- A job's own tables: what the migrator owns and the list does not name.
+    INSERT INTO settlementd_grants
+    SELECT c.relname, 'SELECT, INSERT, UPDATE, DELETE'
+      FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+     WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p')
+       AND r.rolname = 'settlementd_migrator'
+       AND c.relname NOT IN (SELECT tbl FROM settlementd_grants);
+    FOR grant_ IN SELECT * FROM settlementd_grants WHERE privileges IS NOT NULL
     LOOP
         CONTINUE WHEN to_regclass(format('public.%I', grant_.tbl)) IS NULL;
         EXECUTE format('GRANT %s ON public.%I TO settlementd_app', grant_.privileges, grant_.tbl);

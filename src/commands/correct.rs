@@ -13,12 +13,12 @@ use crate::app::{
 use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec, MAX_SHARDS};
-use crate::jobs::dry::{DryRun, ShardDry, Would};
-use crate::jobs::{self, Params, RunOptions, SkipReason};
+use crate::job_layer::dry::{DryRun, ShardDry, Would};
+use crate::job_layer::{self, Params, RunOptions, SkipReason};
+use crate::jobs::fine_settlement::correction::{self, Begun, Correction, FineCorrection, ShardRun};
+use crate::jobs::fine_settlement::preview::Writer;
+use crate::jobs::fine_settlement::{self, describe_params, journal, rule_params};
 use crate::numbers::things;
-use crate::settlement::correction::{self, Begun, Correction, FineCorrection, ShardRun};
-use crate::settlement::preview::Writer;
-use crate::settlement::{self, describe_params, journal, rule_params};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 
@@ -127,7 +127,7 @@ pub async fn correct(settings: &Settings, request: &CorrectRequest) -> Result<Co
                         )))
                     }
                     Begun::Unfinished(other) => return Err(unfinished(&other)),
-                    Begun::Paused(pause) => return Err(jobs::JobError::from(pause).into()),
+                    Begun::Paused(pause) => return Err(job_layer::JobError::from(pause).into()),
                 }
             }
         };
@@ -179,7 +179,7 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
             Some(shards) => shards,
             None => settled_shard_count(pool, business_date).await?,
         };
-        let mut tx = pool.begin_with(jobs::dry::BEGIN_DRY_RUN).await?;
+        let mut tx = pool.begin_with(job_layer::dry::BEGIN_DRY_RUN).await?;
         let mut refused = Vec::new();
         if let Err(e) = ensure_month_is_over(business_date, settings, &SystemClock) {
             refused.push(e.to_string());
@@ -191,10 +191,10 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
                  gives each an opening entry)"
             ));
         }
-        if let Some(p) = jobs::pause::of(&mut *tx, settlement::JOB_NAME).await? {
+        if let Some(p) = job_layer::pause::of(&mut *tx, fine_settlement::JOB_NAME).await? {
             refused.push(format!(
                 "{} is paused since {} by {}: {}",
-                settlement::JOB_NAME,
+                fine_settlement::JOB_NAME,
                 p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
                 p.paused_by,
                 p.reason
@@ -210,7 +210,7 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
             "SELECT shard, status, attempt FROM job_runs
               WHERE job_name = $1 AND business_date = $2 AND shards = $3 ORDER BY shard",
         )
-        .bind(settlement::JOB_NAME)
+        .bind(fine_settlement::JOB_NAME)
         .bind(business_date.date())
         .bind(shards as i32)
         .fetch_all(&mut *tx)
@@ -226,11 +226,12 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
                 running.join(", ")
             ));
         }
-        let pinned = jobs::params::pinned(&mut *tx, settlement::JOB_NAME, business_date.date())
-            .await?
-            .map(|p| describe_params(&p));
+        let pinned =
+            job_layer::params::pinned(&mut *tx, fine_settlement::JOB_NAME, business_date.date())
+                .await?
+                .map(|p| describe_params(&p));
         let all: Vec<u32> = (0..shards).collect();
-        let found = settlement::preview::preview(
+        let found = fine_settlement::preview::preview(
             &mut tx,
             Writer::Correction,
             business_date,
@@ -247,7 +248,7 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
         let params = rule_params(&rule);
         Ok(DryRun {
             writer: "correction",
-            job: settlement::JOB_NAME,
+            job: fine_settlement::JOB_NAME,
             business_date: business_date.date(),
             shards,
             params: Some((describe_params(&params), params.0)),
@@ -279,7 +280,7 @@ async fn settled_shard_count(pool: &PgPool, business_date: BusinessDate) -> Resu
         "SELECT shards FROM job_runs WHERE job_name = $1 AND business_date = $2
           ORDER BY started_at DESC, shards DESC LIMIT 1",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(business_date.date())
     .fetch_optional(pool)
     .await?;
@@ -312,8 +313,8 @@ impl Asked<'_> {
         }
         // By the rule's identity, as pins are compared: a key stored by another release may
         // record more than rate, grace and cap.
-        let stored = settlement::rule_from_params(&Params(c.new_rule.clone()));
-        if stored.is_none() || stored != settlement::rule_from_params(self.rule) {
+        let stored = fine_settlement::rule_from_params(&Params(c.new_rule.clone()));
+        if stored.is_none() || stored != fine_settlement::rule_from_params(self.rule) {
             differs.push(format!(
                 "rule {} (this configuration: {})",
                 describe_params(&Params(c.new_rule.clone())),
@@ -430,12 +431,13 @@ async fn run_shards(
     };
     let mut runs = Vec::new();
     for shard in 0..correction.shards as u32 {
-        let key = settlement::key(
+        let key = fine_settlement::key(
             business_date,
             ShardSpec::new(shard, correction.shards as u32)?,
         );
         let report = loop {
-            let report = jobs::run_once(pool, &job, key.clone(), &opts, &shutdown, &|_| {}).await?;
+            let report =
+                job_layer::run_once(pool, &job, key.clone(), &opts, &shutdown, &|_| {}).await?;
             if report.skipped != Some(SkipReason::Held) {
                 break report;
             }
@@ -449,7 +451,10 @@ async fn run_shards(
             shard,
             attempt: report.attempt.unwrap_or_default(),
             updated: report.updated,
-            held: report.notes.get(settlement::HELD).map_or(0, |h| h.count),
+            held: report
+                .notes
+                .get(fine_settlement::HELD)
+                .map_or(0, |h| h.count),
         });
     }
     Ok(runs)

@@ -4,7 +4,7 @@
 use crate::app::{Database, Result};
 use crate::clock::Clock;
 use crate::config::Settings;
-use crate::jobs::{due, pause};
+use crate::job_layer::{due, pause};
 use crate::schedule::{next_slot_after, Slot};
 use chrono::{NaiveDate, SecondsFormat};
 
@@ -29,7 +29,7 @@ pub async fn jobs(
     clock: &dyn Clock,
     embedded_db: bool,
 ) -> Result<Vec<JobLine>> {
-    let registry = crate::registry::build(settings);
+    let registry = crate::jobs::build(settings);
     let database = Database::open(settings, embedded_db).await?;
     let result = async {
         let mut lines = Vec::new();

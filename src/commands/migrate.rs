@@ -4,7 +4,7 @@
 use crate::app::{check_schema, Database, Result};
 use crate::config::Settings;
 use crate::db;
-use crate::settlement::journal;
+use crate::jobs::fine_settlement::journal;
 
 /// What `migrate` did.
 #[derive(Debug, Clone, Default)]

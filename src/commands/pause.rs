@@ -1,13 +1,13 @@
 //! `settlementd pause` and `settlementd resume`: stop a job (or every job) everywhere now, without
-//! undeploying, and let it go on ([`crate::jobs::pause`]).
+//! undeploying, and let it go on ([`crate::job_layer::pause`]).
 
 use crate::app::{AppError, Database, Result};
 use crate::config::Settings;
-use crate::jobs::pause::{self, Pause};
+use crate::job_layer::pause::{self, Pause};
 
 /// The jobs a `--job` names: that one, or every job of the registry.
 pub fn targets(settings: &Settings, job: Option<&str>) -> Result<Vec<&'static str>> {
-    let registry = crate::registry::build(settings);
+    let registry = crate::jobs::build(settings);
     match job {
         Some(name) => Ok(vec![registry
             .get(name)

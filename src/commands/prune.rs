@@ -1,13 +1,13 @@
 //! `settlementd prune --older-than DAYS [--dry-run]`: deletes the audit trail, run requests and
-//! claims of periods closed more than DAYS ago, in batches ([`crate::jobs::retention`]); with
+//! claims of periods closed more than DAYS ago, in batches ([`crate::job_layer::retention`]); with
 //! `--dry-run`, only says what it would delete.
 
 use crate::app::{check_schema, retention_job, retention_key, run_options, AppError, Database};
 use crate::app::{shutdown_on_signals, Result};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
-use crate::jobs::retention::Prunable;
-use crate::jobs::{self, RunReport};
+use crate::job_layer::retention::Prunable;
+use crate::job_layer::{self, RunReport};
 
 #[derive(Debug, Clone, Default)]
 pub struct PruneRequest {
@@ -42,7 +42,7 @@ pub async fn prune(settings: &Settings, request: &PruneRequest) -> Result<Pruned
         // Claimed like any run (forced: the day's run by a replica may be done already).
         let opts = run_options(settings, true, false);
         let shutdown = shutdown_on_signals();
-        let report = jobs::run_once(
+        let report = job_layer::run_once(
             &database.pool,
             &retention,
             retention_key(settings, now),

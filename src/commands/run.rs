@@ -9,9 +9,9 @@ use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::{Settings, ShardSpec};
 use crate::db;
-use crate::jobs::dry::DryRun;
-use crate::jobs::registry::Registered;
-use crate::jobs::{JobError, JobKey, Progress, RunReport, SkipReason};
+use crate::job_layer::dry::DryRun;
+use crate::job_layer::registry::Registered;
+use crate::job_layer::{JobError, JobKey, Progress, RunReport, SkipReason, Words};
 use std::sync::Arc;
 
 /// What to run; `None` fields fall back to the configuration.
@@ -48,8 +48,8 @@ pub struct RangeRequest {
 
 /// The job a command names (`--job`), or the registry's default.
 pub fn job_of(settings: &Settings, name: Option<&str>) -> Result<Arc<dyn Registered>> {
-    let registry = crate::registry::build(settings);
-    let name = name.unwrap_or(crate::registry::default_job());
+    let registry = crate::jobs::build(settings);
+    let name = name.unwrap_or(crate::jobs::default_job());
     registry
         .get(name)
         .cloned()
@@ -343,7 +343,7 @@ async fn run_key(
 
 /// The `run --json` object: the report, with each of the job's notes as a key (and, when the job
 /// names the items, `<note>_ids`).
-pub fn report_json(report: &RunReport) -> serde_json::Value {
+pub fn report_json(report: &RunReport, words: &Words) -> serde_json::Value {
     let mut json = serde_json::json!({
         "job": report.key.job_name,
         "business_date": report.key.business_date.to_string(),
@@ -357,11 +357,13 @@ pub fn report_json(report: &RunReport) -> serde_json::Value {
         }),
         "scanned": report.scanned,
         "updated": report.updated,
-        "late_returns": report.late,
-        "rule": report.params,
         "attempt": report.attempt,
         "elapsed_ms": report.elapsed.as_millis() as u64,
     });
+    json[words.waiting_key] = report.late.into();
+    if let Some(pinned) = words.pinned {
+        json[pinned] = serde_json::json!(report.params);
+    }
     for (name, noted) in &report.notes {
         json[*name] = noted.count.into();
         if let Some(ids) = &noted.ids {

@@ -2,7 +2,7 @@
 
 use crate::clock::Clock;
 use crate::config::Settings;
-use crate::jobs::registry::Registered;
+use crate::job_layer::registry::Registered;
 use crate::schedule::{next_slots, Slot};
 use chrono::SecondsFormat;
 
@@ -16,11 +16,13 @@ pub fn next(settings: &Settings, job: &dyn Registered, clock: &dyn Clock, n: usi
     )
 }
 
-/// `<fire time with the zone's offset>  settles <business date>`.
-pub fn slot_line(slot: &Slot) -> String {
+/// `<fire time with the zone's offset>  <what a run of the job does> <business date>` ("settles",
+/// the job's [`Words::run_does`](crate::job_layer::Words)).
+pub fn slot_line(job: &dyn Registered, slot: &Slot) -> String {
     format!(
-        "{}  settles {}",
+        "{}  {} {}",
         slot.fire_at.to_rfc3339_opts(SecondsFormat::Secs, false),
+        job.words().run_does,
         slot.business_date
     )
 }

@@ -10,11 +10,11 @@ use crate::app::{business_date_or_default, AppError, Database, Result};
 use crate::calendar::BusinessDate;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Settings, MAX_SHARDS};
-use crate::jobs::claim::JobRunRow;
-use crate::jobs::events::ShardEvent;
-use crate::jobs::fleet::Member;
-use crate::jobs::Cursor;
-use crate::jobs::Words;
+use crate::job_layer::claim::JobRunRow;
+use crate::job_layer::events::ShardEvent;
+use crate::job_layer::fleet::Member;
+use crate::job_layer::Cursor;
+use crate::job_layer::Words;
 use crate::overview::{self, Month, OverviewError, Scope, Totals, Watch};
 use std::fmt::Write;
 use std::time::Duration;
@@ -47,7 +47,7 @@ pub struct MonthStatus {
     pub history: Vec<ShardEvent>,
     /// What the job's replicas watch; `None` when it could not be read.
     pub watch: Option<Watch>,
-    /// Every replica that reported in `replicas` ([`crate::jobs::fleet`]); `None` when the
+    /// Every replica that reported in `replicas` ([`crate::job_layer::fleet`]); `None` when the
     /// schema predates it or it could not be read.
     pub fleet: Option<Vec<Member>>,
 }
@@ -121,7 +121,9 @@ impl MonthStatus {
                     Some(row) => serde_json::to_value(row).unwrap_or_default(),
                     None => serde_json::json!({ "shard": shard.index, "status": "missing" }),
                 };
-                run["rule_conflict"] = serde_json::json!(shard.conflict);
+                if let Some(pinned) = self.words.pinned {
+                    run[format!("{pinned}_conflict")] = serde_json::json!(shard.conflict);
+                }
                 run
             })
             .collect();
@@ -147,21 +149,19 @@ impl MonthStatus {
                 "waiting_before_lookback": w.before_lookback,
             })
         });
-        serde_json::json!({
+        let mut json = serde_json::json!({
             "job": self.job,
             "business_date": self.business_date.to_string(),
             "shards": self.shards,
             "closed": verdict.closed,
             "verdict": verdict.words,
             "next": verdict.next,
-            "late_returns": self.month.unsettled.map(|u| u.late),
             "held": self.month.unsettled.map(|u| u.held),
             "correction": self.month.correction.as_ref().map(|(key, since)| serde_json::json!({
                 "key": key, "since": since,
             })),
             "watch": watch,
             "replicas": self.fleet,
-            "rule": self.month.rule,
             "runs": runs,
             "totals": totals,
             "history": self.history.iter().map(|e| serde_json::json!({
@@ -174,7 +174,12 @@ impl MonthStatus {
                 "request_id": e.event.request_id,
                 "message": e.event.message,
             })).collect::<Vec<_>>(),
-        })
+        });
+        json[self.words.waiting_key] = serde_json::json!(self.month.unsettled.map(|u| u.late));
+        if let Some(pinned) = self.words.pinned {
+            json[pinned] = serde_json::json!(self.month.rule);
+        }
+        json
     }
 
     /// The table `status` prints without `--json` (lines end with a newline).
@@ -254,7 +259,7 @@ impl MonthStatus {
                     .iter()
                     .map(|f| match (f.kind, plain(&f.value).parse::<i128>()) {
                         // Cents as the number, then as money: `fine_cents_sum=5217650 (52,176.50)`.
-                        (crate::jobs::FactKind::Cents, Ok(cents)) =>
+                        (crate::job_layer::FactKind::Cents, Ok(cents)) =>
                             format!("{}={cents} ({})", f.name, crate::numbers::money(cents)),
                         _ => format!("{}={}", f.name, plain(&f.value)),
                     })

@@ -7,9 +7,9 @@ use crate::app::{
 use crate::calendar::BusinessDate;
 use crate::clock::SystemClock;
 use crate::config::Settings;
-use crate::jobs::Proof;
-use crate::settlement::verify::{self, Found, RuleSource, Verification};
-use crate::settlement::{self, rule_params};
+use crate::job_layer::Proof;
+use crate::jobs::fine_settlement::verify::{self, Found, RuleSource, Verification};
+use crate::jobs::fine_settlement::{self, rule_params};
 use sqlx::PgPool;
 use std::fmt::Write;
 use std::future::Future;
@@ -64,20 +64,20 @@ impl Verified {
 }
 
 /// `verify` of `request.job`: the settlement's month ([`verify`]) when it names none or the
-/// settlement, else the job's own proof ([`crate::jobs::Job::prove`]); a job without one is
+/// settlement, else the job's own proof ([`crate::job_layer::Job::prove`]); a job without one is
 /// refused (exit 2), as is a job the registry does not have.
 pub async fn verify_job(settings: &Settings, request: &VerifyRequest) -> Result<Verified> {
-    let name = request.job.as_deref().unwrap_or(settlement::JOB_NAME);
-    if name == settlement::JOB_NAME {
+    let name = request.job.as_deref().unwrap_or(fine_settlement::JOB_NAME);
+    if name == fine_settlement::JOB_NAME {
         return Ok(Verified::Settlement(Box::new(
             verify(settings, request).await?,
         )));
     }
-    let registry = crate::registry::build(settings);
+    let registry = crate::jobs::build(settings);
     let job = registry.get(name).map_err(AppError::Invalid)?.clone();
     read_month(settings, request, |pool, business_date| async move {
         let mut conn = pool.acquire().await?;
-        match job.prove(&mut conn, business_date.date()).await? {
+        match job.prove(&mut conn, business_date).await? {
             Some(proof) => Ok(Verified::Job(proof)),
             None => Err(AppError::Invalid(format!(
                 "{name} has no proof of its months: `verify --job {name}` cannot say whether one \
@@ -134,7 +134,7 @@ pub fn failure(v: &Verification) -> Option<AppError> {
 /// The `verify --json` object.
 pub fn to_json(v: &Verification) -> serde_json::Value {
     serde_json::json!({
-        "job": settlement::JOB_NAME,
+        "job": fine_settlement::JOB_NAME,
         "business_date": v.business_date,
         "right": v.is_right(),
         "rule": rule_params(&v.rule),
@@ -167,7 +167,7 @@ pub fn to_text(v: &Verification) -> String {
     let _ = writeln!(
         out,
         "{} {}: {verdict}",
-        settlement::JOB_NAME,
+        fine_settlement::JOB_NAME,
         v.business_date
     );
     let source = match v.rule_source {

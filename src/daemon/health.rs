@@ -1,6 +1,6 @@
 //! Readiness: whether this replica can settle what it is asked to, for `/readyz`, the
 //! `settlementd_ready` and `settlementd_not_ready{reason}` metrics, the log and the fleet's
-//! registry ([`crate::jobs::fleet`]).
+//! registry ([`crate::job_layer::fleet`]).
 //!
 //! A replica is ready when the database answers and takes writes, every migration of this binary
 //! is applied, and no job of it is refused a due month for its rule. The first three are asked of
@@ -13,8 +13,8 @@
 //! Evaluated after every round of ticks by the process itself ([`Reporter`]), which logs each
 //! change once and reports it in `replicas`, and again at every `/readyz` and `/metrics` request.
 
-use crate::jobs::fleet;
-use crate::jobs::Owner;
+use crate::job_layer::fleet;
+use crate::job_layer::Owner;
 use sqlx::PgPool;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -159,7 +159,7 @@ fn publish(result: &Result<(), NotReady>) {
     }
 }
 
-/// Reports this process in `replicas` after each round of ticks ([`crate::jobs::fleet`]), on
+/// Reports this process in `replicas` after each round of ticks ([`crate::job_layer::fleet`]), on
 /// the pool the ticks just used (no connection of its own), and logs each change of readiness
 /// once.
 pub struct Reporter {

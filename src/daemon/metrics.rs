@@ -12,7 +12,7 @@
 //!
 //! The families of a job's own items — late items done, items waiting and held, items before the
 //! lookback, refused claims — and the outcome of its successful runs are what the job declares
-//! ([`crate::jobs::Job::metrics`]); a job that declares none has none, and every help line that
+//! ([`crate::job_layer::Job::metrics`]); a job that declares none has none, and every help line that
 //! names jobs is written from the registry.
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
@@ -140,7 +140,7 @@ pub fn handle() -> PrometheusHandle {
 
 /// Declares every metric at start-up so `/metrics` lists them before the first run, the per-job
 /// ones for each job of `registry` (and each job's own).
-pub fn describe(registry: &crate::jobs::registry::Registry) {
+pub fn describe(registry: &crate::job_layer::registry::Registry) {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     for job in registry.iter() {
         job.describe_metrics();
@@ -152,7 +152,7 @@ pub fn describe(registry: &crate::jobs::registry::Registry) {
             describe_gauge!(gauge.name, gauge.help);
         }
     }
-    let by_job = |say: &dyn Fn(crate::jobs::Metrics) -> String| {
+    let by_job = |say: &dyn Fn(crate::job_layer::Metrics) -> String| {
         registry
             .iter()
             .map(|j| format!("{}: {}", j.name(), say(j.metrics())))

@@ -1,5 +1,5 @@
 //! `settlementd serve`: the long-running replica of one shard, for every enabled job of the
-//! registry ([`crate::registry`]).
+//! registry ([`crate::jobs`]).
 //!
 //! Start-up: the configuration was validated by the binary before anything here runs; `serve`
 //! starts the HTTP endpoints, applies migrations when `database.migrate_on_start`, runs one
@@ -27,7 +27,7 @@ use crate::app::{self, AppError, Database, Result};
 use crate::clock::{Clock, SystemClock};
 use crate::config::Settings;
 use crate::db;
-use crate::jobs::{self, Owner};
+use crate::job_layer::{self, Owner};
 use replica::{Replica, TickOutcome};
 use sqlx::PgPool;
 use std::sync::Arc;
@@ -97,7 +97,7 @@ pub fn jobs_cover_their_schedules(
     now: chrono::DateTime<chrono::Utc>,
 ) -> Result<()> {
     let tz = settings.schedule.timezone;
-    for job in crate::registry::build(settings).enabled() {
+    for job in crate::jobs::build(settings).enabled() {
         let cron = &job.schedule().cron;
         let slots = [
             crate::schedule::latest_slot_at_or_before(cron, tz, now),
@@ -105,7 +105,7 @@ pub fn jobs_cover_their_schedules(
         ];
         for fire_at in slots.into_iter().flatten() {
             let month = crate::schedule::Slot::new(fire_at).business_date;
-            let key = crate::jobs::JobKey {
+            let key = crate::job_layer::JobKey {
                 job_name: job.name().to_string(),
                 business_date: month.date(),
                 shards: settings.shard.count,
@@ -132,11 +132,11 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> Result<()> {
     let metrics_handle = metrics::handle();
-    metrics::describe(&crate::registry::build(&settings));
+    metrics::describe(&crate::jobs::build(&settings));
 
     let owner = Owner::for_process();
     let settings = Arc::new(settings);
-    let registry = crate::registry::build(&settings);
+    let registry = crate::jobs::build(&settings);
     let jobs: Vec<&'static str> = registry.enabled().map(|job| job.name()).collect();
     let health = Arc::new(health::Health::new(&jobs));
     let http_stop = CancellationToken::new();
@@ -216,7 +216,7 @@ async fn run_replica(
     }
 
     let wake = Arc::new(Notify::new());
-    let registry = crate::registry::build(settings);
+    let registry = crate::jobs::build(settings);
     let mut scheduler = start_wakeups(settings, &registry, wake.clone()).await;
     let listener = tokio::spawn(wake_on_requests(pool.clone(), wake.clone()));
     let open = Arc::new(replica::OpenMonths::default());
@@ -400,7 +400,7 @@ async fn ticks(
     }
 }
 
-/// The day's retention run ([`crate::jobs::retention`]), claimed like a job: one replica a day
+/// The day's retention run ([`crate::job_layer::retention`]), claimed like a job: one replica a day
 /// does it, the others find the day's key SUCCESS (or held) and skip it.
 struct RetentionTicker {
     settings: Settings,
@@ -421,11 +421,11 @@ impl RetentionTicker {
             return;
         }
         let job = app::retention_job(&self.settings, self.settings.retention.older_than_days, now);
-        let opts = jobs::RunOptions {
+        let opts = job_layer::RunOptions {
             owner: self.owner.clone(),
             ..app::run_options(&self.settings, false, false)
         };
-        match jobs::run_once(
+        match job_layer::run_once(
             &self.pool,
             &job,
             key.clone(),
@@ -444,7 +444,7 @@ impl RetentionTicker {
                         "retention: old months' audit rows deleted"
                     );
                 }
-                if report.skipped != Some(jobs::SkipReason::Held) {
+                if report.skipped != Some(job_layer::SkipReason::Held) {
                     self.done = Some(key.business_date);
                 }
             }
@@ -468,7 +468,7 @@ async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
     loop {
         let listened: std::result::Result<std::convert::Infallible, sqlx::Error> = async {
             let mut listener = sqlx::postgres::PgListener::connect_with(&own).await?;
-            listener.listen(crate::jobs::requests::CHANNEL).await?;
+            listener.listen(crate::job_layer::requests::CHANNEL).await?;
             tracing::debug!("listening for run requests");
             loop {
                 listener.recv().await?;
@@ -489,7 +489,7 @@ async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
 /// logged, not fatal: the tick loop's own timer still wakes at every fire time.
 async fn start_wakeups(
     settings: &Settings,
-    registry: &crate::jobs::registry::Registry,
+    registry: &crate::job_layer::registry::Registry,
     wake: Arc<Notify>,
 ) -> Option<JobScheduler> {
     let crons: Vec<String> = registry

@@ -1,12 +1,12 @@
 //! One replica of one shard, one decision at a time.
 //!
 //! [`Replica::tick`] is the whole scheduling policy: read "now" from the injected [`Clock`], find
-//! the latest slot at or before it, and decide what is due **from the data** ([`jobs::due`]): in
+//! the latest slot at or before it, and decide what is due **from the data** ([`job_layer::due`]): in
 //! the months of `settle.lookback_months` ending at the slot's month, every month some claim
 //! started (under any shard count) whose key of this shard is not SUCCESS under the current count,
 //! every month whose loans have items waiting for this shard (returns not settled yet, edits of
 //! settled loans), and the slot's own month — then run the oldest that is not backing off through
-//! [`jobs::run_once`]. The serve loop calls `tick` at start-up, on every cron wake-up and on a
+//! [`job_layer::run_once`]. The serve loop calls `tick` at start-up, on every cron wake-up and on a
 //! timer of at most one heartbeat; tests call it directly with a [`crate::clock::ManualClock`].
 //!
 //! Invariants:
@@ -23,7 +23,7 @@
 //!   retried with the backoff, like a failure, so a fixed configuration finishes the month;
 //! - every tick publishes what is not closed: `settlementd_months_not_closed` (with the months the
 //!   job it follows has not closed, [`OpenMonths`]), `settlementd_corrections_unfinished`, and the
-//!   families the job declares ([`jobs::Metrics`]: items before the lookback, this shard's
+//!   families the job declares ([`job_layer::Metrics`]: items before the lookback, this shard's
 //!   waiting and held items).
 
 use super::health::Health;
@@ -31,11 +31,11 @@ use super::metrics as m;
 use crate::calendar::BusinessDate;
 use crate::clock::Clock;
 use crate::config::{RetrySettings, Settings, ShardSpec};
-use crate::jobs::due::{self, Due, Why};
-use crate::jobs::params::Params;
-use crate::jobs::registry::Registered;
-use crate::jobs::JobKey;
-use crate::jobs::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
+use crate::job_layer::due::{self, Due, Why};
+use crate::job_layer::params::Params;
+use crate::job_layer::registry::Registered;
+use crate::job_layer::JobKey;
+use crate::job_layer::{self, JobError, Owner, RunOptions, RunReport, SkipReason};
 use crate::schedule::{latest_slot_at_or_before, next_slot_after, Slot};
 use chrono::{DateTime, NaiveDate, TimeDelta, Utc};
 use chrono_tz::Tz;
@@ -76,7 +76,7 @@ pub enum TickOutcome {
     Interrupted { slot: Slot },
     /// Shutdown was requested before this tick: nothing was claimed.
     ShuttingDown,
-    /// This tick ran a stored run request for this shard ([`jobs::requests`]) to SUCCESS.
+    /// This tick ran a stored run request for this shard ([`job_layer::requests`]) to SUCCESS.
     Served {
         request_id: String,
         report: RunReport,
@@ -98,7 +98,7 @@ pub enum TickOutcome {
         after: Duration,
         error: String,
     },
-    /// The job is paused ([`jobs::pause`]): nothing was claimed.
+    /// The job is paused ([`job_layer::pause`]): nothing was claimed.
     Paused { since: DateTime<Utc>, by: String },
     /// The slot's month is held by an unfinished correction (its key): only that correction runs
     /// it, and it is not SUCCESS until it completes.
@@ -132,7 +132,7 @@ impl TickOutcome {
 
 /// The months each job of a process last found not closed ([`Replica::tick`]), shared by the
 /// process's replicas: a job's months are not closed while the job it follows
-/// ([`crate::jobs::Job::after`]) has not closed them, as `status` and the page say
+/// ([`crate::job_layer::Job::after`]) has not closed them, as `status` and the page say
 /// ([`crate::overview::follow_upstreams`]). A job whose upstream is not scheduled in the process
 /// counts its own months only.
 #[derive(Debug, Default)]
@@ -210,16 +210,16 @@ pub struct Replica {
 }
 
 impl Replica {
-    /// The replica of the registry's first job ([`crate::registry::default_job`]).
+    /// The replica of the registry's first job ([`crate::jobs::default_job`]).
     pub fn new(
         pool: PgPool,
         settings: &Settings,
         clock: Arc<dyn Clock>,
         shutdown: CancellationToken,
     ) -> Self {
-        let registry = crate::registry::build(settings);
+        let registry = crate::jobs::build(settings);
         let job = registry
-            .get(crate::registry::default_job())
+            .get(crate::jobs::default_job())
             .expect("the registry lists its default job")
             .clone();
         Self::for_job(pool, settings, job, clock, shutdown)
@@ -331,7 +331,7 @@ impl Replica {
     pub async fn look(&mut self) {
         let span = self.span.clone();
         async {
-            let paused = jobs::pause::of(&self.pool, self.job.name()).await;
+            let paused = job_layer::pause::of(&self.pool, self.job.name()).await;
             let now = self.clock.now();
             match (paused, latest_slot_at_or_before(&self.cron, self.tz, now)) {
                 (Ok(Some(_)), _) | (_, None) => self.health.looked_unless_known(self.job.name()),
@@ -376,7 +376,7 @@ impl Replica {
             return TickOutcome::ShuttingDown;
         }
         // A paused job claims nothing (its claims would be refused one by one): one look a tick.
-        match jobs::pause::of(&self.pool, self.job.name()).await {
+        match job_layer::pause::of(&self.pool, self.job.name()).await {
             Ok(Some(pause)) => {
                 // Paused on purpose: nothing is asked of it, so nothing to be ready for.
                 self.health.looked_unless_known(self.job.name());
@@ -540,7 +540,7 @@ impl Replica {
     }
 
     /// Tells readiness whether a due month is pinned to another rule than this replica's: what
-    /// its claim would refuse ([`jobs::params::conflicts`]). A look that fails leaves the last one.
+    /// its claim would refuse ([`job_layer::params::conflicts`]). A look that fails leaves the last one.
     async fn look_at_rules(&self, due: &[Due]) {
         let mine: Vec<(chrono::NaiveDate, Params)> = due
             .iter()
@@ -554,7 +554,7 @@ impl Replica {
         let found = if mine.is_empty() {
             Ok(Vec::new())
         } else {
-            jobs::params::conflicts(&self.pool, self.job.name(), &mine).await
+            job_layer::params::conflicts(&self.pool, self.job.name(), &mine).await
         };
         let found = match found {
             Ok(found) => found,
@@ -566,7 +566,7 @@ impl Replica {
         let conflict = found.first().and_then(|(date, pinned)| {
             let (_, ours) = mine.iter().find(|(d, _)| d == date)?;
             let (was, is) =
-                jobs::params::describe_difference(pinned, ours, &|p| self.job.describe(p));
+                job_layer::params::describe_difference(pinned, ours, &|p| self.job.describe(p));
             let more = match found.len() {
                 1 => String::new(),
                 n => format!(" ({} more due months refused)", n - 1),
@@ -583,7 +583,7 @@ impl Replica {
         self.health.looked(self.job.name(), conflict);
     }
 
-    /// The job's upkeep between runs ([`crate::jobs::Job::upkeep`]: for the fine settlement,
+    /// The job's upkeep between runs ([`crate::job_layer::Job::upkeep`]: for the fine settlement,
     /// opening journal entries of loans an older binary settled during a rolling upgrade, or that
     /// `settlementd migrate` has not reached yet), for at most half a heartbeat: a backlog goes at
     /// the speed of the database, and the tick comes back to the schedule soon.
@@ -596,7 +596,7 @@ impl Replica {
         }
         // Claims of another shard count left RUNNING by a holder that died before a reshard: no
         // replica of that count is left to take them over (found by the fault campaign, seed 1002).
-        let closed = jobs::claim::close_abandoned(
+        let closed = job_layer::claim::close_abandoned(
             &self.pool,
             self.job.name(),
             self.shard.count,
@@ -618,7 +618,7 @@ impl Replica {
     fn publish(
         &self,
         periods: &[due::Period],
-        pending: &jobs::PendingReport,
+        pending: &job_layer::PendingReport,
         window: &[chrono::NaiveDate],
         corrections: i64,
     ) {
@@ -810,7 +810,7 @@ impl Replica {
     /// can run now. A request whose key a live run holds (the schedule's run, a peer's, a CLI
     /// `run`) waits for it; one already served elsewhere is skipped.
     async fn serve_a_request(&mut self, now: DateTime<Utc>) -> Option<TickOutcome> {
-        let open = match jobs::requests::open_for(
+        let open = match job_layer::requests::open_for(
             &self.pool,
             self.job.name(),
             self.shard.count,
@@ -837,7 +837,7 @@ impl Replica {
             {
                 continue;
             }
-            let key = jobs::requests::key_of(self.job.name(), &request);
+            let key = job_layer::requests::key_of(self.job.name(), &request);
             let opts = RunOptions {
                 force: request.force,
                 request: Some(request.request_id.clone()),
@@ -894,7 +894,7 @@ impl Replica {
     async fn publish_latest_month(&self) {
         metrics::gauge!(m::SHARDS).set(f64::from(self.shard.count));
         let job = self.job.name();
-        match jobs::pause::of(&self.pool, job).await {
+        match job_layer::pause::of(&self.pool, job).await {
             Ok(Some(pause)) => {
                 metrics::gauge!(m::PAUSED, "job_name" => job).set(1.0);
                 metrics::gauge!(m::PAUSED_SINCE, "job_name" => job)
@@ -909,7 +909,7 @@ impl Replica {
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
             return;
         };
-        match jobs::claim::expired_leases(&self.pool, job, self.opts.lease_ttl).await {
+        match job_layer::claim::expired_leases(&self.pool, job, self.opts.lease_ttl).await {
             Ok(n) => metrics::gauge!(m::EXPIRED_LEASES, "job_name" => job).set(n as f64),
             Err(e) => tracing::debug!(error = %e, "cannot count the expired leases"),
         }
@@ -920,7 +920,7 @@ impl Replica {
                     .set(at.timestamp() as f64);
             }
         }
-        match jobs::claim::rows_for(&self.pool, job, month.date(), self.shard.count).await {
+        match job_layer::claim::rows_for(&self.pool, job, month.date(), self.shard.count).await {
             Ok(rows) => {
                 let settled = rows.iter().filter(|r| r.status == "SUCCESS").count() as f64;
                 metrics::gauge!(m::LATEST_FIRE_TIMESTAMP, "job_name" => job)
@@ -943,8 +943,8 @@ impl Replica {
 }
 
 /// The `settlementd_runs_total` outcome of a run that ended with `e`: refused for other pinned
-/// parameters (the outcome the job names, [`jobs::Metrics::conflicts`]), or failed.
-fn failed_outcome(e: &JobError, metrics: &jobs::Metrics) -> &'static str {
+/// parameters (the outcome the job names, [`job_layer::Metrics::conflicts`]), or failed.
+fn failed_outcome(e: &JobError, metrics: &job_layer::Metrics) -> &'static str {
     match (e, metrics.conflicts) {
         (JobError::ParamsConflict { .. }, Some((_, outcome))) => outcome,
         _ => "failed",

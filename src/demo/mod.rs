@@ -24,10 +24,10 @@ use crate::config::{Settings, ShardSpec};
 use crate::db;
 use crate::embedded_pg::{EmbeddedOptions, EmbeddedPg};
 use crate::fine::FineSchedule;
-use crate::jobs::{self, claim, ClaimOutcome, JobError, JobKey, Owner, RunReport, SkipReason};
+use crate::job_layer::{self, claim, ClaimOutcome, JobError, JobKey, Owner, RunReport, SkipReason};
+use crate::jobs::fine_settlement::{self, FineSettlement, MonthTotals};
+use crate::jobs::member_statements::MemberStatements;
 use crate::seed::{self, SeedSpec};
-use crate::settlement::{self, FineSettlement, MonthTotals};
-use crate::statements::MemberStatements;
 use sqlx::PgPool;
 use std::io::Write;
 use std::time::{Duration, Instant};
@@ -190,7 +190,7 @@ async fn chapters(
     );
     let round1 = round(settings, pool, &job, month, &all, false, shutdown).await?;
     print_table(out, &round1)?;
-    let totals1 = settlement::month_totals(pool, month).await?;
+    let totals1 = fine_settlement::month_totals(pool, month).await?;
     print_totals(out, month, &totals1, None)?;
 
     say!(
@@ -200,7 +200,7 @@ async fn chapters(
     );
     let round2 = round(settings, pool, &job, month, &twice, false, shutdown).await?;
     print_table(out, &round2)?;
-    let totals2 = settlement::month_totals(pool, month).await?;
+    let totals2 = fine_settlement::month_totals(pool, month).await?;
     print_totals(out, month, &totals2, Some(&totals1))?;
 
     say!(
@@ -209,7 +209,7 @@ async fn chapters(
     );
     let round3 = round(settings, pool, &job, month, &all, true, shutdown).await?;
     print_table(out, &round3)?;
-    let totals3 = settlement::month_totals(pool, month).await?;
+    let totals3 = fine_settlement::month_totals(pool, month).await?;
     print_totals(out, month, &totals3, Some(&totals1))?;
 
     let updated_first: u64 = round1.iter().map(|r| r.updated).sum();
@@ -257,7 +257,7 @@ async fn late_returns_and_a_stale_rule(
     .await?;
     let round4 = round(settings, pool, job, month, &all, false, shutdown).await?;
     print_table(out, &round4)?;
-    let totals4 = settlement::month_totals(pool, month).await?;
+    let totals4 = fine_settlement::month_totals(pool, month).await?;
     print_totals(out, month, &totals4, None)?;
     let settled_late: u64 = round4.iter().map(|r| r.late).sum();
     let left = unsettled(pool, month).await?;
@@ -267,7 +267,7 @@ async fn late_returns_and_a_stale_rule(
         late_ids.len()
     );
 
-    let rule = settlement::rule_of(&settings.fine, month.date()).map_err(AppError::Invalid)?;
+    let rule = fine_settlement::rule_of(&settings.fine, month.date()).map_err(AppError::Invalid)?;
     let mut stale = rule.rule;
     stale.daily_rate_cents += 49;
     say!(
@@ -279,9 +279,9 @@ async fn late_returns_and_a_stale_rule(
         rules: FineSchedule::single(stale),
         ..job.clone()
     };
-    let key = settlement::key(month, ShardSpec::new(0, SHARDS)?);
+    let key = fine_settlement::key(month, ShardSpec::new(0, SHARDS)?);
     let opts = app::run_options(settings, false, false);
-    let refused = jobs::run_once(pool, &stale_job, key, &opts, shutdown, &|_| {}).await;
+    let refused = job_layer::run_once(pool, &stale_job, key, &opts, shutdown, &|_| {}).await;
     let exit = match refused {
         Err(e @ JobError::ParamsConflict { .. }) => {
             say!(out, "  refused: {e}");
@@ -293,7 +293,7 @@ async fn late_returns_and_a_stale_rule(
             )))
         }
     };
-    let totals5 = settlement::month_totals(pool, month).await?;
+    let totals5 = fine_settlement::month_totals(pool, month).await?;
     print_totals(out, month, &totals5, None)?;
     say!(
         out,
@@ -416,7 +416,7 @@ async fn statements_and_the_journal(
             .join(" ")
     );
     let mut conn = pool.acquire().await?;
-    let proved = settlement::verify::verify(&mut conn, None, month, &settings.fine)
+    let proved = fine_settlement::verify::verify(&mut conn, None, month, &settings.fine)
         .await
         .map_err(|e| match e {
             Ok(why) => AppError::Invalid(why),
@@ -455,13 +455,13 @@ async fn statements_round(
     let mut reports = Vec::new();
     for &shard in shards {
         let key = JobKey {
-            job_name: crate::statements::JOB_NAME.into(),
+            job_name: crate::jobs::member_statements::JOB_NAME.into(),
             business_date: month.date(),
             shards: SHARDS,
             shard,
         };
         let opts = app::run_options(settings, false, false);
-        reports.push(jobs::run_once(pool, statements, key, &opts, shutdown, &|_| {}).await?);
+        reports.push(job_layer::run_once(pool, statements, key, &opts, shutdown, &|_| {}).await?);
     }
     Ok(reports)
 }
@@ -564,7 +564,7 @@ async fn naive_marker_twice(
     pool: &PgPool,
     month: BusinessDate,
 ) -> Result<(u64, u64)> {
-    let rule = settlement::rule_of(&settings.fine, month.date())
+    let rule = fine_settlement::rule_of(&settings.fine, month.date())
         .map_err(AppError::Invalid)?
         .rule;
     let mut tx = pool.begin().await?;
@@ -587,12 +587,12 @@ async fn round(
 ) -> Result<Vec<RunReport>> {
     let mut replicas = tokio::task::JoinSet::new();
     for &shard in shards {
-        let key = settlement::key(month, ShardSpec::new(shard, SHARDS)?);
+        let key = fine_settlement::key(month, ShardSpec::new(shard, SHARDS)?);
         let opts = app::run_options(settings, force, false);
         let (pool, job, shutdown) = (pool.clone(), job.clone(), shutdown.clone());
-        replicas.spawn(
-            async move { jobs::run_once(&pool, &job, key, &opts, &shutdown, &|_| {}).await },
-        );
+        replicas.spawn(async move {
+            job_layer::run_once(&pool, &job, key, &opts, &shutdown, &|_| {}).await
+        });
     }
     let mut reports = Vec::with_capacity(shards.len());
     while let Some(joined) = replicas.join_next().await {

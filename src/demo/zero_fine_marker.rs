@@ -1,6 +1,6 @@
 //! The seed's broken first attempt at settlement, kept only so the demo (and a test) can show its
 //! trap: it uses `fine_cents = 0` as the "not settled" marker, so every loan whose fine is
-//! legitimately zero is settled again by each run. The real job ([`crate::settlement`]) uses
+//! legitimately zero is settled again by each run. The real job ([`crate::jobs::fine_settlement`]) uses
 //! `fine_settled_at` and never calls this.
 
 use crate::calendar::BusinessDate;

@@ -1,8 +1,8 @@
 //! The job layer against real PostgreSQL: claims, takeovers, fencing.
 
 use crate::helpers::*;
-use settlementd::jobs::claim::{self, ClaimOutcome};
-use settlementd::jobs::{Batch, Cursor, JobKey, Owner};
+use settlementd::job_layer::claim::{self, ClaimOutcome};
+use settlementd::job_layer::{Batch, Cursor, JobKey, Owner};
 use std::time::Duration;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -302,14 +302,14 @@ async fn claim_stating(
     db: &TestDb,
     shards: u32,
     shard: u32,
-    params: &settlementd::jobs::Params,
+    params: &settlementd::job_layer::Params,
 ) -> ClaimOutcome {
     let key = JobKey {
         shards,
         shard,
         ..key()
     };
-    let describe = |p: &settlementd::jobs::Params| p.0.to_string();
+    let describe = |p: &settlementd::job_layer::Params| p.0.to_string();
     let opts = claim::ClaimOptions {
         params: Some((params, &describe)),
         ..claim::ClaimOptions::default()
@@ -324,8 +324,8 @@ async fn claim_stating(
 async fn the_first_claim_of_a_period_pins_its_parameters_and_other_parameters_claim_nothing() {
     let db = test_db().await;
     let (a, b) = (
-        settlementd::jobs::Params(serde_json::json!({"rate": 37, "from": "2020-01"})),
-        settlementd::jobs::Params(serde_json::json!({"rate": 99, "from": "2020-01"})),
+        settlementd::job_layer::Params(serde_json::json!({"rate": 37, "from": "2020-01"})),
+        settlementd::job_layer::Params(serde_json::json!({"rate": 99, "from": "2020-01"})),
     );
     won(claim_stating(&db, 3, 0, &a).await);
     // Any shard, any shard count: the period is pinned to `a`.
@@ -349,7 +349,7 @@ async fn the_first_claim_of_a_period_pins_its_parameters_and_other_parameters_cl
     assert_eq!(refused.len(), 3);
     assert!(refused[0].contains("\"rate\":37") && refused[0].contains("\"rate\":99"));
     // The same parameters, in another key order, are the same parameters.
-    let same = settlementd::jobs::Params(serde_json::json!({"from": "2020-01", "rate": 37}));
+    let same = settlementd::job_layer::Params(serde_json::json!({"from": "2020-01", "rate": 37}));
     won(claim_stating(&db, 4, 0, &same).await);
 }
 
@@ -357,8 +357,8 @@ async fn the_first_claim_of_a_period_pins_its_parameters_and_other_parameters_cl
 async fn concurrent_first_claims_with_two_parameter_sets_pin_one_and_refuse_the_other() {
     let db = test_db().await;
     let sets = [
-        settlementd::jobs::Params(serde_json::json!({"rate": 1})),
-        settlementd::jobs::Params(serde_json::json!({"rate": 2})),
+        settlementd::job_layer::Params(serde_json::json!({"rate": 1})),
+        settlementd::job_layer::Params(serde_json::json!({"rate": 2})),
     ];
     let mut tasks = Vec::new();
     for shard in 0..8u32 {

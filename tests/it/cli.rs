@@ -135,7 +135,7 @@ async fn run_prints_a_readable_summary_and_status_shows_every_shard() {
         (runs[1]["status"].as_str(), runs[2]["status"].as_str()),
         (Some("missing"), Some("missing"))
     );
-    let totals = settlementd::settlement::month_totals(&db.pool, bd("2026-10-31"))
+    let totals = settlementd::jobs::fine_settlement::month_totals(&db.pool, bd("2026-10-31"))
         .await
         .unwrap();
     assert_eq!(

@@ -9,8 +9,8 @@ use crate::helpers::*;
 use crate::journal::{
     assert_journal_whole, correct, count, entries, entry, insert_loan, loan, run_ok_json, sql, RATE,
 };
-use settlementd::jobs::Owner;
-use settlementd::settlement::{self, correction};
+use settlementd::job_layer::Owner;
+use settlementd::jobs::fine_settlement::{self, correction};
 use sqlx::PgPool;
 use std::time::Duration;
 
@@ -132,7 +132,7 @@ async fn a_loan_moved_into_a_month_being_corrected_is_repriced_and_counted_by_ve
         bd("2026-10-31"),
         1,
         "recheck October",
-        &settlement::rule_params(&rule),
+        &fine_settlement::rule_params(&rule),
         &Owner("test".into()),
         Duration::from_secs(30),
     )

@@ -8,9 +8,9 @@ use settlementd::clock::{ManualClock, SystemClock};
 use settlementd::config::{Settings, ShardSpec};
 use settlementd::daemon::replica::{Replica, TickOutcome};
 use settlementd::daemon::{self, http};
-use settlementd::jobs::{self, claim, ClaimOutcome, JobKey, Owner};
+use settlementd::job_layer::{self, claim, ClaimOutcome, JobKey, Owner};
+use settlementd::jobs::fine_settlement;
 use settlementd::schedule::{latest_slot_at_or_before, Slot};
-use settlementd::settlement;
 use sqlx::PgPool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,7 +26,7 @@ fn replica(pool: &PgPool, s: &Settings, clock: &ManualClock) -> Replica {
 }
 
 fn key_of(month: &str, s: &Settings) -> JobKey {
-    settlement::key(bd(month), s.shard)
+    fine_settlement::key(bd(month), s.shard)
 }
 
 /// (business date, status, attempt, last_error) of every settlement row, by date.
@@ -35,14 +35,14 @@ async fn runs(pool: &PgPool) -> Vec<(String, String, i32, Option<String>)> {
         "SELECT business_date::text, status, attempt, last_error FROM job_runs
           WHERE job_name = $1 ORDER BY business_date, shard",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .fetch_all(pool)
     .await
     .unwrap()
 }
 
 async fn settled_in(pool: &PgPool, month: &str) -> i64 {
-    settlement::month_totals(pool, bd(month))
+    fine_settlement::month_totals(pool, bd(month))
         .await
         .unwrap()
         .settled_rows
@@ -59,7 +59,7 @@ async fn assert_fully_settled(pool: &PgPool, months: &[&str]) {
     }
 }
 
-fn settled(outcome: TickOutcome) -> (Slot, jobs::RunReport) {
+fn settled(outcome: TickOutcome) -> (Slot, job_layer::RunReport) {
     match outcome {
         TickOutcome::Settled { slot, report } => (slot, report),
         other => panic!("expected the tick to settle a month, got {other:?}"),
@@ -372,8 +372,12 @@ async fn shutdown_mid_run_leaves_a_failed_row_a_peer_takes_over_at_once_with_the
         fines(loans_snapshot(&clean.pool).await)
     );
     assert_eq!(
-        settlement::month_totals(&db.pool, month).await.unwrap(),
-        settlement::month_totals(&clean.pool, month).await.unwrap()
+        fine_settlement::month_totals(&db.pool, month)
+            .await
+            .unwrap(),
+        fine_settlement::month_totals(&clean.pool, month)
+            .await
+            .unwrap()
     );
 }
 
@@ -676,7 +680,7 @@ async fn the_binary_settles_the_due_month_logs_json_with_run_fields_and_exits_0_
         .unwrap_or_else(|| panic!("no SUCCESS log line in:\n{stderr}"));
     let span = &success["span"];
     assert_eq!(span["business_date"], due.business_date.to_string());
-    assert_eq!(span["job"], settlement::JOB_NAME);
+    assert_eq!(span["job"], fine_settlement::JOB_NAME);
     for field in ["shard", "shards", "attempt", "owner"] {
         assert!(!span[field].is_null(), "{field} missing in {success}");
     }
@@ -912,7 +916,7 @@ async fn each_job_shows_only_its_own_metrics_and_a_follower_counts_the_months_it
     ] {
         let of = |job: &str| format!("{family}{{job_name=\"{job}\"}}");
         assert!(
-            body.contains(&of(settlement::JOB_NAME)),
+            body.contains(&of(fine_settlement::JOB_NAME)),
             "{family}:\n{body}"
         );
         assert!(!body.contains(&of(statements)), "{family}:\n{body}");
@@ -921,11 +925,11 @@ async fn each_job_shows_only_its_own_metrics_and_a_follower_counts_the_months_it
         format!("settlementd_runs_total{{job_name=\"{job}\",outcome=\"{outcome}\"}}")
     };
     assert!(
-        body.contains(&runs(settlement::JOB_NAME, "settled")),
+        body.contains(&runs(fine_settlement::JOB_NAME, "settled")),
         "{body}"
     );
     assert!(
-        body.contains(&runs(settlement::JOB_NAME, "rule_conflict")),
+        body.contains(&runs(fine_settlement::JOB_NAME, "rule_conflict")),
         "{body}"
     );
     assert!(body.contains(&runs(statements, "succeeded")), "{body}");
@@ -968,7 +972,7 @@ async fn the_fleet_on_metrics_shows_a_shard_owned_twice_one_owned_by_none_its_ex
          VALUES ($1, $2, 2, 1, 'RUNNING', 1, 'gone', now() - interval '1 hour',
                  now() - interval '1 hour')",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(month.date())
     .execute(&db.pool)
     .await
@@ -997,7 +1001,7 @@ async fn the_fleet_on_metrics_shows_a_shard_owned_twice_one_owned_by_none_its_ex
             "SELECT count(*) FROM job_runs
               WHERE job_name = $1 AND shards = 2 AND shard = 0 AND status = 'SUCCESS'",
         )
-        .bind(settlement::JOB_NAME)
+        .bind(fine_settlement::JOB_NAME)
         .fetch_one(&db.pool)
         .await
         .unwrap();

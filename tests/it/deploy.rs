@@ -603,7 +603,7 @@ fn the_shard_wiring_is_present_in_both_kubernetes_forms_compose_and_systemd() {
         args.contains(&"--all-jobs") && args.contains(&"--wait"),
         "{args:?}"
     );
-    let every_job = settlementd::registry::build(&p.settings);
+    let every_job = settlementd::jobs::build(&p.settings);
     assert!(
         every_job.iter().all(|j| j.schedule().enabled),
         "the CronJob's configuration disables a job"

@@ -10,12 +10,13 @@
 //! replicas connect to, switched from the primary to the promoted standby while a month is settled.
 
 use crate::helpers::*;
+use crate::journal::assert_settled_once;
 use settlementd::calendar::BusinessDate;
 use settlementd::db::DbError;
 use settlementd::embedded_pg::EmbeddedPg;
-use settlementd::jobs::server::{self, Refusal};
-use settlementd::jobs::{self, Job, JobError, JobKey};
-use settlementd::settlement::{self, FineSettlement, MonthPlan};
+use settlementd::job_layer::server::{self, Refusal};
+use settlementd::job_layer::{self, Job, JobError, JobKey};
+use settlementd::jobs::fine_settlement::{self, FineSettlement, MonthPlan};
 use sqlx::{Executor, PgConnection, PgPool};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -119,7 +120,7 @@ async fn a_pool_hands_out_no_connection_to_a_read_only_server_and_connect_says_r
         pool.acquire().await,
         Err(sqlx::Error::PoolTimedOut)
     ));
-    let error = jobs::acquire(&pool).await.unwrap_err();
+    let error = job_layer::acquire(&pool).await.unwrap_err();
     assert_refused_as_read_only(&error);
     pool.close().await;
 
@@ -154,16 +155,14 @@ struct RefusedAt {
 
 impl Job for RefusedAt {
     type Plan = MonthPlan;
-    fn name(&self) -> &'static str {
-        settlement::JOB_NAME
-    }
-    fn params(&self, key: &JobKey) -> Result<jobs::Params, String> {
+    const NAME: &'static str = fine_settlement::JOB_NAME;
+    fn params(&self, key: &JobKey) -> Result<job_layer::Params, String> {
         self.inner.params(key)
     }
     async fn plan(
         &self,
         pool: &PgPool,
-        claim: &jobs::Claim,
+        claim: &job_layer::Claim,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         self.inner.plan(pool, claim, estimate).await
@@ -175,8 +174,8 @@ impl Job for RefusedAt {
         &self,
         tx: &mut PgConnection,
         plan: &MonthPlan,
-        cursor: jobs::Cursor,
-    ) -> sqlx::Result<jobs::Batch> {
+        cursor: job_layer::Cursor,
+    ) -> sqlx::Result<job_layer::Batch> {
         if self.batches.fetch_add(1, Ordering::SeqCst) == self.refused_at {
             *self.backend.lock().unwrap() = Some(backend_pid(&mut *tx).await);
             tx.execute("SET TRANSACTION READ ONLY").await?;
@@ -195,7 +194,7 @@ async fn a_run_whose_writes_are_refused_ends_retryable_closes_its_connection_and
         seed_month(pool, month, 400, 1).await;
     }
     settle_shards(&clean.pool, month, 1, 100).await;
-    let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
+    let key = fine_settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
     let job = RefusedAt {
         inner: FineSettlement {
             rules: Default::default(),
@@ -208,7 +207,7 @@ async fn a_run_whose_writes_are_refused_ends_retryable_closes_its_connection_and
     };
     let pool = settlementd_pool(&db.url);
     let opts = run_options(false, false);
-    let error = jobs::run_once(
+    let error = job_layer::run_once(
         &pool,
         &job,
         key.clone(),
@@ -237,7 +236,7 @@ async fn a_run_whose_writes_are_refused_ends_retryable_closes_its_connection_and
     pool.close().await;
 
     // Another owner takes the claim over at once and settles the rest, each loan once.
-    let report = jobs::run_once(
+    let report = job_layer::run_once(
         &db.pool,
         &job.inner,
         key,
@@ -404,7 +403,7 @@ async fn runs(pool: &PgPool, month: BusinessDate) -> Vec<(i32, i32, String)> {
         "SELECT shard, attempt, status FROM job_runs
           WHERE job_name = $1 AND business_date = $2 ORDER BY shard",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(month.date())
     .fetch_all(pool)
     .await
@@ -419,7 +418,7 @@ async fn claimed_attempts(pool: &PgPool, month: BusinessDate, shard: i32) -> Vec
             AND event IN ('claimed', 'took_over', 'reopened')
           ORDER BY attempt",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(month.date())
     .bind(shard)
     .fetch_all(pool)
@@ -625,7 +624,7 @@ fn retry_pauses(log: &std::path::Path) -> Vec<f64> {
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .filter(|j| {
             j["message"] == "run failed; retrying with backoff"
-                && j["span"]["job"] == settlement::JOB_NAME
+                && j["span"]["job"] == fine_settlement::JOB_NAME
         })
         .filter_map(|j| j["retry_in_secs"].as_f64())
         .collect()
@@ -648,7 +647,7 @@ async fn progress(pool: &PgPool, month: BusinessDate) -> Vec<Progress> {
         "SELECT shard, last_id, last_id_desc, status = 'SUCCESS' FROM job_runs
           WHERE job_name = $1 AND business_date = $2 ORDER BY shard",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(month.date())
     .fetch_all(pool)
     .await

@@ -10,9 +10,10 @@
 //! and a correction killed and finished by its key.
 
 use crate::helpers::*;
+use crate::journal::assert_settled_once;
 use crate::journal::{assert_journal_whole, journal_breaks};
 use rand::{Rng, SeedableRng};
-use settlementd::settlement;
+use settlementd::jobs::fine_settlement;
 use sqlx::{Connection, PgPool};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
@@ -116,8 +117,12 @@ async fn fault_killed_restarted_and_duplicated_replicas_end_as_one_clean_run() {
         settled_rows(&clean.pool).await
     );
     assert_eq!(
-        settlement::month_totals(&chaos.pool, month).await.unwrap(),
-        settlement::month_totals(&clean.pool, month).await.unwrap()
+        fine_settlement::month_totals(&chaos.pool, month)
+            .await
+            .unwrap(),
+        fine_settlement::month_totals(&clean.pool, month)
+            .await
+            .unwrap()
     );
     // One `settled` entry per settled loan, however many runs died around its batch.
     assert_settled_once(&chaos.pool, &clean.pool).await;
@@ -707,8 +712,12 @@ async fn fault_late_return_runs_killed_at_random_moments_settle_every_late_retur
         settled_rows(&clean.pool).await
     );
     assert_eq!(
-        settlement::month_totals(&chaos.pool, month).await.unwrap(),
-        settlement::month_totals(&clean.pool, month).await.unwrap()
+        fine_settlement::month_totals(&chaos.pool, month)
+            .await
+            .unwrap(),
+        fine_settlement::month_totals(&clean.pool, month)
+            .await
+            .unwrap()
     );
     // One `late` entry per late return, however many runs died around its batch.
     assert_journal_whole(&chaos.pool).await;
@@ -835,7 +844,7 @@ async fn assert_repriced_once(
         "SELECT business_date, shards, shard, status FROM job_runs
           WHERE job_name = $1 AND status <> 'SUCCESS'",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .fetch_all(&chaos.pool)
     .await
     .unwrap();
@@ -1118,7 +1127,7 @@ async fn fault_sweeping_replicas_killed_at_random_moments_settle_every_late_retu
         )
         .bind(earlier.first_day())
         .bind(later.date())
-        .bind(settlement::JOB_NAME)
+        .bind(fine_settlement::JOB_NAME)
         .bind(latest.date())
         .fetch_one(&chaos.pool)
         .await

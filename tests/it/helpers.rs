@@ -268,9 +268,9 @@ pub fn run_ok(cmd: &mut std::process::Command) -> std::process::Output {
 }
 
 /// Run options for tests: a fresh owner, a 60 s lease renewed every 10 s.
-pub fn run_options(force: bool, estimate: bool) -> settlementd::jobs::RunOptions {
-    settlementd::jobs::RunOptions {
-        owner: settlementd::jobs::Owner::for_process(),
+pub fn run_options(force: bool, estimate: bool) -> settlementd::job_layer::RunOptions {
+    settlementd::job_layer::RunOptions {
+        owner: settlementd::job_layer::Owner::for_process(),
         lease_ttl: std::time::Duration::from_secs(60),
         heartbeat_every: std::time::Duration::from_secs(10),
         force,
@@ -290,7 +290,7 @@ pub async fn settle_shards(
     shards: u32,
     batch_size: u32,
 ) -> u64 {
-    let job = settlementd::settlement::FineSettlement {
+    let job = settlementd::jobs::fine_settlement::FineSettlement {
         rules: Default::default(),
         batch_size,
         guards: Default::default(),
@@ -298,8 +298,8 @@ pub async fn settle_shards(
     let mut updated = 0;
     for shard in 0..shards {
         let spec = settlementd::config::ShardSpec::new(shard, shards).unwrap();
-        let key = settlementd::settlement::key(month, spec);
-        let report = settlementd::jobs::run_once(
+        let key = settlementd::jobs::fine_settlement::key(month, spec);
+        let report = settlementd::job_layer::run_once(
             pool,
             &job,
             key,
@@ -432,7 +432,7 @@ pub fn http_state(
         clock: std::sync::Arc::new(settlementd::clock::SystemClock),
         owner: "test-replica".into(),
         overview: std::sync::Arc::new(settlementd::overview::Reader::new(pool)),
-        registry: settlementd::registry::build(&settings),
+        registry: settlementd::jobs::build(&settings),
         // No replica reports to it: ready when the database answers and the schema is current.
         health: Default::default(),
     }
@@ -563,7 +563,7 @@ impl ServeProcess {
     /// labels or labelled `job_name="fine-settlement"`, summed over their other labels (0 when
     /// absent).
     pub async fn metric(&self, name: &str) -> f64 {
-        self.metric_of(name, settlementd::settlement::JOB_NAME)
+        self.metric_of(name, settlementd::jobs::fine_settlement::JOB_NAME)
             .await
     }
 
@@ -764,15 +764,14 @@ pub fn settings(overrides: &[(&str, &str)]) -> settlementd::config::Settings {
         .map(|(k, v)| (format!("SETTLEMENTD__{k}"), v.to_string()));
     let settings =
         settlementd::config::Settings::load_from(None, env).expect("valid test settings");
-    settlementd::registry::check(&settings).expect("valid test job sections");
-    settings
+    settlementd::jobs::check(settings).expect("valid test job sections")
 }
 
 /// The cron of the fine settlement as `s` configure it (its section, `schedule.cron`, or its
 /// default).
 pub fn settlement_cron(s: &settlementd::config::Settings) -> croner::Cron {
-    settlementd::registry::build(s)
-        .get(settlementd::settlement::JOB_NAME)
+    settlementd::jobs::build(s)
+        .get(settlementd::jobs::fine_settlement::JOB_NAME)
         .expect("the registry has the fine settlement")
         .schedule()
         .cron
@@ -816,13 +815,13 @@ pub async fn drop_db(db: TestDb) {
 /// rolled back. Without the claim: the fence is the runner's, not the job's.
 pub async fn one_batch(
     conn: &mut PgConnection,
-    job: &settlementd::settlement::FineSettlement,
-    plan: &settlementd::settlement::MonthPlan,
-    cursor: settlementd::jobs::Cursor,
+    job: &settlementd::jobs::fine_settlement::FineSettlement,
+    plan: &settlementd::jobs::fine_settlement::MonthPlan,
+    cursor: settlementd::job_layer::Cursor,
     begin: &str,
     commit: bool,
-) -> settlementd::jobs::Batch {
-    use settlementd::jobs::Job;
+) -> settlementd::job_layer::Batch {
+    use settlementd::job_layer::Job;
     let mut tx = conn.begin_with(begin.to_string()).await.unwrap();
     let batch = job.run_batch(&mut tx, plan, cursor).await.unwrap();
     match commit {
@@ -966,12 +965,13 @@ async fn pipe(
 
 /// A claim of `key` as a first claim makes it (attempt 1, from the start), for tests that drive a
 /// job's plan and batches themselves.
-pub fn claim_of(key: &settlementd::jobs::JobKey) -> settlementd::jobs::Claim {
-    settlementd::jobs::Claim {
+pub fn claim_of(key: &settlementd::job_layer::JobKey) -> settlementd::job_layer::Claim {
+    settlementd::job_layer::Claim {
+        month: key.month().expect("a month end"),
         key: key.clone(),
         attempt: 1,
-        owner: settlementd::jobs::Owner("test".into()),
-        resume: settlementd::jobs::Cursor::default(),
+        owner: settlementd::job_layer::Owner("test".into()),
+        resume: settlementd::job_layer::Cursor::default(),
         took_over: false,
         reopened: false,
     }
@@ -1136,17 +1136,6 @@ pub async fn assert_same_journal(chaos: &PgPool, clean: &PgPool) {
     );
 }
 
-/// After runs under faults on `chaos` of what clean runs settled on `clean`: the journal is whole
-/// and holds one `settled` entry per settled loan, entry for entry the clean journal.
-pub async fn assert_settled_once(chaos: &PgPool, clean: &PgPool) {
-    crate::journal::assert_journal_whole(chaos).await;
-    assert_same_journal(chaos, clean).await;
-    assert_eq!(
-        entries_by_kind(chaos).await,
-        [("settled".to_string(), settled_count(clean).await)]
-    );
-}
-
 /// A row trigger that makes every `events` (`UPDATE`, `INSERT OR UPDATE`) of a row of `table`
 /// whose new values satisfy `when` fail, as a database error would.
 pub async fn inject_failure(pool: &PgPool, events: &str, table: &str, when: &str) {
@@ -1190,7 +1179,7 @@ pub fn replica_of(
     job: &str,
     clock: &settlementd::clock::ManualClock,
 ) -> settlementd::daemon::replica::Replica {
-    let job = settlementd::registry::build(s).get(job).unwrap().clone();
+    let job = settlementd::jobs::build(s).get(job).unwrap().clone();
     settlementd::daemon::replica::Replica::for_job(
         pool.clone(),
         s,

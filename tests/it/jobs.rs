@@ -13,11 +13,11 @@ use settlementd::calendar::BusinessDate;
 use settlementd::clock::ManualClock;
 use settlementd::config::Settings;
 use settlementd::daemon::replica::TickOutcome;
-use settlementd::jobs::registry::Registered;
-use settlementd::jobs::requests::{self, NewRequest, Stored};
-use settlementd::jobs::{JobKey, RunOptions, RunReport};
-use settlementd::settlement;
-use settlementd::statements;
+use settlementd::job_layer::registry::Registered;
+use settlementd::job_layer::requests::{self, NewRequest, Stored};
+use settlementd::job_layer::{JobKey, RunOptions, RunReport};
+use settlementd::jobs::fine_settlement;
+use settlementd::jobs::member_statements;
 use sqlx::PgPool;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -25,8 +25,8 @@ use std::process::Output;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
-const SETTLEMENT: &str = settlement::JOB_NAME;
-const STATEMENTS: &str = statements::JOB_NAME;
+const SETTLEMENT: &str = fine_settlement::JOB_NAME;
+const STATEMENTS: &str = member_statements::JOB_NAME;
 const TOKEN: &str = "test-admin-token-0123456789";
 const RATE: &str = "SETTLEMENTD__FINE__DAILY_RATE_CENTS";
 /// A `serve` replica that ticks every second, takes a stale claim over after three, and retries
@@ -55,7 +55,7 @@ async fn count(pool: &PgPool, query: &str) -> i64 {
 /// check).
 fn every_job() -> Vec<String> {
     let settings = Settings::load_from(None, []).unwrap();
-    settlementd::registry::build(&settings)
+    settlementd::jobs::build(&settings)
         .names()
         .into_iter()
         .map(String::from)
@@ -256,7 +256,7 @@ async fn store_request(
 /// Runs request `request` of `job` for `month` on shard 0 of 1, as a replica serving it does.
 async fn serve_request(pool: &PgPool, job: &str, request: &str, month: BusinessDate) {
     let s = settings(&[]);
-    let job: Arc<dyn Registered> = settlementd::registry::build(&s).get(job).unwrap().clone();
+    let job: Arc<dyn Registered> = settlementd::jobs::build(&s).get(job).unwrap().clone();
     let opts = RunOptions {
         request: Some(request.to_string()),
         ..settlementd::app::run_options(&s, false, false)
@@ -651,7 +651,7 @@ async fn one_replica_runs_both_jobs_the_statements_after_the_settlement() {
     let clock = ManualClock::new(shanghai(2027, 3, 1, 5, 0, 0));
     let shard = |index: &str| settings(&[("SHARD__INDEX", index), ("SHARD__COUNT", "2")]);
     let (s0, s1) = (shard("0"), shard("1"));
-    let order = settlementd::registry::build(&s0).names();
+    let order = settlementd::jobs::build(&s0).names();
     let at = |job: &str| order.iter().position(|j| *j == job);
     assert!(
         at(SETTLEMENT) < at(STATEMENTS),
@@ -961,7 +961,7 @@ async fn a_statement_follows_a_late_return_for_the_member_concerned_only() {
     assert_eq!(
         (
             &report["skipped"],
-            report["late_returns"].as_u64(),
+            report["journal_rows_waiting"].as_u64(),
             report["scanned"].as_u64(),
             report["updated"].as_u64()
         ),
@@ -1047,7 +1047,10 @@ async fn a_correction_changes_every_statement_of_the_month() {
 
     let report = run_month(&db.url, &[], STATEMENTS, oct);
     assert_eq!(report["skipped"], false, "{report}");
-    assert!(report["late_returns"].as_u64() > Some(0), "{report}");
+    assert!(
+        report["journal_rows_waiting"].as_u64() > Some(0),
+        "{report}"
+    );
     assert_eq!(report["scanned"].as_u64(), Some(before.len() as u64));
     let after = statements_of(&db.pool, oct).await;
     assert_statements(&db.pool, oct, 60).await;
@@ -1594,7 +1597,7 @@ async fn pause_and_resume_over_http_need_the_admin_token() {
     assert_eq!(resumed[1]["was_paused"]["reason"], "statements are off");
     assert!(pauses(&db.pool).await.is_empty());
     // Each pause and resume stays in the audit trail, with who asked (the API's too).
-    let history = settlementd::jobs::pause::history(&db.pool, STATEMENTS, 10)
+    let history = settlementd::job_layer::pause::history(&db.pool, STATEMENTS, 10)
         .await
         .unwrap();
     let told: Vec<(&str, &str)> = history
@@ -2339,7 +2342,7 @@ async fn prune_dry_run_counts_exactly_the_rows_the_prune_deletes_with_a_range_re
 /// a run request (and its month) for at least `KEYS_KEPT_DAYS`, however small `--older-than`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_key_replays_for_thirty_days_whatever_older_than_says() {
-    use settlementd::jobs::retention::KEYS_KEPT_DAYS;
+    use settlementd::job_layer::retention::KEYS_KEPT_DAYS;
     let db = test_db().await;
     let month = due_month().months_before(30).unwrap();
     seed_month_alone(&db.pool, month, 20, 1).await;
@@ -2626,7 +2629,7 @@ async fn pause_mid_run(batch_size: &str, loans: i64, slow_secs: f64) {
     // The pause and the resume stay in the audit trail: who, why, when.
     let resumed = cli(&db.url, &[], &["resume", "--job", SETTLEMENT]);
     assert_eq!(resumed.status.code(), Some(0), "{}", stderr_of(&resumed));
-    let history = settlementd::jobs::pause::history(&db.pool, SETTLEMENT, 10)
+    let history = settlementd::job_layer::pause::history(&db.pool, SETTLEMENT, 10)
         .await
         .unwrap();
     let events: Vec<&str> = history.iter().map(|c| c.event.as_str()).collect();

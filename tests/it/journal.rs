@@ -14,9 +14,9 @@ use settlementd::clock::ManualClock;
 use settlementd::config::Settings;
 use settlementd::daemon::replica::{Replica, TickOutcome};
 use settlementd::fine::FineRule;
-use settlementd::jobs::due::{self, Due, Why};
-use settlementd::jobs::{Job, Pending};
-use settlementd::settlement;
+use settlementd::job_layer::due::{self, Due, Why};
+use settlementd::job_layer::{Job, Pending};
+use settlementd::jobs::fine_settlement;
 use sqlx::{Connection, PgPool};
 use std::process::{Output, Stdio};
 use std::sync::Arc;
@@ -260,7 +260,7 @@ async fn statuses(pool: &PgPool, month: BusinessDate, shards: i32) -> Vec<String
         "SELECT status FROM job_runs WHERE job_name = $1 AND business_date = $2 AND shards = $3
           ORDER BY shard",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(month.date())
     .bind(shards)
     .fetch_all(pool)
@@ -310,7 +310,7 @@ fn rate(cents: i64) -> FineRule {
 /// A gauge with a `job_name` label on a replica's `/metrics` (`None`: not published).
 async fn job_gauge(serve: &ServeProcess, name: &str) -> Option<f64> {
     let (_, body) = get(serve.addr, "/metrics").await.ok()?;
-    let labelled = format!("{name}{{job_name=\"{}\"}} ", settlement::JOB_NAME);
+    let labelled = format!("{name}{{job_name=\"{}\"}} ", fine_settlement::JOB_NAME);
     body.lines()
         .find_map(|l| l.strip_prefix(&labelled))
         .and_then(|v| v.trim().parse().ok())
@@ -383,9 +383,16 @@ async fn a_late_return_after_a_reshard_is_settled_within_a_tick_under_the_new_sh
         .rev()
         .map(|n| nov.months_before(n).unwrap().date())
         .collect();
-    let periods = due::periods(&db.pool, settlement::JOB_NAME, 3, 1, window[0], nov.date())
-        .await
-        .unwrap();
+    let periods = due::periods(
+        &db.pool,
+        fine_settlement::JOB_NAME,
+        3,
+        1,
+        window[0],
+        nov.date(),
+    )
+    .await
+    .unwrap();
     let pending = settlementd::app::settlement_job(&s1)
         .pending(&mut db.pool.acquire().await.unwrap(), 3, &window)
         .await
@@ -1529,13 +1536,13 @@ async fn opening_entries_find_each_loan_by_id_even_with_statistics_from_before_t
 
     let mut conn = db.pool.acquire().await.unwrap();
     let mut tx = conn.begin().await.unwrap();
-    sqlx::query(settlement::journal::PIN_OPENING)
+    sqlx::query(fine_settlement::journal::PIN_OPENING)
         .execute(&mut *tx)
         .await
         .unwrap();
     let plan: Vec<String> = sqlx::query_scalar(&format!(
         "EXPLAIN {}",
-        settlement::journal::opening_statement()
+        fine_settlement::journal::opening_statement()
     ))
     .bind(10_000_i64)
     .fetch_all(&mut *tx)
@@ -1551,7 +1558,7 @@ async fn opening_entries_find_each_loan_by_id_even_with_statistics_from_before_t
 
     let mut opened = 0;
     loop {
-        let n = settlement::journal::open_unjournaled(&mut conn, 10_000)
+        let n = fine_settlement::journal::open_unjournaled(&mut conn, 10_000)
             .await
             .unwrap();
         opened += n;
@@ -1723,7 +1730,7 @@ async fn a_batch_of_queued_edits_reads_about_what_it_takes_not_the_whole_queue()
     let waiting = count(&db.pool, "SELECT count(*) FROM loan_changes").await;
     assert!(waiting > 5_000, "{waiting}");
 
-    let by = settlement::journal::Repricer {
+    let by = fine_settlement::journal::Repricer {
         month: month.first_day(),
         business_date: month.date(),
         shards: 3,
@@ -1734,13 +1741,13 @@ async fn a_batch_of_queued_edits_reads_about_what_it_takes_not_the_whole_queue()
     };
     let mut conn = db.pool.acquire().await.unwrap();
     let mut tx = conn
-        .begin_with(settlement::BEGIN_BATCH.to_string())
+        .begin_with(fine_settlement::BEGIN_BATCH.to_string())
         .await
         .unwrap();
-    let batch = settlement::journal::reprice(
+    let batch = fine_settlement::journal::reprice(
         &mut tx,
         &by,
-        settlement::journal::Source::Queue { limit: 10 },
+        fine_settlement::journal::Source::Queue { limit: 10 },
     )
     .await
     .unwrap();
@@ -1791,5 +1798,16 @@ async fn a_loan_deleted_after_its_return_was_undone_leaves_its_month_right() {
         report["journal"]["broken"],
         serde_json::json!({"count": 1, "ids": [4]}),
         "{report}"
+    );
+}
+
+/// After runs under faults on `chaos` of what clean runs settled on `clean`: the journal is whole
+/// and holds one `settled` entry per settled loan, entry for entry the clean journal.
+pub async fn assert_settled_once(chaos: &PgPool, clean: &PgPool) {
+    assert_journal_whole(chaos).await;
+    assert_same_journal(chaos, clean).await;
+    assert_eq!(
+        entries_by_kind(chaos).await,
+        [("settled".to_string(), settled_count(clean).await)]
     );
 }

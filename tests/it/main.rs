@@ -4,6 +4,9 @@
 
 mod helpers;
 
+// The paths a job's module uses in `src/jobs/`, for the guide's worked example (`guide`).
+use settlementd::{config, job_layer};
+
 mod claim;
 mod cli;
 mod corrections;
@@ -14,6 +17,7 @@ mod edges;
 mod failover;
 mod fault;
 mod fleet;
+mod guide;
 mod http_limits;
 mod jobs;
 mod journal;
@@ -25,6 +29,7 @@ mod preview;
 mod record;
 mod reliability;
 mod roles;
+mod rooms;
 mod rules;
 mod runs;
 mod schema;

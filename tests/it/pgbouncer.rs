@@ -5,6 +5,7 @@
 //! `cargo test --test it -- --ignored`.
 
 use crate::helpers::*;
+use crate::journal::assert_settled_once;
 use sqlx::{Connection, PgConnection};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -154,7 +155,7 @@ async fn run_and_serve_work_unchanged_through_pgbouncer_in_session_mode() {
                         AND count(*) FILTER (WHERE status <> 'SUCCESS') = 0
                    FROM job_runs",
             )
-            .bind(settlementd::settlement::JOB_NAME)
+            .bind(settlementd::jobs::fine_settlement::JOB_NAME)
             .fetch_one(&db.pool)
             .await
             .unwrap()

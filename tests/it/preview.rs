@@ -161,7 +161,7 @@ async fn a_dry_run_on_the_history_shape_reports_the_loans_cents_and_members_the_
     )
     .await;
     let mut conn = pool.acquire().await.unwrap();
-    while settlementd::settlement::journal::open_unjournaled(&mut conn, 100_000)
+    while settlementd::jobs::fine_settlement::journal::open_unjournaled(&mut conn, 100_000)
         .await
         .unwrap()
         > 0

@@ -10,7 +10,7 @@ use crate::journal::{assert_journal_whole, count, entries, entry, run_ok_json};
 use sqlx::PgPool;
 
 const OCTOBER: &str = "2026-10-31";
-const STATEMENTS: &str = settlementd::statements::JOB_NAME;
+const STATEMENTS: &str = settlementd::jobs::member_statements::JOB_NAME;
 
 async fn sql(pool: &PgPool, statement: &str) {
     sqlx::query(statement).execute(pool).await.unwrap();

@@ -6,12 +6,13 @@
 //! servers are `#[ignore]`d and run by `cargo test --test it -- --ignored` (`.ci/run` does).
 
 use crate::helpers::*;
+use crate::journal::assert_settled_once;
 use chrono::TimeDelta;
 use settlementd::clock::ManualClock;
 use settlementd::config::{LeaseSettings, Settings};
 use settlementd::daemon::replica::{Replica, TickOutcome};
-use settlementd::jobs::{self, claim, ClaimOutcome, Job, JobError, JobKey, Owner};
-use settlementd::settlement::{self, FineSettlement, MonthPlan};
+use settlementd::job_layer::{self, claim, ClaimOutcome, Job, JobError, JobKey, Owner};
+use settlementd::jobs::fine_settlement::{self, FineSettlement, MonthPlan};
 use sqlx::{Connection, PgConnection, PgPool};
 use std::path::Path;
 use std::process::{Child, Stdio};
@@ -43,7 +44,7 @@ fn short_lease_job(batch_size: u32) -> FineSettlement {
 async fn the_run(pool: &PgPool) -> (String, i32, String) {
     // The settlement's: a `serve` replica also runs the member statements after it.
     sqlx::query_as("SELECT status, attempt, owner FROM job_runs WHERE job_name = $1")
-        .bind(settlement::JOB_NAME)
+        .bind(fine_settlement::JOB_NAME)
         .fetch_one(pool)
         .await
         .unwrap()
@@ -59,7 +60,7 @@ async fn a_writer_frozen_inside_its_batch_loses_its_session_and_locks_before_its
     let month = bd("2026-10-31");
     seed_month(&db.pool, month, 400, 1).await;
     let job = short_lease_job(100);
-    let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
+    let key = fine_settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
     let (plan, _) = job.plan(&db.pool, &claim_of(&key), false).await.unwrap();
 
     // The "frozen" writer: a batch that updated its rows, and then nothing — no commit, no
@@ -134,8 +135,8 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     drop(warm);
     assert!(eventually(5, || async { pool.num_idle() == 4 }).await);
     let job = short_lease_job(100);
-    let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
-    let opts = jobs::RunOptions {
+    let key = fine_settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
+    let opts = job_layer::RunOptions {
         lease_ttl: Duration::from_secs(3),
         heartbeat_every: Duration::from_secs(1),
         ..run_options(false, false)
@@ -146,7 +147,7 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     // does; connections opened later work. The heartbeat renews the lease on a new connection,
     // so no peer could take the month over: only the run's own deadline can end its wait.
     let frozen_at = std::sync::Mutex::new(None);
-    let freeze = |progress: jobs::Progress| {
+    let freeze = |progress: job_layer::Progress| {
         if progress.batches == 1 {
             proxy.freeze_existing();
             *frozen_at.lock().unwrap() = Some(Instant::now());
@@ -154,7 +155,7 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     };
     let ran = tokio::time::timeout(
         Duration::from_secs(60),
-        jobs::run_once(
+        job_layer::run_once(
             &pool,
             &job,
             key.clone(),
@@ -195,7 +196,7 @@ async fn a_run_whose_connections_stop_answering_fails_within_its_deadline_and_th
     assert_eq!(settled, 100);
 
     // The retry takes the FAILED claim over at once and settles the rest, once.
-    let report = jobs::run_once(
+    let report = job_layer::run_once(
         &db.pool,
         &job,
         key,
@@ -222,7 +223,7 @@ async fn leases_live_on_the_database_clock_so_replicas_hours_apart_agree() {
     let ahead = ManualClock::new(shanghai(2027, 3, 12, 12, 0, 0) + TimeDelta::hours(6));
     let behind = ManualClock::new(shanghai(2027, 3, 12, 12, 0, 0) - TimeDelta::hours(6));
     let mut conn = db.pool.acquire().await.unwrap();
-    let key = settlement::key(bd(month), s.shard);
+    let key = fine_settlement::key(bd(month), s.shard);
     let ClaimOutcome::Won(_) = claim::claim(
         &mut conn,
         &key,
@@ -277,7 +278,7 @@ async fn leases_live_on_the_database_clock_so_replicas_hours_apart_agree() {
     );
     assert!(matches!(a.tick().await, TickOutcome::AlreadyDone { .. }));
     assert_eq!(
-        settlement::month_totals(&db.pool, bd(month))
+        fine_settlement::month_totals(&db.pool, bd(month))
             .await
             .unwrap()
             .settled_rows,
@@ -309,7 +310,7 @@ async fn odd_rows_are_settled_by_the_rule_counted_and_reported_never_skipped() {
     let odd: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM loans l WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
             AND {}",
-        settlement::ODD_ROW
+        fine_settlement::ODD_ROW
     ))
     .fetch_one(&db.pool)
     .await
@@ -343,10 +344,10 @@ async fn odd_rows_are_settled_by_the_rule_counted_and_reported_never_skipped() {
 
     // The far-future month settles too, when its own run comes (the job layer has no calendar
     // check; the CLI refuses a month that is not over).
-    let report = jobs::run_once(
+    let report = job_layer::run_once(
         &db.pool,
         &short_lease_job(10),
-        settlement::key(
+        fine_settlement::key(
             bd("9999-12-31"),
             settlementd::config::ShardSpec::new(0, 1).unwrap(),
         ),
@@ -357,7 +358,10 @@ async fn odd_rows_are_settled_by_the_rule_counted_and_reported_never_skipped() {
     .await
     .unwrap();
     assert_eq!(
-        (report.updated, report.notes[settlement::ODD_ROWS].count),
+        (
+            report.updated,
+            report.notes[fine_settlement::ODD_ROWS].count
+        ),
         (1, 0)
     );
 }
@@ -813,7 +817,7 @@ async fn three_serve_replicas_ride_out_an_immediate_database_stop_and_end_as_one
             sqlx::query_scalar::<_, i64>(
                 "SELECT count(*) FROM job_runs WHERE job_name = $1 AND status = 'SUCCESS'",
             )
-            .bind(settlement::JOB_NAME)
+            .bind(fine_settlement::JOB_NAME)
             .fetch_one(&pool)
             .await
             .unwrap_or(0)
@@ -854,16 +858,14 @@ struct StopBeforeFirstBatch {
 
 impl Job for StopBeforeFirstBatch {
     type Plan = MonthPlan;
-    fn name(&self) -> &'static str {
-        settlement::JOB_NAME
-    }
-    fn params(&self, key: &JobKey) -> Result<settlementd::jobs::Params, String> {
+    const NAME: &'static str = fine_settlement::JOB_NAME;
+    fn params(&self, key: &JobKey) -> Result<settlementd::job_layer::Params, String> {
         self.inner.params(key)
     }
     async fn plan(
         &self,
         pool: &PgPool,
-        claim: &settlementd::jobs::Claim,
+        claim: &settlementd::job_layer::Claim,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         if !self.fired.swap(true, Ordering::SeqCst) {
@@ -886,7 +888,7 @@ impl Job for StopBeforeFirstBatch {
     }
 }
 
-use settlementd::jobs::{Batch, Cursor};
+use settlementd::job_layer::{Batch, Cursor};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "stops a PostgreSQL server hard: run with --ignored"]
@@ -902,7 +904,7 @@ async fn a_database_restart_between_the_claim_and_the_first_batch_is_retried_to_
         pg: Arc::new(std::sync::Mutex::new(pg)),
         fired: AtomicBool::new(false),
     };
-    let key = settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
+    let key = fine_settlement::key(month, settlementd::config::ShardSpec::new(0, 1).unwrap());
     let mut opts = run_options(false, false);
     opts.lease_ttl = Duration::from_secs(3);
     opts.heartbeat_every = Duration::from_secs(1);
@@ -910,7 +912,7 @@ async fn a_database_restart_between_the_claim_and_the_first_batch_is_retried_to_
     let mut outcomes = Vec::new();
     let report = loop {
         assert!(outcomes.len() < 60, "never settled: {outcomes:?}");
-        match jobs::run_once(
+        match job_layer::run_once(
             &pool,
             &job,
             key.clone(),

@@ -79,7 +79,7 @@ async fn the_runtime_role_settles_a_month_serves_ready_and_may_write_nothing_els
             shard,
         ]));
     }
-    let totals = settlementd::settlement::month_totals(&pool, month)
+    let totals = settlementd::jobs::fine_settlement::month_totals(&pool, month)
         .await
         .unwrap();
     assert_eq!(totals.settled_rows, eligible(&pool, month).await);
@@ -638,5 +638,52 @@ fn the_loans_migrations_split_into_statements_that_each_alter_loans_or_create_a_
                 migration.version
             );
         }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_own_table_is_granted_by_default_with_no_line_in_roles_sql_and_no_rerun() {
+    let (_name, admin) = empty_db().await;
+    apply_roles_sql(&admin).await;
+    run_ok(settlementd(Some(&as_role(&admin, MIGRATOR))).arg("migrate"));
+    apply_roles_sql(&admin).await;
+    // A new job's migration, run by the migrator after roles.sql; roles.sql names no such table.
+    let mut migrator = PgConnection::connect(&as_role(&admin, MIGRATOR))
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE overdue_notices (id bigserial PRIMARY KEY, member_id bigint NOT NULL,
+                                       loans integer NOT NULL)",
+    )
+    .execute(&mut migrator)
+    .await
+    .unwrap();
+    let mut app = PgConnection::connect(&as_role(&admin, APP)).await.unwrap();
+    for pass in ["as created", "after roles.sql ran again"] {
+        for allowed in [
+            "INSERT INTO overdue_notices (member_id, loans) VALUES (1, 2)",
+            "SELECT count(*) FROM overdue_notices",
+            "UPDATE overdue_notices SET loans = loans + 1",
+            "DELETE FROM overdue_notices WHERE member_id = 1",
+        ] {
+            assert_eq!(sqlstate(&mut app, allowed).await, None, "{pass}: {allowed}");
+        }
+        for refused in [
+            "TRUNCATE overdue_notices",
+            "ALTER TABLE overdue_notices ADD COLUMN x int",
+            "DROP TABLE overdue_notices",
+            // The tables roles.sql names keep exactly their grants: the journal and the audit trail
+            // stay append-only.
+            "DELETE FROM fine_journal",
+            "UPDATE job_events SET message = ''",
+            "DELETE FROM loans",
+        ] {
+            assert_eq!(
+                sqlstate(&mut app, refused).await.as_deref(),
+                Some(DENIED),
+                "{pass}: {refused}"
+            );
+        }
+        apply_roles_sql(&admin).await;
     }
 }

@@ -5,8 +5,8 @@
 use crate::helpers::*;
 use settlementd::calendar::BusinessDate;
 use settlementd::fine::FineRule;
-use settlementd::jobs::events;
-use settlementd::settlement;
+use settlementd::job_layer::events;
+use settlementd::jobs::fine_settlement;
 use sqlx::PgPool;
 use std::time::{Duration, Instant};
 
@@ -71,7 +71,7 @@ async fn events_named(pool: &PgPool, month: BusinessDate, event: &str) -> Vec<ev
     let mut found = Vec::new();
     for shards in 1..=2 {
         for shard in 0..shards {
-            let key = settlement::key(
+            let key = fine_settlement::key(
                 month,
                 settlementd::config::ShardSpec::new(shard, shards).unwrap(),
             );
@@ -722,18 +722,21 @@ async fn correct_is_refused_while_a_shard_of_the_month_runs() {
     seed_month(&db.pool, month, 100, 1).await;
     assert_eq!(run_shard(&db.url, &[], month, 0, 2).status.code(), Some(0));
     // Shard 1 is claimed by a live run (its heartbeat fresh).
-    let key = settlement::key(month, settlementd::config::ShardSpec::new(1, 2).unwrap());
+    let key = fine_settlement::key(month, settlementd::config::ShardSpec::new(1, 2).unwrap());
     let mut conn = db.pool.acquire().await.unwrap();
-    let claimed = settlementd::jobs::claim::claim(
+    let claimed = settlementd::job_layer::claim::claim(
         &mut conn,
         &key,
-        &settlementd::jobs::Owner("live".into()),
+        &settlementd::job_layer::Owner("live".into()),
         Duration::from_secs(60),
         false,
     )
     .await
     .unwrap();
-    assert!(matches!(claimed, settlementd::jobs::ClaimOutcome::Won(_)));
+    assert!(matches!(
+        claimed,
+        settlementd::job_layer::ClaimOutcome::Won(_)
+    ));
     let out = cli(
         &db.url,
         &[],

@@ -4,8 +4,8 @@
 
 use crate::helpers::*;
 use settlementd::config::Settings;
-use settlementd::jobs::{claim, events, requests, JobKey, Owner};
-use settlementd::settlement;
+use settlementd::job_layer::{claim, events, requests, JobKey, Owner};
+use settlementd::jobs::fine_settlement;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -302,7 +302,7 @@ async fn ten_identical_concurrent_requests_to_two_replicas_start_one_new_attempt
     for r in &replicas {
         r.wait_for("/readyz", 200).await;
     }
-    let before = settlementd::settlement::month_totals(&db.pool, oct)
+    let before = settlementd::jobs::fine_settlement::month_totals(&db.pool, oct)
         .await
         .unwrap();
 
@@ -362,7 +362,7 @@ async fn ten_identical_concurrent_requests_to_two_replicas_start_one_new_attempt
     .unwrap();
     assert_eq!(attempts, [2, 2]);
     assert_eq!(
-        settlementd::settlement::month_totals(&db.pool, oct)
+        settlementd::jobs::fine_settlement::month_totals(&db.pool, oct)
             .await
             .unwrap(),
         before,
@@ -403,7 +403,7 @@ async fn a_request_outlives_the_replica_that_accepted_it_and_runs_when_its_shard
     assert_eq!(status, "SUCCESS");
     assert_eq!(served_by.as_deref(), Some(request_id.as_str()));
     assert_eq!(
-        settlementd::settlement::month_totals(&db.pool, oct)
+        settlementd::jobs::fine_settlement::month_totals(&db.pool, oct)
             .await
             .unwrap()
             .settled_rows,
@@ -459,8 +459,12 @@ async fn a_request_the_schedule_and_a_forced_cli_run_colliding_leave_the_month_a
     };
     assert_eq!(rows(&chaos).await, rows(&clean).await);
     assert_eq!(
-        settlement::month_totals(&chaos.pool, oct).await.unwrap(),
-        settlement::month_totals(&clean.pool, oct).await.unwrap()
+        fine_settlement::month_totals(&chaos.pool, oct)
+            .await
+            .unwrap(),
+        fine_settlement::month_totals(&clean.pool, oct)
+            .await
+            .unwrap()
     );
 }
 
@@ -621,7 +625,7 @@ async fn store_under(pool: &sqlx::PgPool, key: &str, force: bool, shards: u32) -
     let request = requests::NewRequest {
         to: None,
         idempotency_key: key.into(),
-        job_name: settlement::JOB_NAME.into(),
+        job_name: fine_settlement::JOB_NAME.into(),
         business_date: bd(OCT).date(),
         shards,
         shard: None,

@@ -7,8 +7,8 @@ use serde_json::Value;
 use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::fine::FineRule;
-use settlementd::jobs::{self, Job};
-use settlementd::settlement::{self, BatchSql, FineSettlement, Walk};
+use settlementd::job_layer::{self, Job};
+use settlementd::jobs::fine_settlement::{self, BatchSql, FineSettlement, Walk};
 use sqlx::{PgConnection, PgPool, Row};
 use tokio_util::sync::CancellationToken;
 
@@ -27,7 +27,7 @@ async fn explain_batch(
     (low, high): (i64, i64),
     batch: i64,
 ) -> Vec<Value> {
-    let mut tx = pool.begin_with(settlement::BEGIN_BATCH).await.unwrap();
+    let mut tx = pool.begin_with(fine_settlement::BEGIN_BATCH).await.unwrap();
     let rule = FineRule::default();
     let walk = Walk::of_shard(shard as u32);
     let sql = BatchSql::of(walk);
@@ -239,7 +239,7 @@ async fn unsettled_loans_of_a_month_are_found_through_the_partial_index_not_the_
     let odd: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM loans l
           WHERE l.returned_on BETWEEN '2026-10-01' AND '2026-10-31' AND {}",
-        settlement::ODD_ROW
+        fine_settlement::ODD_ROW
     ))
     .fetch_one(&db.pool)
     .await
@@ -303,8 +303,8 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
         guards: Default::default(),
     };
     let opts = run_options(true, true);
-    let key = settlement::key(oct, ShardSpec::new(0, 1).unwrap());
-    let report = jobs::run_once(
+    let key = fine_settlement::key(oct, ShardSpec::new(0, 1).unwrap());
+    let report = job_layer::run_once(
         &db.pool,
         &job,
         key,
@@ -328,13 +328,13 @@ async fn a_forced_rerun_right_after_a_run_settles_nothing_and_scans_nothing() {
 /// plans).
 async fn settle_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64, i64) {
     let month = bd("2026-09-30");
-    let key = settlement::key(month, ShardSpec::new(1, 2).unwrap());
+    let key = fine_settlement::key(month, ShardSpec::new(1, 2).unwrap());
     let (plan, _) = job
         .plan(pool, &crate::helpers::claim_of(&key), false)
         .await
         .unwrap();
     let mut conn = pool.acquire().await.unwrap();
-    let mut cursor = jobs::Cursor::default();
+    let mut cursor = job_layer::Cursor::default();
     for _ in 0..8 {
         let batch = one_batch(&mut conn, job, &plan, cursor, begin, false).await;
         assert_eq!(batch.scanned, u64::from(job.batch_size));
@@ -368,9 +368,9 @@ async fn every_batch_is_planned_for_its_own_cursor_also_after_five_executions() 
     };
     let (generic, custom) = settle_plans(&db.pool, &job, &job.begin_batch()).await;
     assert_eq!((generic, custom), (0, 8), "the engine's batches");
-    let without_pin =
-        settlement::BEGIN_BATCH.replace("\n    SET LOCAL plan_cache_mode = force_custom_plan;", "");
-    assert_ne!(without_pin, settlement::BEGIN_BATCH);
+    let without_pin = fine_settlement::BEGIN_BATCH
+        .replace("\n    SET LOCAL plan_cache_mode = force_custom_plan;", "");
+    assert_ne!(without_pin, fine_settlement::BEGIN_BATCH);
     let (generic, _) = settle_plans(&db.pool, &job, &without_pin).await;
     assert!(
         generic > 0,

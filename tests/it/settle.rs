@@ -5,8 +5,8 @@ use settlementd::calendar::BusinessDate;
 use settlementd::config::ShardSpec;
 use settlementd::demo::zero_fine_marker;
 use settlementd::fine::FineRule;
-use settlementd::jobs::{self, claim, Batch, Cursor, Job, JobError, JobKey, Owner, RunReport};
-use settlementd::settlement::{self, FineSettlement, MonthPlan};
+use settlementd::job_layer::{self, claim, Batch, Cursor, Job, JobError, JobKey, Owner, RunReport};
+use settlementd::jobs::fine_settlement::{self, FineSettlement, MonthPlan};
 use sqlx::{PgConnection, PgPool};
 use std::sync::Arc;
 use std::time::Duration;
@@ -38,10 +38,10 @@ async fn run_job<J: Job>(
     s: ShardSpec,
     force: bool,
 ) -> Result<RunReport, JobError> {
-    jobs::run_once(
+    job_layer::run_once(
         pool,
         job,
-        settlement::key(month, s),
+        fine_settlement::key(month, s),
         &run_options(force, false),
         &CancellationToken::new(),
         &|_| {},
@@ -127,7 +127,7 @@ async fn zero_fine_rows_are_settled_and_a_forced_rerun_changes_no_byte() {
         "the data has on-time returns: {zero_fines}"
     );
     let before = loans_snapshot(&db.pool).await;
-    let totals = settlement::month_totals(&db.pool, oct).await.unwrap();
+    let totals = fine_settlement::month_totals(&db.pool, oct).await.unwrap();
 
     let rerun = run(&db.pool, oct, shard(0, 1), true).await;
     assert_eq!(
@@ -140,7 +140,7 @@ async fn zero_fine_rows_are_settled_and_a_forced_rerun_changes_no_byte() {
         "a forced re-run changes no byte"
     );
     assert_eq!(
-        settlement::month_totals(&db.pool, oct).await.unwrap(),
+        fine_settlement::month_totals(&db.pool, oct).await.unwrap(),
         totals
     );
     assert_eq!(first.updated as i64, totals.settled_rows);
@@ -272,16 +272,14 @@ struct PausedFirstBatch {
 
 impl Job for PausedFirstBatch {
     type Plan = MonthPlan;
-    fn name(&self) -> &'static str {
-        settlement::JOB_NAME
-    }
-    fn params(&self, key: &JobKey) -> Result<settlementd::jobs::Params, String> {
+    const NAME: &'static str = fine_settlement::JOB_NAME;
+    fn params(&self, key: &JobKey) -> Result<settlementd::job_layer::Params, String> {
         self.inner.params(key)
     }
     async fn plan(
         &self,
         pool: &PgPool,
-        claim: &settlementd::jobs::Claim,
+        claim: &settlementd::job_layer::Claim,
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         self.inner.plan(pool, claim, estimate).await
@@ -318,7 +316,7 @@ async fn a_zombie_batch_in_flight_during_a_takeover_is_rolled_back() {
     // The zombie has updated 100 rows in its open transaction. Its lease expires; an heir claims.
     age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
     let mut conn = db.pool.acquire().await.unwrap();
-    let key = settlement::key(oct, shard(0, 1));
+    let key = fine_settlement::key(oct, shard(0, 1));
     let heir = match claim::claim(
         &mut conn,
         &key,
@@ -371,14 +369,14 @@ async fn an_interrupted_run_is_marked_failed_and_the_next_run_resumes_after_its_
     let shutdown = CancellationToken::new();
     let stop_after_first_batch = {
         let shutdown = shutdown.clone();
-        move |p: jobs::Progress| {
+        move |p: job_layer::Progress| {
             if p.scanned > 0 {
                 shutdown.cancel();
             }
         }
     };
-    let key = settlement::key(oct, shard(0, 1));
-    let err = jobs::run_once(
+    let key = fine_settlement::key(oct, shard(0, 1));
+    let err = job_layer::run_once(
         &db.pool,
         &job(100),
         key,
@@ -466,7 +464,7 @@ async fn a_failing_batch_commits_nothing_marks_the_run_failed_and_a_retry_finish
 async fn a_heartbeat_that_finds_its_claim_taken_over_reports_the_loss() {
     let db = test_db().await;
     let oct = bd(OCT);
-    let key = settlement::key(oct, shard(0, 1));
+    let key = fine_settlement::key(oct, shard(0, 1));
     let mut conn = db.pool.acquire().await.unwrap();
     let ttl = Duration::from_secs(60);
     let mine = match claim::claim(&mut conn, &key, &Owner("a".into()), ttl, false)
@@ -476,7 +474,8 @@ async fn a_heartbeat_that_finds_its_claim_taken_over_reports_the_loss() {
         claim::ClaimOutcome::Won(c) => c,
         other => panic!("{other:?}"),
     };
-    let heartbeat = jobs::lease::Heartbeat::spawn(db.pool.clone(), mine, Duration::from_millis(20));
+    let heartbeat =
+        job_layer::lease::Heartbeat::spawn(db.pool.clone(), mine, Duration::from_millis(20));
     age_heartbeat(&db.pool, oct, 1, 0, 3600).await;
     // The heartbeat may renew between the ageing and the takeover: age until the takeover wins.
     loop {
@@ -683,14 +682,14 @@ async fn a_takeover_resumes_after_the_committed_cursor_of_the_month_walk() {
         let shutdown = CancellationToken::new();
         let stop = {
             let shutdown = shutdown.clone();
-            move |p: jobs::Progress| {
+            move |p: job_layer::Progress| {
                 if p.batches == 2 {
                     shutdown.cancel();
                 }
             }
         };
-        let key = settlement::key(oct, shard(index, 2));
-        let err = jobs::run_once(
+        let key = fine_settlement::key(oct, shard(index, 2));
+        let err = job_layer::run_once(
             &db.pool,
             &job(60),
             key,
@@ -779,7 +778,7 @@ async fn a_descending_walk_stops_at_the_ascending_cursor_of_an_earlier_attempt()
                                started_at, heartbeat_at, last_id, scanned, updated)
          VALUES ($1, $2, 2, 1, 'FAILED', 1, 'older-binary', now(), now(), $3, 100, 100)",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(oct.date())
     .bind(cursor)
     .execute(&db.pool)
@@ -827,7 +826,7 @@ async fn walk_month(
     s: ShardSpec,
     before_batch: impl Fn(u64) -> Option<&'static str>,
 ) -> (u64, u64, u64) {
-    let key = settlement::key(month, s);
+    let key = fine_settlement::key(month, s);
     let (plan, _) = job.plan(pool, &claim_of(&key), false).await.unwrap();
     let mut conn = pool.acquire().await.unwrap();
     let (mut cursor, mut calls, mut updated) = (Cursor::default(), 0, 0);
@@ -865,7 +864,10 @@ async fn the_next_page_is_read_ahead_and_a_pool_without_a_spare_connection_settl
         let eligible = eligible(&db.pool, oct).await as u64;
         let walk = walk_month(pool, &job, oct, shard(0, 1), |_| None).await;
         assert_eq!(walk.2, eligible);
-        walks.push((walk, settlement::month_totals(&db.pool, oct).await.unwrap()));
+        walks.push((
+            walk,
+            fine_settlement::month_totals(&db.pool, oct).await.unwrap(),
+        ));
     }
     let [((calls, read_ahead, _), ahead_totals), ((inline_calls, inline_read_ahead, _), inline_totals)] =
         &walks[..]
@@ -927,7 +929,7 @@ async fn a_page_read_ahead_serves_only_the_cursor_it_was_read_for() {
     let oct = bd(OCT);
     seed_month(&db.pool, oct, 3000, 1).await;
     let job = job(100);
-    let key = settlement::key(oct, shard(0, 1));
+    let key = fine_settlement::key(oct, shard(0, 1));
     let (plan, _) = job.plan(&db.pool, &claim_of(&key), false).await.unwrap();
     let mut conn = db.pool.acquire().await.unwrap();
     let begin = job.begin_batch();

@@ -9,7 +9,7 @@ use crate::helpers::*;
 use settlementd::calendar::BusinessDate;
 use sqlx::PgPool;
 
-const STATEMENTS: &str = settlementd::statements::JOB_NAME;
+const STATEMENTS: &str = settlementd::jobs::member_statements::JOB_NAME;
 const OCTOBER: &str = "2026-10-31";
 
 async fn sql(pool: &PgPool, statement: &str) {
@@ -359,7 +359,7 @@ async fn the_commit_order_check_reads_only_the_rows_after_the_marks_snapshot() {
         ("id only", id_only),
         (
             "commit order",
-            settlementd::statements::late_rows(&first_day),
+            settlementd::jobs::member_statements::late_rows(&first_day),
         ),
     ] {
         let mut best = f64::MAX;

@@ -9,11 +9,11 @@ use settlementd::calendar::BusinessDate;
 use settlementd::clock::ManualClock;
 use settlementd::config::{Settings, ShardSpec};
 use settlementd::daemon;
-use settlementd::jobs::claim::{self, Claim, ClaimOutcome};
-use settlementd::jobs::requests::{self, NewRequest};
-use settlementd::jobs::{events, Cursor, Job, Owner};
+use settlementd::job_layer::claim::{self, Claim, ClaimOutcome};
+use settlementd::job_layer::requests::{self, NewRequest};
+use settlementd::job_layer::{events, Cursor, Job, Owner};
+use settlementd::jobs::fine_settlement::{self, FineSettlement};
 use settlementd::schedule::{self, Slot};
-use settlementd::settlement::{self, FineSettlement};
 use sqlx::{Connection, PgPool};
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -91,8 +91,8 @@ fn job(batch_size: u32) -> FineSettlement {
     }
 }
 
-fn key(month: BusinessDate, shards: u32, shard: u32) -> settlementd::jobs::JobKey {
-    settlement::key(month, ShardSpec::new(shard, shards).unwrap())
+fn key(month: BusinessDate, shards: u32, shard: u32) -> settlementd::job_layer::JobKey {
+    fine_settlement::key(month, ShardSpec::new(shard, shards).unwrap())
 }
 
 /// Settles one shard of `month` to SUCCESS as `owner`, as a replica would.
@@ -103,11 +103,11 @@ pub(crate) async fn settle_as(
     shard: u32,
     owner: &str,
 ) {
-    let options = settlementd::jobs::RunOptions {
+    let options = settlementd::job_layer::RunOptions {
         owner: Owner(owner.into()),
         ..run_options(false, false)
     };
-    let report = settlementd::jobs::run_once(
+    let report = settlementd::job_layer::run_once(
         pool,
         &job(500),
         key(month, shards, shard),
@@ -283,8 +283,8 @@ pub(crate) async fn chromium(args: &[String]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-async fn totals_of(pool: &PgPool, month: BusinessDate) -> settlement::MonthTotals {
-    settlement::month_totals(pool, month).await.unwrap()
+async fn totals_of(pool: &PgPool, month: BusinessDate) -> fine_settlement::MonthTotals {
+    fine_settlement::month_totals(pool, month).await.unwrap()
 }
 
 /// "15,722.50" for 1572250 cents; "5,379" for 5379.
@@ -365,7 +365,7 @@ impl FourMonths {
         let request = NewRequest {
             to: None,
             idempotency_key: rerun_key.clone(),
-            job_name: settlement::JOB_NAME.into(),
+            job_name: fine_settlement::JOB_NAME.into(),
             business_date: failed.date(),
             shards: 3,
             shard: Some(1),
@@ -662,7 +662,7 @@ async fn status_shows_owner_names_and_error_texts_from_the_database_as_text_with
                                started_at, heartbeat_at, finished_at, last_error)
          VALUES ($1, $2, 1, 0, 'FAILED', 2, $3, now(), now(), now(), $4)",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(bd(OCT).date())
     .bind("<script>alert('owner')</script>")
     .bind("<script>alert(\"last_error\")</script> & <b>bold</b>")
@@ -673,7 +673,7 @@ async fn status_shows_owner_names_and_error_texts_from_the_database_as_text_with
         "INSERT INTO job_events (job_name, business_date, shards, shard, event, attempt, owner, message)
          VALUES ($1, $2, 1, 0, 'failed', 2, $3, $4)",
     )
-    .bind(settlement::JOB_NAME)
+    .bind(fine_settlement::JOB_NAME)
     .bind(bd(OCT).date())
     .bind("<script>alert('owner')</script>")
     .bind("<script>alert('message')</script>")
@@ -831,11 +831,11 @@ async fn a_closed_months_totals_are_computed_once_until_a_run_of_it_starts_an_op
     );
 
     // A forced re-run of a September shard is a new attempt: the kept totals are computed again.
-    let options = settlementd::jobs::RunOptions {
+    let options = settlementd::job_layer::RunOptions {
         owner: Owner(owner(1)),
         ..run_options(true, false)
     };
-    settlementd::jobs::run_once(
+    settlementd::job_layer::run_once(
         pool,
         &job(500),
         key(bd(SEP), 2, 1),
@@ -1012,7 +1012,7 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
         assert!(matches!(outcome, ClaimOutcome::Won(_)));
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let rows = claim::latest_months(&mut *conn, settlement::JOB_NAME, 2, None, 12)
+    let rows = claim::latest_months(&mut *conn, fine_settlement::JOB_NAME, 2, None, 12)
         .await
         .unwrap();
     let dates: Vec<_> = rows.iter().map(|r| r.business_date).collect();
@@ -1032,7 +1032,7 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
     );
     let one = claim::latest_months(
         &mut *conn,
-        settlement::JOB_NAME,
+        fine_settlement::JOB_NAME,
         2,
         Some(months[0].date()),
         12,
@@ -1042,7 +1042,7 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
     assert_eq!(one.len(), 2);
     assert!(one.iter().all(|r| r.business_date == months[0].date()));
 
-    let history = events::latest_per_shard(&mut *conn, settlement::JOB_NAME, 2, None, 3)
+    let history = events::latest_per_shard(&mut *conn, fine_settlement::JOB_NAME, 2, None, 3)
         .await
         .unwrap();
     let shard0: Vec<_> = history.iter().filter(|e| e.event.shard == 0).collect();

@@ -942,8 +942,8 @@ async fn open_work(world: &World, shards: u32) -> Result<Option<String>> {
                                         AND r.shards = $2 AND r.shard = s.shard
                                         AND r.status = 'SUCCESS')
                       OR {late} > 0)",
-            statements = settlementd::statements::JOB_NAME,
-            late = settlementd::statements::late_rows("date_trunc('month', d.day)::date"),
+            statements = settlementd::jobs::member_statements::JOB_NAME,
+            late = settlementd::jobs::member_statements::late_rows("date_trunc('month', d.day)::date"),
         ))
         .bind(&ends)
         .bind(shards as i32)

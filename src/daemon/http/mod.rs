@@ -42,7 +42,7 @@ pub struct HttpState {
     /// Reads the status page's data, on its own small pool, and keeps closed months' totals.
     pub overview: Arc<crate::overview::Reader>,
     /// The jobs of the binary: the runs API and the page serve each.
-    pub registry: crate::jobs::registry::Registry,
+    pub registry: crate::job_layer::registry::Registry,
     /// What the replicas found at their latest look: `/readyz` and `/metrics` read it.
     pub health: Arc<crate::daemon::health::Health>,
 }

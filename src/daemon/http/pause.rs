@@ -9,7 +9,7 @@
 
 use super::runs::{authorize, error, json, unavailable};
 use super::HttpState;
-use crate::jobs::pause;
+use crate::job_layer::pause;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};

@@ -3,7 +3,7 @@
 //! `POST /v1/runs` with `Authorization: Bearer <http.admin_token>`, `Idempotency-Key: <key>` and
 //! `{"job": "fine-settlement", "business_date": "YYYY-MM-DD", "shards": M, "shard": N, "force":
 //! true}` — or `"from": "YYYY-MM", "to": "YYYY-MM"` instead of `business_date`, a range run month
-//! by month — stores the request under the key ([`crate::jobs::requests::store`]) before answering
+//! by month — stores the request under the key ([`crate::job_layer::requests::store`]) before answering
 //! `202`; replicas serving the targeted shards run it ([`crate::daemon::replica`]). `job` defaults
 //! to the registry's first job. The key comes from the client's business request
 //! (a retry sends the same key): the same key with the same body, at once or days later, to any
@@ -18,8 +18,8 @@ use super::HttpState;
 use crate::app::ensure_month_is_over;
 use crate::calendar::BusinessDate;
 use crate::daemon::metrics as m;
-use crate::jobs::requests::{self, NewRequest, Stored, StoredRequest};
-use crate::jobs::JobKey;
+use crate::job_layer::requests::{self, NewRequest, Stored, StoredRequest};
+use crate::job_layer::JobKey;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -93,7 +93,7 @@ pub async fn create(State(state): State<HttpState>, headers: HeaderMap, body: By
 
 /// `POST /v1/runs/dry-run`: the body of `POST /v1/runs`, checked the same way, answered `200`
 /// with `{"dry_runs": [...]}`, one `run --dry-run --json` object per month (every shard of the
-/// count, or `shard`): what the run would write, written nowhere ([`crate::jobs::dry`]). Stores
+/// count, or `shard`): what the run would write, written nowhere ([`crate::job_layer::dry`]). Stores
 /// nothing, so it needs no `Idempotency-Key`.
 pub async fn dry_run(State(state): State<HttpState>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(refused) = authorize(&state, &headers) {
@@ -238,10 +238,7 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, String> {
 fn parse(state: &HttpState, idempotency_key: String, body: &[u8]) -> Result<NewRequest, String> {
     let body: Body =
         serde_json::from_slice(body).map_err(|e| format!("invalid request body: {e}"))?;
-    let job_name = body
-        .job
-        .as_deref()
-        .unwrap_or(crate::registry::default_job());
+    let job_name = body.job.as_deref().unwrap_or(crate::jobs::default_job());
     let job = state
         .registry
         .get(job_name)
@@ -342,7 +339,7 @@ fn accepted(stored: &StoredRequest, replayed: bool) -> Response {
     response
 }
 
-pub(super) fn unavailable(e: crate::jobs::JobError) -> Response {
+pub(super) fn unavailable(e: crate::job_layer::JobError) -> Response {
     tracing::warn!(error = %e, "runs API: database error");
     error(
         StatusCode::SERVICE_UNAVAILABLE,

@@ -17,7 +17,7 @@
 
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
-use crate::jobs::fleet::Member;
+use crate::job_layer::fleet::Member;
 use crate::numbers::{count, money, things};
 use crate::overview::{Month, Overview, Progress, Scope, Shard, Totals};
 use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
@@ -274,7 +274,7 @@ fn render(
                 footer.note {
                     p {
                         "Read-only. A month is closed when every shard of the count is SUCCESS, nothing waits to be run in it and no correction holds it; "
-                        "rows held (for the settlement: bad dates) stay as they are, named, until they are fixed. "
+                        "items a job holds for an operator stay as they are, named, until they are fixed. "
                         "Totals are the month's, whatever the shard count that ran it: "
                         "computed once for a closed month, at each view for an open one, "
                         "within " (VIEW_BUDGET.as_secs()) " s of database time per view. "
@@ -459,7 +459,7 @@ fn schedule(view: &Overview) -> Markup {
                 dd #(id("next-fire")) {
                     @match &view.schedule.next {
                         Some(slot) => {
-                            (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) " (" (tz.name()) "), " (view.words.runs) " "
+                            (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) " (" (tz.name()) "), " (view.words.run_does) " "
                             a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) }
                         }
                         None => "none: the cron never fires again",
@@ -468,7 +468,7 @@ fn schedule(view: &Overview) -> Markup {
                 @if let (Scope::Latest, Some(slot)) = (view.scope, &view.schedule.latest) {
                     dt { "Latest fire" }
                     dd #(id("latest-fire")) {
-                        (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", " (view.words.runs) " "
+                        (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", " (view.words.run_does) " "
                         a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) } ": "
                         @match view.month(slot.business_date.date()) {
                             Some(month) => (verdict(month, view)),
@@ -538,7 +538,7 @@ fn is_empty(month: &Month) -> bool {
     month.closed()
         && facts
             .iter()
-            .filter(|f| f.kind == crate::jobs::FactKind::Count)
+            .filter(|f| f.kind == crate::job_layer::FactKind::Count)
             .all(|f| f.value.as_i64() == Some(0) || f.value.as_str() == Some("0"))
         && month
             .shards
@@ -575,7 +575,7 @@ fn empty_row(months: Vec<&Month>, view: &Overview) -> Markup {
             th { a href=(month_link_date(oldest, view.shards)) { (oldest) } " – " a href=(month_link_date(newest, view.shards)) { (newest) } }
             td colspan=(view.shards + 2 + u32::from(view.words.pinned.is_some())) {
                 (things(months.len() as i128, "month", "months")) " closed with nothing to do (every shard SUCCESS, nothing "
-                (view.words.done) ", nothing waiting)"
+                (view.words.facts_are) ", nothing waiting)"
             }
         }
     }
@@ -603,7 +603,7 @@ fn month_row(
                 }
             }
             @for shard in &month.shards {
-                (cell(job, date, shard, (view.lease_ttl_secs, view.schedule.timezone), detail, takers))
+                (cell((job, view.words), date, shard, (view.lease_ttl_secs, view.schedule.timezone), detail, takers))
             }
         }
     }
@@ -676,9 +676,9 @@ fn verdict(month: &Month, view: &Overview) -> Markup {
 }
 
 /// A month's facts: counts as numbers, sums of cents as money, a digest as code.
-fn totals(totals: &Totals, words: crate::jobs::Words, detail: bool) -> Markup {
-    use crate::jobs::FactKind;
-    let facts = |facts: &[crate::jobs::Fact], label: String| {
+fn totals(totals: &Totals, words: crate::job_layer::Words, detail: bool) -> Markup {
+    use crate::job_layer::FactKind;
+    let facts = |facts: &[crate::job_layer::Fact], label: String| {
         html! {
             div.small { (label) }
             @for fact in facts {
@@ -707,8 +707,8 @@ fn totals(totals: &Totals, words: crate::jobs::Words, detail: bool) -> Markup {
         }
     };
     match totals {
-        Totals::Closed(t) => facts(t, words.done.to_string()),
-        Totals::SoFar(t) => facts(t, format!("{} so far", words.done)),
+        Totals::Closed(t) => facts(t, words.facts_are.to_string()),
+        Totals::SoFar(t) => facts(t, format!("{} so far", words.facts_are)),
         Totals::Computing => html! {
             span.small { "totals being computed in the background (a closed month: once); reload in a moment" }
         },
@@ -719,7 +719,7 @@ fn totals(totals: &Totals, words: crate::jobs::Words, detail: bool) -> Markup {
 /// A month's shard: its claim, and what happens next. An expired lease says who takes it over: a
 /// live replica of the shard (`takers`), or nobody until one starts.
 fn cell(
-    job: &str,
+    (job, words): (&str, crate::job_layer::Words),
     date: chrono::NaiveDate,
     shard: &Shard,
     (ttl_secs, tz): (u64, Tz),
@@ -756,9 +756,9 @@ fn cell(
                     }
                     div.small { "release " (run.version.as_deref().unwrap_or("before 0.2.0")) }
                     div.updated {
-                        (things(run.updated, "row", "rows")) " updated by attempt " (run.attempt)
+                        (words.written.count(run.updated)) " by attempt " (run.attempt)
                         @if run.attempt > 1 && run.updated == 0 && run.status == "SUCCESS" {
-                            br; span.small { "earlier attempts' rows stay as they settled them (the month's totals count them)" }
+                            br; span.small { "earlier attempts' writes stay as they made them (the month's totals count them)" }
                         }
                     }
                     @if let Some(progress) = shard.progress { (bar(progress, run.started_age_secs)) }

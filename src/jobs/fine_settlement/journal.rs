@@ -299,7 +299,7 @@ fn statement(targets: &str, settles_returns: bool) -> String {
         priced = journal("priced", "$11::text", "$8::jsonb"),
         reversed = journal("reversed", "'reversed'", "NULL::jsonb"),
         deleted = journal("gone", "'deleted'", "NULL::jsonb"),
-        held_ids = crate::jobs::HELD_IDS,
+        held_ids = crate::job_layer::HELD_IDS,
     )
 }
 

@@ -25,9 +25,9 @@
 
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
-use crate::jobs::registry::{Entry, Registration};
-use crate::jobs::{
-    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metrics, Params, Pending, PendingReport,
+use crate::job_layer::registry::{Configured, NoSettings};
+use crate::job_layer::{
+    Batch, Claim, Cursor, Planned, Fact, FactKind, Job, JobKey, Metrics, Params, Pending, PendingReport,
     Phrase, Proof, Reopen, Words,
 };
 use chrono::NaiveDate;
@@ -67,22 +67,19 @@ pub fn late_rows(month: &str) -> String {
     )
 }
 
-/// The member statements in the binary's registry (`JOBS` in src/registry.rs).
-pub const REGISTRATION: Registration<Settings> = Registration {
-    name: JOB_NAME,
+/// The member statements in the binary's list of jobs (`JOBS` in src/jobs/mod.rs): no keys of
+/// their own; members per batch are `batch.size`.
+impl Configured<Settings> for MemberStatements {
+    type Settings = NoSettings;
     // 04:00 on the 1st, after the settlement's 02:30; it waits for the settlement in any case.
-    default_cron: "0 0 4 1 * *",
-    enabled_by_default: true,
-    reads_schedule_cron: false,
-    build: |settings, schedule| {
-        std::sync::Arc::new(Entry {
-            job: MemberStatements {
-                batch_size: settings.batch.size,
-            },
-            schedule,
+    const DEFAULT_CRON: &'static str = "0 0 4 1 * *";
+
+    fn build(settings: &Settings, _own: NoSettings) -> Result<Self, String> {
+        Ok(MemberStatements {
+            batch_size: settings.batch.size,
         })
-    },
-};
+    }
+}
 
 pub struct MemberStatements {
     /// Members written per batch transaction.
@@ -106,7 +103,7 @@ pub struct StatementsPlan {
     /// The snapshot the plan read in (`pg_snapshot` as text), kept with the mark.
     snapshot: String,
     /// The members after the cursor the run resumes at, in order: its batches.
-    members: Vec<(i64, Option<Statement>)>,
+    members: Planned<Option<Statement>>,
     /// The cursor the run resumes at (an earlier attempt's committed progress), if any.
     resume: Option<i64>,
     /// Members at or below `resume` whose stored statement is not what this plan's snapshot
@@ -118,18 +115,10 @@ pub struct StatementsPlan {
 impl Job for MemberStatements {
     type Plan = StatementsPlan;
 
-    fn name(&self) -> &'static str {
-        JOB_NAME
-    }
+    const NAME: &'static str = JOB_NAME;
 
     fn after(&self) -> Option<&'static str> {
         Some(FOLLOWS)
-    }
-
-    /// No identifying parameters: a statement is what the month's money is.
-    fn params(&self, key: &JobKey) -> Result<Params, String> {
-        BusinessDate::new(key.business_date).map_err(|e| e.to_string())?;
-        Ok(Params(serde_json::json!({})))
     }
 
     fn describe(&self, _params: &Params) -> String {
@@ -145,7 +134,7 @@ impl Job for MemberStatements {
                  ON k.business_date = $2 AND k.shards = $3 AND k.shard = $4",
             late_rows("$1")
         ))
-        .bind(first_day(key.business_date)?)
+        .bind(BusinessDate::month_start(key.business_date))
         .bind(key.business_date)
         .bind(key.shards as i32)
         .bind(key.shard as i32)
@@ -223,10 +212,12 @@ impl Job for MemberStatements {
     fn words(&self) -> Words {
         Words {
             waiting: Phrase::new("journal row waiting", "journal rows waiting"),
+            waiting_key: "journal_rows_waiting",
             held: Phrase::new("member held", "members held"),
             upkeep: Phrase::new("item of upkeep waiting", "items of upkeep waiting"),
-            done: "statements",
-            runs: "states",
+            written: Phrase::new("statement written", "statements written"),
+            facts_are: "statements",
+            run_does: "states",
             pinned: None,
         }
     }
@@ -234,13 +225,13 @@ impl Job for MemberStatements {
     async fn facts(
         &self,
         db: &mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> sqlx::Result<Vec<Fact>> {
         let (members, fines, cents): (i64, i64, String) = sqlx::query_as(
             "SELECT count(*), COALESCE(sum(fines), 0)::bigint, COALESCE(sum(fine_cents), 0)::text
                FROM member_fine_statements WHERE business_date = $1",
         )
-        .bind(business_date)
+        .bind(month.date())
         .fetch_one(db)
         .await?;
         Ok(vec![
@@ -270,10 +261,8 @@ impl Job for MemberStatements {
     async fn prove(
         &self,
         db: &mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> sqlx::Result<Option<Proof>> {
-        let month = BusinessDate::new(business_date)
-            .map_err(|e| sqlx::Error::Protocol(format!("business date: {e}")))?;
         Ok(Some(proof::prove(db, month).await?.into_proof()))
     }
 
@@ -289,8 +278,7 @@ impl Job for MemberStatements {
         _estimate: bool,
     ) -> sqlx::Result<(StatementsPlan, Option<u64>)> {
         let key = &claim.key;
-        let month = BusinessDate::new(key.business_date)
-            .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
+        let month = claim.month;
         let (shards, shard) = (i64::from(key.shards), i64::from(key.shard));
         let mut tx = pool
             .begin_with(
@@ -427,6 +415,7 @@ impl Job for MemberStatements {
             .into_iter()
             .filter(|(m, s)| stored.get(m).copied() != *s)
             .collect();
+        let members = Planned::new(members);
         let total = (members.len() + behind.len()) as u64;
         Ok((
             StatementsPlan {
@@ -451,11 +440,8 @@ impl Job for MemberStatements {
         plan: &StatementsPlan,
         cursor: Cursor,
     ) -> sqlx::Result<Batch> {
-        let after = cursor.last_id.unwrap_or(i64::MIN);
-        let start = plan.members.partition_point(|(m, _)| *m <= after);
-        let limit = self.batch_size.max(1) as usize;
-        let page = &plan.members[start..plan.members.len().min(start + limit)];
-        let done = start + page.len() >= plan.members.len();
+        let page = plan.members.page(cursor, self.batch_size);
+        let done = page.done;
         // The attempt's first batch also rewrites the members behind its resumed cursor.
         let behind: &[(i64, Option<Statement>)] = if cursor.last_id == plan.resume {
             &plan.behind
@@ -463,7 +449,7 @@ impl Job for MemberStatements {
             &[]
         };
         let (stated, dropped): (Vec<_>, Vec<_>) =
-            behind.iter().chain(page).partition(|(_, s)| s.is_some());
+            behind.iter().chain(page.items).partition(|(_, s)| s.is_some());
         let ids: Vec<i64> = stated.iter().map(|(m, _)| *m).collect();
         let fines: Vec<i64> = stated
             .iter()
@@ -519,14 +505,8 @@ impl Job for MemberStatements {
         }
         Ok(Batch {
             amount: 0,
-            cursor: match page.last() {
-                Some((last, _)) => Cursor {
-                    last_id: Some(*last),
-                    ..cursor
-                },
-                None => cursor,
-            },
-            scanned: (behind.len() + page.len()) as u64,
+            cursor: page.cursor(cursor),
+            scanned: (behind.len() + page.items.len()) as u64,
             updated: written as u64,
             notes: Default::default(),
             done,
@@ -540,9 +520,3 @@ fn cents_of(text: &str) -> sqlx::Result<i128> {
         .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
 }
 
-/// The first day of the month of `business_date`.
-fn first_day(business_date: NaiveDate) -> sqlx::Result<NaiveDate> {
-    BusinessDate::new(business_date)
-        .map(|d| d.first_day())
-        .map_err(|e| sqlx::Error::Protocol(e.to_string()))
-}

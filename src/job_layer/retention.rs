@@ -28,7 +28,7 @@
 //! `settlementd prune` runs it by hand (forced), or only counts (`--dry-run`).
 
 use super::registry::Registry;
-use super::{Batch, Claim, Cursor, Job, JobKey, Params};
+use super::{Batch, Claim, Cursor, Job};
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
 
@@ -220,14 +220,10 @@ pub struct RetentionPlan {
 impl Job for Retention {
     type Plan = RetentionPlan;
 
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    /// No identifying parameters: how old is old enough is a run's option, not what it computes.
-    fn params(&self, _key: &JobKey) -> Result<Params, String> {
-        Ok(Params(serde_json::json!({})))
-    }
+    /// No identifying parameters (the default): how old is old enough is a run's option, not what
+    /// it computes.
+    const NAME: &'static str = NAME;
+    const MONTHLY: bool = false;
 
     async fn plan(
         &self,

@@ -33,6 +33,11 @@ use sqlx::{PgConnection, PgExecutor};
 pub struct Params(pub serde_json::Value);
 
 impl Params {
+    /// The parameters of a job that has none (`{}`).
+    pub fn none() -> Self {
+        Params(serde_json::json!({}))
+    }
+
     /// No parameters at all (`{}`): nothing to pin or compare, so a claim stores no pin (a daily
     /// job would otherwise add a row a day to `job_params`).
     pub fn is_empty(&self) -> bool {

@@ -135,6 +135,9 @@ async fn run_in_span<J: Job>(
     span: tracing::Span,
 ) -> Result<RunReport> {
     let started = Instant::now();
+    if J::MONTHLY {
+        key.month()?;
+    }
     let params = job.params(&key).map_err(|why| JobError::NoParams {
         key: key.clone(),
         why,
@@ -150,7 +153,7 @@ async fn run_in_span<J: Job>(
             // Every refusal that applies is named: a pause of either job too.
             let why = answered(within, async {
                 let mut why = why;
-                for (name, whose) in [(before, ""), (job.name(), " itself")] {
+                for (name, whose) in [(before, ""), (J::NAME, " itself")] {
                     if let Some(p) = super::pause::of(pool, name).await? {
                         why.push_str(&format!(
                             "; and {name}{whose} is paused since {} by {}: {} (`settlementd resume --job {name}`)",
@@ -196,7 +199,7 @@ async fn run_in_span<J: Job>(
         let skip = match outcome {
             ClaimOutcome::Won(claim) => break claim,
             ClaimOutcome::Held { owner, attempt } => {
-                metrics::counter!("settlementd_claims_total", "job_name" => job.name(), "result" => "lost")
+                metrics::counter!("settlementd_claims_total", "job_name" => J::NAME, "result" => "lost")
                     .increment(1);
                 tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: claim held by a live run");
                 SkipReason::Held
@@ -213,7 +216,7 @@ async fn run_in_span<J: Job>(
                     reopen = Some((late, job.reopen(late)));
                     continue;
                 }
-                metrics::counter!("settlementd_claims_total", "job_name" => job.name(), "result" => "done")
+                metrics::counter!("settlementd_claims_total", "job_name" => J::NAME, "result" => "done")
                     .increment(1);
                 tracing::info!(holder_attempt = attempt, "skipped: already SUCCESS");
                 if let Some(request) = &opts.request {
@@ -243,7 +246,7 @@ async fn run_in_span<J: Job>(
             }
             ClaimOutcome::Conflict { pinned } => {
                 if let Some((counter, _)) = job.metrics().conflicts {
-                    metrics::counter!(counter.name, "job_name" => job.name()).increment(1);
+                    metrics::counter!(counter.name, "job_name" => J::NAME).increment(1);
                 }
                 let (pinned, mine) =
                     super::params::describe_difference(&pinned, &params, &describe);
@@ -265,14 +268,14 @@ async fn run_in_span<J: Job>(
         return Ok(skipped(key, params, skip, started, job.empty_notes()));
     };
     span.record("attempt", claim.attempt);
-    let job_name = job.name();
+    let job_name = J::NAME;
     metrics::counter!("settlementd_claims_total", "job_name" => job_name, "result" => "won")
         .increment(1);
     if claim.took_over {
         metrics::counter!("settlementd_takeovers_total", "job_name" => job_name).increment(1);
     }
     let late = reopen.map_or(0, |(late, _)| late);
-    tracing::info!(took_over = claim.took_over, resume = %claim.resume, late, rule = %describe(&params), "claimed");
+    tracing::info!(took_over = claim.took_over, resume = %claim.resume, late, params = %describe(&params), "claimed");
 
     let heartbeat = Heartbeat::spawn(pool.clone(), claim.clone(), opts.heartbeat_every);
     let stops = Stops {
@@ -396,7 +399,7 @@ async fn work<J: Job>(
     let mut notes = job.empty_notes();
     let mut cursor = claim.resume;
     let begin = format!("BEGIN; {}; {}", opts.guards.sql(), job.batch_settings());
-    let job_name = job.name();
+    let job_name = J::NAME;
     let amounts = job.metrics().amount;
     let business_date = claim.key.business_date.to_string();
     loop {

@@ -8,11 +8,12 @@
 //! list of [`Registration`]s, each exported by its job's own module.
 
 use super::{
-    Cursor, Fact, Job, JobKey, Metrics, Noted, Params, PendingReport, Preview, Progress, Proof,
-    Result, RunOptions, RunReport, Words,
+    BusinessDate, Cursor, Fact, Job, JobKey, Metrics, Noted, Params, PendingReport, Preview,
+    Progress, Proof, Result, RunOptions, RunReport, Words,
 };
 use chrono::NaiveDate;
 use croner::Cron;
+use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
 use std::future::Future;
 use std::pin::Pin;
@@ -63,7 +64,7 @@ pub trait Registered: Send + Sync {
     fn facts<'a>(
         &'a self,
         db: &'a mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> Boxed<'a, sqlx::Result<Vec<Fact>>>;
     fn remaining<'a>(
         &'a self,
@@ -75,13 +76,13 @@ pub trait Registered: Send + Sync {
     fn prove<'a>(
         &'a self,
         db: &'a mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> Boxed<'a, sqlx::Result<Option<Proof>>>;
     /// [`Job::preview`]: `None` when the job cannot tell what its runs would write.
     fn preview<'a>(
         &'a self,
         db: &'a mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
         count: u32,
         shards: &'a [u32],
     ) -> Boxed<'a, sqlx::Result<Option<Preview>>>;
@@ -101,7 +102,7 @@ where
     J: Job + Send + Sync + 'static,
 {
     fn name(&self) -> &'static str {
-        self.job.name()
+        J::NAME
     }
 
     fn after(&self) -> Option<&'static str> {
@@ -162,9 +163,9 @@ where
     fn facts<'a>(
         &'a self,
         db: &'a mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> Boxed<'a, sqlx::Result<Vec<Fact>>> {
-        Box::pin(self.job.facts(db, business_date))
+        Box::pin(self.job.facts(db, month))
     }
 
     fn remaining<'a>(
@@ -179,19 +180,19 @@ where
     fn prove<'a>(
         &'a self,
         db: &'a mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> Boxed<'a, sqlx::Result<Option<Proof>>> {
-        Box::pin(self.job.prove(db, business_date))
+        Box::pin(self.job.prove(db, month))
     }
 
     fn preview<'a>(
         &'a self,
         db: &'a mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
         count: u32,
         shards: &'a [u32],
     ) -> Boxed<'a, sqlx::Result<Option<Preview>>> {
-        Box::pin(self.job.preview(db, business_date, count, shards))
+        Box::pin(self.job.preview(db, month, count, shards))
     }
 
     fn words(&self) -> Words {
@@ -207,26 +208,81 @@ where
     }
 }
 
-/// One job a binary has: its name, its schedule's defaults, and how to build it from the
-/// settings (`S`: the binary's settings type, which this layer does not know).
+/// How a job is made from the binary's settings (`S`, a type this layer does not know) and from
+/// its own keys of `[jobs.<section>]`: what its [`Registration`] builds.
+pub trait Configured<S>: Job + Sized + Send + Sync + 'static {
+    /// Its own keys of `[jobs.<section>]`, besides `enabled` and `cron`, which every job's section
+    /// has: typed, with `#[serde(deny_unknown_fields)]` so that a misspelt key is refused at start
+    /// (exit 2) like every setting. [`NoSettings`] for a job without any.
+    type Settings: DeserializeOwned;
+    /// Its cron (six fields, seconds first, in `schedule.timezone`) when its section sets none.
+    const DEFAULT_CRON: &'static str;
+    /// Whether a replica schedules it when its section does not say.
+    const ENABLED_BY_DEFAULT: bool = true;
+    /// The job, from the binary's settings and its own; `Err`: why one of its own values is not
+    /// valid, in words (the configuration's error then names the section).
+    fn build(settings: &S, own: Self::Settings) -> std::result::Result<Self, String>;
+}
+
+/// The own settings of a job that has none: its section takes `enabled` and `cron` only.
+#[derive(Debug, Clone, Copy, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoSettings {}
+
+/// One job a binary has, as its list holds it ([`Registration::of`]): its name, its schedule's
+/// defaults, and how to build it.
 pub struct Registration<S> {
     pub name: &'static str,
     /// Its cron when its configuration section sets none.
     pub default_cron: &'static str,
     /// Whether it is scheduled when its section does not say.
     pub enabled_by_default: bool,
-    /// Whether it also takes its cron from `schedule.cron` (the fine settlement's key from before
-    /// jobs had sections of their own; never together with its section's `cron`).
-    pub reads_schedule_cron: bool,
-    pub build: fn(&S, Schedule) -> Arc<dyn Registered>,
+    build: Build<S>,
 }
 
+/// Builds a job from the binary's settings, its own keys (a JSON object) and its schedule.
+type Build<S> =
+    fn(&S, serde_json::Value, Schedule) -> std::result::Result<Arc<dyn Registered>, String>;
+
 impl<S> Registration<S> {
+    /// The registration of the job `J`: everything it says comes from `J`.
+    pub const fn of<J: Configured<S>>() -> Self {
+        Self {
+            name: J::NAME,
+            default_cron: J::DEFAULT_CRON,
+            enabled_by_default: J::ENABLED_BY_DEFAULT,
+            build: build::<S, J>,
+        }
+    }
+
     /// Its configuration section: the name with `-` written `_`, so a shell can export
     /// `SETTLEMENTD__JOBS__<SECTION>__CRON`.
     pub fn section(&self) -> String {
         section_of(self.name)
     }
+
+    /// The job, from the binary's settings, its own keys of its section (`own`, an object; `{}`
+    /// when it has no section) and its schedule; `Err`: what is wrong with its own keys.
+    pub fn build(
+        &self,
+        settings: &S,
+        own: serde_json::Value,
+        schedule: Schedule,
+    ) -> std::result::Result<Arc<dyn Registered>, String> {
+        (self.build)(settings, own, schedule)
+    }
+}
+
+fn build<S, J: Configured<S>>(
+    settings: &S,
+    own: serde_json::Value,
+    schedule: Schedule,
+) -> std::result::Result<Arc<dyn Registered>, String> {
+    let own: J::Settings = serde_json::from_value(own).map_err(|e| e.to_string())?;
+    Ok(Arc::new(Entry {
+        job: J::build(settings, own)?,
+        schedule,
+    }))
 }
 
 /// The configuration section of the job `name`.

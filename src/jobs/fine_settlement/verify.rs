@@ -13,7 +13,7 @@
 //!   `fine_heads`), a settled row is at its head's seq, and no settled loan is gone without its
 //!   deletion recorded (one whose return was undone owes nothing).
 //!
-//! The rule is the month's pinned one ([`crate::jobs::params`]); a month claimed before pins
+//! The rule is the month's pinned one ([`crate::job_layer::params`]); a month claimed before pins
 //! existed is checked against the rule the configuration gives it, and the report says so. A
 //! configured rule that differs from the pin is named (a replica with it is refused; `correct`
 //! would apply it).
@@ -21,7 +21,7 @@
 use super::{describe_params, rule_from_params, rule_of, MonthTotals, HELD_ROW, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
 use crate::fine::{FineRule, FineSchedule};
-use crate::jobs::{params, JobError, HELD_IDS};
+use crate::job_layer::{params, JobError, HELD_IDS};
 use sqlx::{Connection, Executor, PgConnection};
 use std::fmt::Write;
 
@@ -45,7 +45,7 @@ pub struct Mismatch {
 }
 
 /// Loans found in one kind of trouble: how many, and the first [`HELD_IDS`] by id.
-pub use crate::jobs::Found;
+pub use crate::job_layer::Found;
 
 /// What [`verify`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]

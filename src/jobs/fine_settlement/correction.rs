@@ -29,7 +29,7 @@
 use super::journal::{self, Repricer};
 use super::{describe_params, rule_params, FineSettlement, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
-use crate::jobs::{params, Batch, Claim, Cursor, Job, JobKey, Noted, Notes, Owner, Params, Reopen};
+use crate::job_layer::{params, Batch, Claim, Cursor, Job, JobKey, Noted, Notes, Owner, Params, Reopen};
 use chrono::NaiveDate;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool};
 use std::borrow::Cow;
@@ -75,7 +75,7 @@ pub enum Begun {
     /// Another correction of the month is unfinished: nothing was recorded.
     Unfinished(Correction),
     /// The job is paused: nothing was recorded, the pin and its hold are as they were.
-    Paused(crate::jobs::pause::Pause),
+    Paused(crate::job_layer::pause::Pause),
 }
 
 /// Records the correction `key` of `business_date` under `shards`, re-pinning the month to `rule`
@@ -100,7 +100,7 @@ pub async fn begin(
     }
     let mut tx = conn.begin().await?;
     // A pause stops a correction as it stops a claim: before the month is touched.
-    if let Some(pause) = crate::jobs::pause::of(&mut *tx, super::JOB_NAME)
+    if let Some(pause) = crate::job_layer::pause::of(&mut *tx, super::JOB_NAME)
         .await
         .map_err(job_to_sqlx)?
     {
@@ -212,9 +212,9 @@ pub(super) fn loans_of_month(after: &str, shard: &dyn Fn(&str) -> String) -> Str
     )
 }
 
-fn job_to_sqlx(e: crate::jobs::JobError) -> sqlx::Error {
+fn job_to_sqlx(e: crate::job_layer::JobError) -> sqlx::Error {
     match e {
-        crate::jobs::JobError::Db(e) => e,
+        crate::job_layer::JobError::Db(e) => e,
         other => sqlx::Error::Protocol(other.to_string()),
     }
 }
@@ -387,9 +387,7 @@ impl Job for FineCorrection {
         describe_params(params)
     }
 
-    fn name(&self) -> &'static str {
-        super::JOB_NAME
-    }
+    const NAME: &'static str = super::JOB_NAME;
 
     fn note_events(&self, notes: &Notes) -> Vec<(&'static str, String)> {
         self.settlement.note_events(notes)
@@ -410,8 +408,7 @@ impl Job for FineCorrection {
         _estimate: bool,
     ) -> sqlx::Result<(CorrectionPlan, Option<u64>)> {
         let key = &claim.key;
-        let month = BusinessDate::new(key.business_date)
-            .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
+        let month = claim.month;
         let rule = self
             .settlement
             .rule_of(key.business_date)

@@ -12,7 +12,7 @@
 
 use super::JOB_NAME;
 use crate::calendar::BusinessDate;
-use crate::jobs::{Found, Proof, HELD_IDS};
+use crate::job_layer::{Found, Proof, HELD_IDS};
 use serde::Serialize;
 use sqlx::{Connection, PgConnection};
 use std::fmt::Write;

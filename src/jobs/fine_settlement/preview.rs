@@ -19,7 +19,7 @@ use super::journal::{queue_targets, Pricing, HEAD_AFTER};
 use super::{parse_sum, HELD_ROW, MONTH_KEY_L, ODD_ROW};
 use crate::calendar::BusinessDate;
 use crate::fine::FineRule;
-use crate::jobs::{Preview, ShardPreview};
+use crate::job_layer::{Preview, ShardPreview};
 use crate::numbers::{count, money, things};
 use serde_json::{json, Map, Value};
 use sqlx::PgConnection;
@@ -114,7 +114,7 @@ impl MonthPreview {
             .sum()
     }
 
-    /// As the job layer shows it ([`crate::jobs::dry`]).
+    /// As the job layer shows it ([`crate::job_layer::dry`]).
     pub fn to_preview(&self, writer: Writer, shards: &[u32]) -> Preview {
         Preview {
             shards: shards

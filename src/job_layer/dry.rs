@@ -8,7 +8,7 @@
 //! so the server itself refuses any write a dry run would attempt.
 
 use super::registry::Registered;
-use super::{params, pause, JobKey, Preview, Result};
+use super::{params, pause, BusinessDate, JobKey, Preview, Result};
 use chrono::NaiveDate;
 use serde_json::{json, Map, Value};
 use sqlx::PgPool;
@@ -57,17 +57,18 @@ pub struct DryRun {
     pub preview: Option<Preview>,
 }
 
-/// The dry run of `business_date` for `shards` of `count`: see the module. `force`: as `run
+/// The dry run of `month` for `shards` of `count`: see the module. `force`: as `run
 /// --force` (a SUCCESS key is run again).
 pub async fn dry_run(
     pool: &PgPool,
     job: &dyn Registered,
-    business_date: NaiveDate,
+    month: BusinessDate,
     count: u32,
     shards: &[u32],
     force: bool,
     lease_ttl: Duration,
 ) -> Result<DryRun> {
+    let business_date = month.date();
     let mut tx = pool.begin_with(BEGIN_DRY_RUN).await?;
     let key = |shard: u32| JobKey {
         job_name: job.name().to_string(),
@@ -138,7 +139,7 @@ pub async fn dry_run(
     .bind(lease_ttl.as_secs_f64())
     .fetch_all(&mut *tx)
     .await?;
-    let preview = job.preview(&mut tx, business_date, count, shards).await?;
+    let preview = job.preview(&mut tx, month, count, shards).await?;
     tx.rollback().await?;
     let mut by_shard = Vec::new();
     for &shard in shards {

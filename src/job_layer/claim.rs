@@ -6,7 +6,7 @@
 //! moves the state of the run request it serves, if any (`job_runs.request_id`).
 
 use super::params::{self, Params, Pin};
-use super::{events, requests, Batch, Cursor, JobKey, Owner, Reopen, Result};
+use super::{events, requests, Batch, BusinessDate, Cursor, JobKey, Owner, Reopen, Result};
 use crate::mutant::{self, Mutant};
 use sqlx::{Connection, PgConnection, PgExecutor};
 use std::time::Duration;
@@ -15,6 +15,9 @@ use std::time::Duration;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Claim {
     pub key: JobKey,
+    /// The key's month: the key's own business date for a monthly job ([`super::Job::MONTHLY`], which
+    /// [`super::run_once`] checks before claiming), the month of its day for a daily one.
+    pub month: BusinessDate,
     pub attempt: i32,
     pub owner: Owner,
     /// Progress committed by earlier attempts; a takeover resumes inside it.
@@ -112,6 +115,7 @@ pub async fn claim_for(
     ttl: Duration,
     opts: ClaimOptions<'_>,
 ) -> Result<ClaimOutcome> {
+    let month = BusinessDate::of_month(key.business_date);
     let request = opts.request;
     let mut tx = conn.begin().await?;
     // A pause committed before this claim stops it; one committed after it reaches the run at its
@@ -184,6 +188,7 @@ pub async fn claim_for(
     };
     if let Some((attempt, lineage)) = inserted {
         let claim = Claim {
+            month,
             key: key.clone(),
             attempt,
             owner: owner.clone(),
@@ -259,6 +264,7 @@ pub async fn claim_for(
     }) = taken
     {
         let claim = Claim {
+            month,
             key: key.clone(),
             attempt,
             owner: owner.clone(),

@@ -43,8 +43,8 @@ pub mod verify;
 use crate::calendar::BusinessDate;
 use crate::config::{SessionGuards, Settings, ShardSpec};
 use crate::fine::{DatedRule, FineRule, FineSchedule};
-use crate::jobs::registry::{Entry, Registration};
-use crate::jobs::{
+use crate::job_layer::registry::Configured;
+use crate::job_layer::{
     Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
     Pending, PendingReport, Phrase, Preview, Reopen, Words, HELD_IDS,
 };
@@ -57,19 +57,16 @@ use std::sync::{Mutex, OnceLock};
 
 pub const JOB_NAME: &str = "fine-settlement";
 
-/// The fine settlement in the binary's registry (`JOBS` in src/registry.rs).
-pub const REGISTRATION: Registration<Settings> = Registration {
-    name: JOB_NAME,
-    default_cron: "0 30 2 1 * *",
-    enabled_by_default: true,
-    reads_schedule_cron: true,
-    build: |settings, schedule| {
-        std::sync::Arc::new(Entry {
-            job: FineSettlement::of(settings),
-            schedule,
-        })
-    },
-};
+/// The fine settlement in the binary's list of jobs (`JOBS` in src/jobs/mod.rs). Its settings
+/// are the shared ones (`[fine]`, `[batch]`, `[lease]`): its section takes no keys of its own.
+impl Configured<Settings> for FineSettlement {
+    type Settings = crate::job_layer::registry::NoSettings;
+    const DEFAULT_CRON: &'static str = "0 30 2 1 * *";
+
+    fn build(settings: &Settings, _own: Self::Settings) -> Result<Self, String> {
+        Ok(FineSettlement::of(settings))
+    }
+}
 
 /// The job key of one shard's settlement of one month.
 pub fn key(business_date: BusinessDate, shard: ShardSpec) -> JobKey {
@@ -129,15 +126,13 @@ struct Bounds {
 }
 
 impl Bounds {
-    fn for_key(key: &JobKey) -> sqlx::Result<Self> {
-        let business_date = BusinessDate::new(key.business_date)
-            .map_err(|e| sqlx::Error::Protocol(format!("job key: {e}")))?;
-        Ok(Self {
-            month: business_date.first_day().and_time(NaiveTime::MIN),
+    fn for_key(key: &JobKey) -> Self {
+        Self {
+            month: BusinessDate::month_start(key.business_date).and_time(NaiveTime::MIN),
             shards: key.shards.into(),
             shard: key.shard.into(),
             walk: Walk::of_shard(key.shard),
-        })
+        }
     }
 
     /// The next `limit` entries of the shard's month inside `(low, high)`, in the walk's order.
@@ -409,9 +404,7 @@ pub fn describe_params(params: &Params) -> String {
 impl Job for FineSettlement {
     type Plan = MonthPlan;
 
-    fn name(&self) -> &'static str {
-        JOB_NAME
-    }
+    const NAME: &'static str = JOB_NAME;
 
     fn params(&self, key: &JobKey) -> Result<Params, String> {
         Ok(rule_params(&self.rule_of(key.business_date)?.rule))
@@ -424,7 +417,7 @@ impl Job for FineSettlement {
     /// The shard's unsettled returns of the month that the rule can price, and its loans whose
     /// earliest queued edit is in the month.
     async fn late_items(&self, pool: &PgPool, key: &JobKey) -> sqlx::Result<u64> {
-        let bounds = Bounds::for_key(key)?;
+        let bounds = Bounds::for_key(key);
         let mut tx = pool.begin_with(begin_batch_sql(&self.guards)).await?;
         let counts =
             unsettled_by_month(&mut tx, &[bounds.month], bounds.shards, bounds.shard).await?;
@@ -634,13 +627,15 @@ impl Job for FineSettlement {
                 "late return or edit waiting",
                 "late returns or edits waiting",
             ),
+            waiting_key: "late_returns",
             held: Phrase::new("row held (bad dates)", "rows held (bad dates)"),
             upkeep: Phrase::new(
                 "settled loan without a journal entry",
                 "settled loans without a journal entry",
             ),
-            done: "settled",
-            runs: "settles",
+            written: Phrase::new("row updated", "rows updated"),
+            facts_are: "settled",
+            run_does: "settles",
             pinned: Some("rule"),
         }
     }
@@ -650,10 +645,8 @@ impl Job for FineSettlement {
     async fn facts(
         &self,
         db: &mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
     ) -> sqlx::Result<Vec<Fact>> {
-        let month =
-            BusinessDate::new(business_date).map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
         let totals = journal::totals(db, month).await?;
         Ok(vec![
             Fact {
@@ -682,13 +675,11 @@ impl Job for FineSettlement {
     async fn preview(
         &self,
         db: &mut PgConnection,
-        business_date: NaiveDate,
+        month: BusinessDate,
         count: u32,
         shards: &[u32],
     ) -> sqlx::Result<Option<Preview>> {
-        let month =
-            BusinessDate::new(business_date).map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-        let Ok(rule) = self.rule_of(business_date) else {
+        let Ok(rule) = self.rule_of(month.date()) else {
             return Ok(None);
         };
         let found =
@@ -703,7 +694,7 @@ impl Job for FineSettlement {
         estimate: bool,
     ) -> sqlx::Result<(MonthPlan, Option<u64>)> {
         let key = &claim.key;
-        let bounds = Bounds::for_key(key)?;
+        let bounds = Bounds::for_key(key);
         // The claim compared this rule with the month's pinned one: they are the same.
         let rule = self
             .rule_of(key.business_date)
@@ -943,7 +934,7 @@ pub async fn unsettled_after(
     key: &JobKey,
     cursor: Cursor,
 ) -> sqlx::Result<u64> {
-    unsettled(db, &Bounds::for_key(key)?, cursor).await
+    unsettled(db, &Bounds::for_key(key), cursor).await
 }
 
 async fn unsettled(db: impl PgExecutor<'_>, plan: &Bounds, cursor: Cursor) -> sqlx::Result<u64> {

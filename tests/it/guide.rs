@@ -1,0 +1,146 @@
+//! docs/ADDING-A-JOB.md's worked example, compiled and run: the guide's code blocks are the files
+//! of `tests/it/guide/`, which this module compiles (as a new job's module compiles in `src/jobs/`)
+//! and runs against a real PostgreSQL.
+
+use crate::helpers::*;
+use settlementd::config::Settings;
+use settlementd::job_layer::registry::{Registered, Registration, Schedule};
+use settlementd::job_layer::{JobError, JobKey};
+use std::sync::Arc;
+
+#[path = "guide/monthly_totals.rs"]
+mod monthly_totals;
+
+/// The fenced block that follows the line `**`title`**` in `doc`, as the file it shows.
+fn block_after(doc: &str, title: &str) -> String {
+    let heading = format!("**`{title}`**");
+    let at = doc
+        .find(&heading)
+        .unwrap_or_else(|| panic!("the guide shows no {title}"));
+    let fence = doc[at..].find("```").unwrap() + at;
+    let body = doc[fence..].find('\n').unwrap() + fence + 1;
+    let end = doc[body..].find("\n```").unwrap() + body;
+    format!("{}\n", &doc[body..end])
+}
+
+fn guide() -> String {
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/ADDING-A-JOB.md")).unwrap()
+}
+
+#[test]
+fn the_guides_code_blocks_are_the_files_this_test_compiles() {
+    let doc = guide();
+    assert_eq!(
+        block_after(&doc, "src/jobs/monthly_totals.rs"),
+        include_str!("guide/monthly_totals.rs"),
+        "docs/ADDING-A-JOB.md's module is not tests/it/guide/monthly_totals.rs"
+    );
+    assert_eq!(
+        block_after(&doc, "migrations/20270101000001_monthly_totals.sql"),
+        include_str!("guide/monthly_totals.sql"),
+        "docs/ADDING-A-JOB.md's migration is not tests/it/guide/monthly_totals.sql"
+    );
+    // The one line in an existing file.
+    assert!(
+        doc.contains("jobs! {\n    fine_settlement::FineSettlement,\n    member_statements::MemberStatements,\n    monthly_totals::MonthlyTotals,\n}"),
+        "the guide's line in JOBS"
+    );
+}
+
+fn registration() -> Registration<Settings> {
+    Registration::of::<monthly_totals::MonthlyTotals>()
+}
+
+fn build(settings: &Settings, own: serde_json::Value) -> Result<Arc<dyn Registered>, String> {
+    let schedule = Schedule {
+        enabled: true,
+        cron: settlementd::config::parse_cron(registration().default_cron).unwrap(),
+    };
+    registration().build(settings, own, schedule)
+}
+
+#[test]
+fn the_guides_job_takes_its_own_setting_from_its_section_and_refuses_a_bad_one() {
+    let reg = registration();
+    assert_eq!(
+        (reg.name, reg.section(), reg.default_cron),
+        ("monthly-totals", "monthly_totals".into(), "0 0 5 1 * *")
+    );
+    // From the environment, as from a file: its section's own keys reach the job.
+    let s = Settings::load_from(
+        None,
+        [(
+            "SETTLEMENTD__JOBS__MONTHLY_TOTALS__MIN_FINE_CENTS".to_string(),
+            "250".to_string(),
+        )],
+    )
+    .unwrap();
+    let own = serde_json::Value::from(s.jobs["monthly_totals"].own.clone());
+    assert_eq!(own, serde_json::json!({ "min_fine_cents": 250 }));
+    assert!(build(&s, own).is_ok());
+    for (own, says) in [
+        (
+            serde_json::json!({ "min_fine_cent": 1 }),
+            "unknown field `min_fine_cent`",
+        ),
+        (serde_json::json!({ "min_fine_cents": -1 }), "invalid"),
+        (
+            serde_json::json!({ "min_fine_cents": "many" }),
+            "invalid type: string",
+        ),
+        (
+            serde_json::json!({ "min_fine_cents": 200000 }),
+            "at most 100000",
+        ),
+    ] {
+        let e = build(&s, own.clone())
+            .err()
+            .unwrap_or_else(|| panic!("{own} accepted"));
+        assert!(e.contains(says), "{own}: {e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guides_job_runs_after_the_settlement_and_totals_the_fines_at_or_above_its_setting() {
+    let db = test_db().await;
+    sqlx::raw_sql(include_str!("guide/monthly_totals.sql"))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let month = bd("2026-10-31");
+    seed_month(&db.pool, month, 500, 1).await;
+    let job = build(&settings(&[]), serde_json::json!({ "min_fine_cents": 100 })).unwrap();
+    let key = JobKey {
+        job_name: "monthly-totals".into(),
+        business_date: month.date(),
+        shards: 1,
+        shard: 0,
+    };
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let opts = run_options(false, false);
+    let run = || job.run(&db.pool, key.clone(), &opts, &shutdown, &|_| {});
+    assert!(
+        matches!(run().await, Err(JobError::NotReady { .. })),
+        "not ready before the settlement"
+    );
+    run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31"]));
+    let report = run().await.unwrap();
+    assert_eq!(report.updated, 1);
+    let totals: (i64, i64) = sqlx::query_as(
+        "SELECT loans, fine_cents::bigint FROM monthly_fine_totals WHERE business_date = $1",
+    )
+    .bind(month.date())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let expected: (i64, i64) = sqlx::query_as(
+        "SELECT count(*), COALESCE(sum(fine_cents), 0)::bigint FROM loans
+          WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
+            AND fine_settled_at IS NOT NULL AND fine_cents >= 100",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(expected.0 > 0, "the month has fines of 1.00 and more");
+    assert_eq!(totals, expected);
+}
