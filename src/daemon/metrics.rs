@@ -51,6 +51,9 @@ pub const LAST_RUN_LATENESS_SECONDS: &str = "settlementd_last_run_lateness_secon
 pub const LATEST_FIRE_TIMESTAMP: &str = "settlementd_latest_fire_timestamp_seconds";
 /// Shards of `shard.count` whose claim for the latest fire's month is not SUCCESS, read from
 /// `job_runs`: every replica reports the whole month, including shards whose replica is down.
+pub const LATEST_FIRE_SHARDS_NOT_SUCCESS: &str = "settlementd_latest_fire_shards_not_success";
+/// The old name of [`LATEST_FIRE_SHARDS_NOT_SUCCESS`], exported only for a job whose metrics ask
+/// for it (the fine settlement: `Metrics::old_unsettled_shards`). Deprecated.
 pub const LATEST_MONTH_UNSETTLED_SHARDS: &str = "settlementd_latest_month_unsettled_shards";
 /// The configured `shard.count`, so alerts can compare it with the replicas that report.
 pub const SHARDS: &str = "settlementd_shards";
@@ -196,8 +199,12 @@ pub fn describe(registry: &crate::job_layer::registry::Registry) {
         "Unix time of the latest scheduled fire at or before now"
     );
     describe_gauge!(
-        LATEST_MONTH_UNSETTLED_SHARDS,
+        LATEST_FIRE_SHARDS_NOT_SUCCESS,
         "Shards of the shard count whose claim for the latest fire's month is not SUCCESS"
+    );
+    describe_gauge!(
+        LATEST_MONTH_UNSETTLED_SHARDS,
+        "Deprecated: settlementd_latest_fire_shards_not_success under its old name (the fine settlement only)"
     );
     describe_gauge!(SHARDS, "The configured shard.count");
     describe_gauge!(

@@ -925,8 +925,13 @@ impl Replica {
                 let settled = rows.iter().filter(|r| r.status == "SUCCESS").count() as f64;
                 metrics::gauge!(m::LATEST_FIRE_TIMESTAMP, "job_name" => job)
                     .set(fire_at.timestamp() as f64);
-                metrics::gauge!(m::LATEST_MONTH_UNSETTLED_SHARDS, "job_name" => job)
-                    .set(f64::from(self.shard.count) - settled);
+                let not_success = f64::from(self.shard.count) - settled;
+                metrics::gauge!(m::LATEST_FIRE_SHARDS_NOT_SUCCESS, "job_name" => job)
+                    .set(not_success);
+                if self.job.metrics().old_unsettled_shards {
+                    metrics::gauge!(m::LATEST_MONTH_UNSETTLED_SHARDS, "job_name" => job)
+                        .set(not_success);
+                }
             }
             Err(e) => tracing::debug!(error = %e, "cannot read the latest month's claims"),
         }

@@ -399,6 +399,10 @@ pub struct Metrics {
     /// What its committed batches amount to ([`Batch::amount`]), a counter labelled with the
     /// period's `business_date` besides `job_name`.
     pub amount: Option<Metric>,
+    /// Also exports `settlementd_latest_fire_shards_not_success` under its old name,
+    /// `settlementd_latest_month_unsettled_shards` (deprecated: the fine settlement's, kept for
+    /// dashboards that read it).
+    pub old_unsettled_shards: bool,
 }
 
 impl Metrics {
@@ -432,6 +436,7 @@ impl Default for Metrics {
             held: None,
             beyond_lookback: None,
             amount: None,
+            old_unsettled_shards: false,
         }
     }
 }

@@ -278,7 +278,16 @@ fn build<S, J: Configured<S>>(
     own: serde_json::Value,
     schedule: Schedule,
 ) -> std::result::Result<Arc<dyn Registered>, String> {
-    let own: J::Settings = serde_json::from_value(own).map_err(|e| e.to_string())?;
+    // serde's words for a struct's fields, said of a section's keys.
+    let own: J::Settings = serde_json::from_value(own).map_err(|e| {
+        e.to_string()
+            .replace("unknown field", "unknown key")
+            .replace(
+                ", there are no fields",
+                ": the section takes `enabled` and `cron` only",
+            )
+            .replace(", expected", "; besides `enabled` and `cron` it takes")
+    })?;
     Ok(Arc::new(Entry {
         job: J::build(settings, own)?,
         schedule,

@@ -48,12 +48,7 @@ fn try_build(settings: &Settings) -> Result<Registry, ConfigError> {
         let section = settings.jobs.get(&r.section());
         let own = section.map(|s| s.own.clone()).unwrap_or_default();
         r.build(settings, own.into(), schedule_of(r, settings))
-            .map_err(|e| {
-                ConfigError(format!(
-                    "[jobs.{}]: {e} (besides `enabled` and `cron`, which every job's section takes)",
-                    r.section()
-                ))
-            })
+            .map_err(|e| ConfigError(format!("[jobs.{}]: {e}", r.section())))
     });
     Ok(Registry::new(jobs.collect::<Result<_, _>>()?))
 }

@@ -777,9 +777,9 @@ fn sample(body: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no sample of {name} in:\n{body}"))
 }
 
-/// The settlement's unsettled shards of the latest month, as exported.
+/// The settlement's shards of the latest fire's month not SUCCESS, as exported.
 const UNSETTLED_SHARDS: &str =
-    "settlementd_latest_month_unsettled_shards{job_name=\"fine-settlement\"}";
+    "settlementd_latest_fire_shards_not_success{job_name=\"fine-settlement\"}";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports() {

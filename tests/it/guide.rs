@@ -81,7 +81,7 @@ fn the_guides_job_takes_its_own_setting_from_its_section_and_refuses_a_bad_one()
     for (own, says) in [
         (
             serde_json::json!({ "min_fine_cent": 1 }),
-            "unknown field `min_fine_cent`",
+            "unknown key `min_fine_cent`",
         ),
         (serde_json::json!({ "min_fine_cents": -1 }), "invalid"),
         (

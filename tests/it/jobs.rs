@@ -565,6 +565,29 @@ fn job_sections_are_checked() {
             .arg("schedule"),
         &["[jobs.payroll]", known],
     );
+    // A key a job's section does not take: a job without settings of its own takes `enabled`
+    // and `cron` only, in a file and in the environment.
+    let misspelt = file(
+        "misspelt.toml",
+        "[jobs.member_statements]\ncrn = \"0 0 5 1 * *\"\n",
+    );
+    assert_refused(
+        settlementd(None)
+            .arg("--config")
+            .arg(&misspelt)
+            .arg("schedule"),
+        &[
+            "[jobs.member_statements]",
+            "unknown key `crn`",
+            "takes `enabled` and `cron` only",
+        ],
+    );
+    assert_refused(
+        settlementd(None)
+            .env("SETTLEMENTD__JOBS__FINE_SETTLEMENT__BATCH", "5")
+            .arg("jobs"),
+        &["[jobs.fine_settlement]", "unknown key `batch`"],
+    );
     // The settlement's cron given twice: as schedule.cron and in its section.
     assert_refused(
         settlementd(None)

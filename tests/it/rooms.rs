@@ -188,7 +188,6 @@ fn settlement_words(text: &str) -> Vec<String> {
         .to_lowercase()
         .replace("fine-settlement", "")
         .replace("fine_settlement", "")
-        .replace("settlementd_latest_month_unsettled_shards", "")
         .replace("settlementd", "");
     let mut found = Vec::new();
     for word in SETTLEMENT_WORDS {

@@ -618,6 +618,7 @@ impl Job for FineSettlement {
                 name: "settlementd_fine_cents_settled_total",
                 help: "Fine cents written by this replica's runs as they settled loans (not re-pricings), by month (business_date)",
             }),
+            old_unsettled_shards: true,
         }
     }
 
