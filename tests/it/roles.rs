@@ -652,7 +652,7 @@ async fn a_jobs_own_table_is_granted_by_default_with_no_line_in_roles_sql_and_no
         .await
         .unwrap();
     sqlx::raw_sql(
-        "CREATE TABLE overdue_notices (id bigserial PRIMARY KEY, member_id bigint NOT NULL,
+        "CREATE TABLE a_new_jobs_output (id bigserial PRIMARY KEY, member_id bigint NOT NULL,
                                        loans integer NOT NULL)",
     )
     .execute(&mut migrator)
@@ -661,17 +661,17 @@ async fn a_jobs_own_table_is_granted_by_default_with_no_line_in_roles_sql_and_no
     let mut app = PgConnection::connect(&as_role(&admin, APP)).await.unwrap();
     for pass in ["as created", "after roles.sql ran again"] {
         for allowed in [
-            "INSERT INTO overdue_notices (member_id, loans) VALUES (1, 2)",
-            "SELECT count(*) FROM overdue_notices",
-            "UPDATE overdue_notices SET loans = loans + 1",
-            "DELETE FROM overdue_notices WHERE member_id = 1",
+            "INSERT INTO a_new_jobs_output (member_id, loans) VALUES (1, 2)",
+            "SELECT count(*) FROM a_new_jobs_output",
+            "UPDATE a_new_jobs_output SET loans = loans + 1",
+            "DELETE FROM a_new_jobs_output WHERE member_id = 1",
         ] {
             assert_eq!(sqlstate(&mut app, allowed).await, None, "{pass}: {allowed}");
         }
         for refused in [
-            "TRUNCATE overdue_notices",
-            "ALTER TABLE overdue_notices ADD COLUMN x int",
-            "DROP TABLE overdue_notices",
+            "TRUNCATE a_new_jobs_output",
+            "ALTER TABLE a_new_jobs_output ADD COLUMN x int",
+            "DROP TABLE a_new_jobs_output",
             // The tables roles.sql names keep exactly their grants: the journal and the audit trail
             // stay append-only.
             "DELETE FROM fine_journal",

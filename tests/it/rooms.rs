@@ -332,3 +332,32 @@ async fn a_job_that_does_not_settle_shows_none_of_the_settlements_words_on_any_s
         leaks.join("\n")
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_whose_date_is_not_a_month_end_is_refused_by_the_job_layer_before_any_claim() {
+    let db = test_db().await;
+    let settings = settings(&[]);
+    let registry = settlementd::jobs::build(&settings);
+    for job in registry.iter() {
+        let key = settlementd::job_layer::JobKey {
+            job_name: job.name().into(),
+            business_date: chrono::NaiveDate::from_ymd_opt(2026, 10, 15).unwrap(),
+            shards: 1,
+            shard: 0,
+        };
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let opts = run_options(false, false);
+        let refused = job.run(&db.pool, key, &opts, &shutdown, &|_| {}).await;
+        match refused {
+            Err(settlementd::job_layer::JobError::NotAPeriod { why, .. }) => {
+                assert!(why.contains("2026-10-31"), "{}: {why}", job.name())
+            }
+            other => panic!("{}: {other:?}", job.name()),
+        }
+    }
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM job_runs")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(claims, 0);
+}
