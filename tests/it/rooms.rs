@@ -183,8 +183,9 @@ const SETTLEMENT_WORDS: &[&str] = &[
 
 /// The settlement's words in `text`, once the settlement's own name (which a follower names as
 /// the job it follows) and the binary's name are taken out. `own`: what the job's items are
-/// called ([`settlementd::job_layer::Metrics::items`]), its own noun, not the settlement's (a job
-/// that counts loans says "loans"); the settlement's verbs, rule and counts stay refused.
+/// called ([`settlementd::job_layer::Metrics::items`]) and its description, its own nouns, not the
+/// settlement's (a job that counts loans says "loans"); the settlement's verbs, rule and counts
+/// stay refused.
 fn settlement_words(text: &str, own: &[String]) -> Vec<String> {
     let lower = text
         .to_lowercase()
@@ -324,7 +325,11 @@ async fn a_job_that_does_not_settle_shows_none_of_the_settlements_words_on_any_s
         ] {
             assert!(all.contains(&own), "{name}: no {own:?} in:\n{all}");
         }
-        let leaks = settlement_words(&all, &[job.metrics().items.to_string()]);
+        let own = [
+            job.metrics().items.to_string(),
+            job.describe(&settlementd::job_layer::Params::none()),
+        ];
+        let leaks = settlement_words(&all, &own);
         assert!(
             leaks.is_empty(),
             "the settlement's words shown for {name}:\n{}",
