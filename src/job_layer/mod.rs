@@ -208,6 +208,42 @@ impl<T> PlannedPage<'_, T> {
             None => cursor,
         }
     }
+
+    /// The batch that did this page, from `cursor`: it read the page's items, `written` of them
+    /// changed, and it ends the run when the page is the last.
+    pub fn batch(&self, cursor: Cursor, written: u64) -> Batch {
+        Batch {
+            cursor: self.cursor(cursor),
+            scanned: self.items.len() as u64,
+            updated: written,
+            done: self.done,
+            ..Batch::default()
+        }
+    }
+}
+
+impl<'a, T> PlannedPage<'a, Option<T>> {
+    /// The page's items as a job writes them ([`split`]): those with a value, and the ids of
+    /// those without (whose row the job deletes).
+    pub fn split(&self) -> (Vec<(i64, &'a T)>, Vec<i64>) {
+        split(self.items)
+    }
+}
+
+/// Planned items as a job writes them: the items with a value (to upsert), and the ids of those
+/// with none (a row to delete: the item has nothing left), each in the order given.
+pub fn split<'a, T: 'a>(
+    items: impl IntoIterator<Item = &'a (i64, Option<T>)>,
+) -> (Vec<(i64, &'a T)>, Vec<i64>) {
+    let mut kept = Vec::new();
+    let mut dropped = Vec::new();
+    for (id, item) in items {
+        match item {
+            Some(item) => kept.push((*id, item)),
+            None => dropped.push(*id),
+        }
+    }
+    (kept, dropped)
 }
 
 /// How many items a note names by id: enough to find the rest.
@@ -1005,6 +1041,21 @@ mod tests {
         let end = planned.page(cursor(Some(9), None), 5);
         assert_eq!((end.items.len(), end.done), (0, true));
         assert_eq!(end.cursor(cursor(Some(9), None)), cursor(Some(9), None));
+    }
+
+    #[test]
+    fn a_planned_page_splits_into_items_to_write_and_ids_to_delete_and_is_its_batch() {
+        let planned = super::Planned::new(vec![(4, None), (2, Some('b')), (7, Some('g'))]);
+        let page = planned.page(Cursor::default(), 2);
+        assert_eq!(page.split(), (vec![(2, &'b')], vec![4]));
+        let batch = page.batch(Cursor::default(), 1);
+        assert_eq!(
+            (batch.cursor, batch.scanned, batch.updated, batch.done),
+            (cursor(Some(4), None), 2, 1, false)
+        );
+        let last = planned.page(batch.cursor, 2);
+        assert_eq!(last.split(), (vec![(7, &'g')], vec![]));
+        assert!(last.batch(batch.cursor, 0).done);
     }
 
     #[test]

@@ -27,8 +27,8 @@ use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::job_layer::registry::{Configured, NoSettings};
 use crate::job_layer::{
-    Batch, Claim, Cursor, Planned, Fact, FactKind, Job, JobKey, Metrics, Params, Pending, PendingReport,
-    Phrase, Proof, Reopen, Words,
+    split, Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metrics, Params, Pending,
+    PendingReport, Phrase, Planned, Proof, Reopen, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
@@ -441,25 +441,19 @@ impl Job for MemberStatements {
         cursor: Cursor,
     ) -> sqlx::Result<Batch> {
         let page = plan.members.page(cursor, self.batch_size);
-        let done = page.done;
         // The attempt's first batch also rewrites the members behind its resumed cursor.
         let behind: &[(i64, Option<Statement>)] = if cursor.last_id == plan.resume {
             &plan.behind
         } else {
             &[]
         };
-        let (stated, dropped): (Vec<_>, Vec<_>) =
-            behind.iter().chain(page.items).partition(|(_, s)| s.is_some());
+        let (stated, dropped) = split(behind.iter().chain(page.items));
         let ids: Vec<i64> = stated.iter().map(|(m, _)| *m).collect();
-        let fines: Vec<i64> = stated
-            .iter()
-            .filter_map(|(_, s)| s.map(|s| s.fines))
-            .collect();
+        let fines: Vec<i64> = stated.iter().map(|(_, s)| s.fines).collect();
         let cents: Vec<String> = stated
             .iter()
-            .filter_map(|(_, s)| s.map(|s| s.fine_cents.to_string()))
+            .map(|(_, s)| s.fine_cents.to_string())
             .collect();
-        let dropped: Vec<i64> = dropped.iter().map(|(m, _)| *m).collect();
         let written: i64 = sqlx::query_scalar(
             "WITH upserted AS (
                  INSERT INTO member_fine_statements (business_date, member_id, fines, fine_cents)
@@ -485,7 +479,7 @@ impl Job for MemberStatements {
         .bind(&dropped)
         .fetch_one(&mut *tx)
         .await?;
-        if done {
+        if page.done {
             sqlx::query(
                 "INSERT INTO member_statement_marks
                         (business_date, shards, shard, journal_id, snapshot)
@@ -504,12 +498,8 @@ impl Job for MemberStatements {
             .await?;
         }
         Ok(Batch {
-            amount: 0,
-            cursor: page.cursor(cursor),
             scanned: (behind.len() + page.items.len()) as u64,
-            updated: written as u64,
-            notes: Default::default(),
-            done,
+            ..page.batch(cursor, written as u64)
         })
     }
 }
