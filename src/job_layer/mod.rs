@@ -489,6 +489,39 @@ pub struct Fact {
     pub value: serde_json::Value,
 }
 
+impl Fact {
+    /// A number of things: `name` (its key), `label` (what the page calls it), how many.
+    pub fn count(name: &'static str, label: &'static str, count: i64) -> Self {
+        Self {
+            name,
+            label,
+            kind: FactKind::Count,
+            value: count.into(),
+        }
+    }
+
+    /// A sum of cents, shown as money (an `i128`: sums of `bigint` cents do not fit an `i64`).
+    pub fn cents(name: &'static str, label: &'static str, cents: i128) -> Self {
+        Self {
+            name,
+            label,
+            kind: FactKind::Cents,
+            // Cents beyond what JSON numbers hold exactly are written as serde_json writes i128.
+            value: serde_json::to_value(cents).unwrap_or_default(),
+        }
+    }
+
+    /// A fingerprint of the period's output.
+    pub fn digest(name: &'static str, label: &'static str, digest: String) -> Self {
+        Self {
+            name,
+            label,
+            kind: FactKind::Digest,
+            value: digest.into(),
+        }
+    }
+}
+
 /// How a fact reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum FactKind {

@@ -45,7 +45,7 @@ use crate::config::{SessionGuards, Settings, ShardSpec};
 use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::job_layer::registry::Configured;
 use crate::job_layer::{
-    Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
+    Batch, Claim, Cursor, Fact, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
     Pending, PendingReport, Phrase, Preview, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
@@ -650,24 +650,9 @@ impl Job for FineSettlement {
     ) -> sqlx::Result<Vec<Fact>> {
         let totals = journal::totals(db, month).await?;
         Ok(vec![
-            Fact {
-                name: "settled_rows",
-                label: "rows",
-                kind: FactKind::Count,
-                value: totals.settled_rows.into(),
-            },
-            Fact {
-                name: "fine_cents_sum",
-                label: "fines",
-                kind: FactKind::Cents,
-                value: serde_json::to_value(totals.fine_cents_sum).unwrap_or_default(),
-            },
-            Fact {
-                name: "digest",
-                label: "digest",
-                kind: FactKind::Digest,
-                value: totals.digest.into(),
-            },
+            Fact::count("settled_rows", "rows", totals.settled_rows),
+            Fact::cents("fine_cents_sum", "fines", totals.fine_cents_sum),
+            Fact::digest("digest", "digest", totals.digest),
         ])
     }
 

@@ -27,7 +27,7 @@ use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::job_layer::registry::{Configured, NoSettings};
 use crate::job_layer::{
-    split, Batch, Claim, Cursor, Fact, FactKind, Job, JobKey, Metrics, Params, Pending,
+    split, Batch, Claim, Cursor, Fact, Job, JobKey, Metrics, Params, Pending,
     PendingReport, Phrase, Planned, Proof, Reopen, Words,
 };
 use chrono::NaiveDate;
@@ -235,25 +235,9 @@ impl Job for MemberStatements {
         .fetch_one(db)
         .await?;
         Ok(vec![
-            Fact {
-                name: "members",
-                label: "members with fines",
-                kind: FactKind::Count,
-                value: members.into(),
-            },
-            Fact {
-                name: "fines",
-                label: "fines",
-                kind: FactKind::Count,
-                value: fines.into(),
-            },
-            Fact {
-                name: "fine_cents",
-                label: "total",
-                kind: FactKind::Cents,
-                value: serde_json::to_value(cents.parse::<i128>().unwrap_or_default())
-                    .unwrap_or_default(),
-            },
+            Fact::count("members", "members with fines", members),
+            Fact::count("fines", "fines", fines),
+            Fact::cents("fine_cents", "total", cents_of(&cents)?),
         ])
     }
 
