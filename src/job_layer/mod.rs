@@ -246,6 +246,13 @@ pub fn split<'a, T: 'a>(
     (kept, dropped)
 }
 
+/// A sum of cents read as PostgreSQL's `numeric` text (`sum(bigint)` outgrows an `i64`): what a
+/// job's facts, proofs and previews read their money sums as.
+pub fn parse_sum(text: &str) -> sqlx::Result<i128> {
+    text.parse()
+        .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
+}
+
 /// How many items a note names by id: enough to find the rest.
 pub const HELD_IDS: usize = 20;
 

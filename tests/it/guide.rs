@@ -6,6 +6,8 @@ use crate::helpers::*;
 use settlementd::config::Settings;
 use settlementd::job_layer::registry::{Registered, Registration, Schedule};
 use settlementd::job_layer::{JobError, JobKey};
+use std::path::Path;
+use std::process::Command;
 use std::sync::Arc;
 
 #[path = "guide/monthly_totals.rs"]
@@ -143,4 +145,101 @@ async fn the_guides_job_runs_after_the_settlement_and_totals_the_fines_at_or_abo
     .unwrap();
     assert!(expected.0 > 0, "the month has fines of 1.00 and more");
     assert_eq!(totals, expected);
+}
+
+/// The repository's tracked files, as they are in the working tree, copied under `to`.
+fn copy_tracked(root: &Path, to: &Path) {
+    let listed = Command::new("git")
+        .arg("-C")
+        .arg(root)
+        .args(["ls-files", "-z"])
+        .output()
+        .expect("git ls-files");
+    assert!(listed.status.success(), "git ls-files: {listed:?}");
+    let mut copied = 0;
+    for file in String::from_utf8(listed.stdout).unwrap().split('\0') {
+        let from = root.join(file);
+        if file.is_empty() || !from.is_file() {
+            continue;
+        }
+        let dest = to.join(file);
+        std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
+        std::fs::copy(&from, &dest).unwrap();
+        copied += 1;
+    }
+    assert!(copied > 100, "only {copied} files tracked");
+}
+
+/// `cargo <args>` in the copy `dir`, into its own target directory (never this build's, whose
+/// binary the running suite uses); panics with its output unless it succeeds.
+fn cargo_in(dir: &Path, target: &Path, args: &[&str]) -> String {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(args)
+        .current_dir(dir)
+        .env("CARGO_TARGET_DIR", target)
+        .output()
+        .expect("run cargo");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "cargo {}:\n{text}", args.join(" "));
+    text
+}
+
+/// docs/ADDING-A-JOB.md followed to the letter on a copy of this repository: its module, its
+/// migration and its test written where it says, its one line put in `jobs!`, nothing else. The
+/// copy is formatted as `cargo fmt` leaves it, the guide's own test passes against the binary that
+/// now lists the job, and so do the suite's tests that take every job from the list (`rooms`:
+/// the docs, the rooms' arrows and none of the settlement's words on any surface of a job that
+/// does not settle; `jobs`: every command, page and endpoint of every job).
+#[test]
+#[ignore = "builds a copy of the crate with the guide's job added (minutes): run with --ignored"]
+fn following_the_guide_to_the_letter_adds_a_job_every_surface_and_test_takes_in() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let work = root.join("target/guide-followed");
+    let copy = work.join("crate");
+    if copy.exists() {
+        std::fs::remove_dir_all(&copy).unwrap();
+    }
+    copy_tracked(root, &copy);
+    let doc = guide();
+    for file in [
+        "src/jobs/monthly_totals.rs",
+        "migrations/20270101000001_monthly_totals.sql",
+        "tests/monthly_totals.rs",
+    ] {
+        assert!(!copy.join(file).exists(), "{file} is already there");
+        std::fs::write(copy.join(file), block_after(&doc, file)).unwrap();
+    }
+    // The one line in an existing file: the guide's `jobs!`, in place of the list's.
+    let list = copy.join("src/jobs/mod.rs");
+    let before = std::fs::read_to_string(&list).unwrap();
+    let at = before.find("\njobs! {\n").expect("the list's jobs!") + 1;
+    let end = before[at..].find("\n}\n").unwrap() + at + 3;
+    let after = format!(
+        "{}{}{}",
+        &before[..at],
+        block_after(&doc, "src/jobs/mod.rs"),
+        &before[end..]
+    );
+    let (old, new): (Vec<&str>, Vec<&str>) = (before.lines().collect(), after.lines().collect());
+    let added: Vec<&&str> = new.iter().filter(|l| !old.contains(l)).collect();
+    assert!(
+        new.len() == old.len() + 1 && added.len() == 1 && old.iter().all(|l| new.contains(l)),
+        "the guide's jobs! is not the list plus one line: {added:?}"
+    );
+    std::fs::write(&list, after).unwrap();
+
+    let target = work.join("target");
+    cargo_in(&copy, &target, &["fmt", "--all", "--", "--check"]);
+    cargo_in(&copy, &target, &["test", "--test", "monthly_totals"]);
+    let suite = cargo_in(
+        &copy,
+        &target,
+        &["test", "--test", "it", "--", "rooms::", "jobs::"],
+    );
+    assert!(suite.contains(" passed; 0 failed"), "{suite}");
 }

@@ -45,7 +45,7 @@ use crate::config::{SessionGuards, Settings, ShardSpec};
 use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::job_layer::registry::Configured;
 use crate::job_layer::{
-    Batch, Claim, Cursor, Fact, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
+    parse_sum, Batch, Claim, Cursor, Fact, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
     Pending, PendingReport, Phrase, Preview, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
@@ -1217,10 +1217,4 @@ pub async fn month_totals(
         fine_cents_sum: parse_sum(&sum)?,
         digest,
     })
-}
-
-/// A `numeric` sum of cents read as text.
-pub fn parse_sum(text: &str) -> sqlx::Result<i128> {
-    text.parse()
-        .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
 }

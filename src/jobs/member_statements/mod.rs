@@ -27,7 +27,7 @@ use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::job_layer::registry::{Configured, NoSettings};
 use crate::job_layer::{
-    split, Batch, Claim, Cursor, Fact, Job, JobKey, Metrics, Params, Pending,
+    parse_sum, split, Batch, Claim, Cursor, Fact, Job, JobKey, Metrics, Params, Pending,
     PendingReport, Phrase, Planned, Proof, Reopen, Words,
 };
 use chrono::NaiveDate;
@@ -237,7 +237,7 @@ impl Job for MemberStatements {
         Ok(vec![
             Fact::count("members", "members with fines", members),
             Fact::count("fines", "fines", fines),
-            Fact::cents("fine_cents", "total", cents_of(&cents)?),
+            Fact::cents("fine_cents", "total", parse_sum(&cents)?),
         ])
     }
 
@@ -374,7 +374,7 @@ impl Job for MemberStatements {
                     m,
                     Statement {
                         fines,
-                        fine_cents: cents_of(&cents)?,
+                        fine_cents: parse_sum(&cents)?,
                     },
                 ))
             })
@@ -382,7 +382,7 @@ impl Job for MemberStatements {
         let mut members: BTreeMap<i64, Option<Statement>> =
             stored.keys().map(|m| (*m, None)).collect();
         for (member, fines, cents) in computed {
-            let fine_cents = cents_of(&cents)?;
+            let fine_cents = parse_sum(&cents)?;
             let statement = (fines > 0).then_some(Statement { fines, fine_cents });
             members.insert(member, statement);
         }
@@ -486,11 +486,5 @@ impl Job for MemberStatements {
             ..page.batch(cursor, written as u64)
         })
     }
-}
-
-/// A sum of cents as PostgreSQL's numeric text gives it.
-fn cents_of(text: &str) -> sqlx::Result<i128> {
-    text.parse()
-        .map_err(|e| sqlx::Error::Protocol(format!("a sum of cents {text:?}: {e}")))
 }
 
