@@ -70,6 +70,21 @@ fn json_lines(out: &Output) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// The object of `job` among `jobs --json`'s lines (wherever the list puts it).
+fn job_json<'a>(lines: &'a [serde_json::Value], job: &str) -> &'a serde_json::Value {
+    lines
+        .iter()
+        .find(|l| l["name"] == job)
+        .unwrap_or_else(|| panic!("no {job} in {lines:?}"))
+}
+
+/// The line of `job` in `settlementd jobs`'s text (wherever the list puts it).
+fn line_of<'a>(text: &'a str, job: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.starts_with(&format!("{job} ")))
+        .unwrap_or_else(|| panic!("no {job} in {text}"))
+}
+
 /// A month as the range options and the runs API write it: `YYYY-MM`.
 fn ym(month: BusinessDate) -> String {
     month.first_day().format("%Y-%m").to_string()
@@ -383,7 +398,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
             "{line}"
         );
     }
-    let (fines, stated) = (&lines[0], &lines[1]);
+    let (fines, stated) = (job_json(&lines, SETTLEMENT), job_json(&lines, STATEMENTS));
     assert_eq!(
         (
             &fines["name"],
@@ -435,17 +450,16 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
     let text = String::from_utf8(out.stdout).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(lines.len(), every_job().len(), "{text}");
-    assert!(lines[0].starts_with("fine-settlement "), "{text}");
+    let (fines, stated) = (line_of(&text, SETTLEMENT), line_of(&text, STATEMENTS));
     for needle in [
         " enabled ",
         "0 30 2 1 * *",
         "Asia/Shanghai",
         "last closed 2026-10-31",
     ] {
-        assert!(lines[0].contains(needle), "{needle}: {text}");
+        assert!(fines.contains(needle), "{needle}: {text}");
     }
-    assert!(!lines[0].contains("PAUSED"), "{text}");
-    assert!(lines[1].starts_with("member-statements "), "{text}");
+    assert!(!fines.contains("PAUSED"), "{text}");
     for needle in [
         "0 0 4 1 * *",
         "last closed 2026-09-30",
@@ -453,7 +467,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
         "PAUSED since",
         reason,
     ] {
-        assert!(lines[1].contains(needle), "{needle}: {text}");
+        assert!(stated.contains(needle), "{needle}: {text}");
     }
 
     // Closed means SUCCESS on every shard of the configured count: under 2 shards, nothing is.
@@ -483,25 +497,28 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
     let lines = json_lines(&out);
     assert_eq!(lines.len(), every_job().len(), "{}", stderr_of(&out));
     assert_eq!(
-        (&lines[0]["cron"], &lines[0]["enabled"]),
+        (
+            &job_json(&lines, SETTLEMENT)["cron"],
+            &job_json(&lines, SETTLEMENT)["enabled"]
+        ),
         (&"0 0 3 1 * *".into(), &true.into())
     );
-    assert_next_fire(&lines[0], "T03:00:00+08:00");
+    assert_next_fire(job_json(&lines, SETTLEMENT), "T03:00:00+08:00");
     assert_eq!(
-        (&lines[1]["cron"], &lines[1]["enabled"]),
+        (
+            &job_json(&lines, STATEMENTS)["cron"],
+            &job_json(&lines, STATEMENTS)["enabled"]
+        ),
         (&"0 15 6 2 * *".into(), &false.into())
     );
-    assert_next_fire(&lines[1], "T06:15:00+08:00");
+    assert_next_fire(job_json(&lines, STATEMENTS), "T06:15:00+08:00");
     let out = cli(
         &db.url,
         &[("SETTLEMENTD__JOBS__MEMBER_STATEMENTS__ENABLED", "false")],
         &["jobs"],
     );
     let text = String::from_utf8(out.stdout).unwrap();
-    assert!(
-        text.lines().nth(1).unwrap_or("").contains(" disabled "),
-        "{text}"
-    );
+    assert!(line_of(&text, STATEMENTS).contains(" disabled "), "{text}");
 }
 
 /// An address nothing listens on: reaching it would fail with exit 1, not 2.
