@@ -421,13 +421,13 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 job: args.job,
                 embedded_db: args.db.embedded_db,
             };
-            let verified = commands::verify::verify_job(&settings, &request).await?;
+            let proof = commands::verify::verify(&settings, &request).await?;
             if args.json {
-                println!("{}", verified.to_json());
+                println!("{}", proof.json);
             } else {
-                print!("{}", verified.to_text());
+                print!("{}", proof.text);
             }
-            if let Some(failure) = verified.failure() {
+            if let Some(failure) = commands::verify::failure(&proof) {
                 return Err(failure);
             }
         }

@@ -24,7 +24,9 @@ use crate::config::{Settings, ShardSpec};
 use crate::db;
 use crate::embedded_pg::{EmbeddedOptions, EmbeddedPg};
 use crate::fine::FineSchedule;
-use crate::job_layer::{self, claim, ClaimOutcome, JobError, JobKey, Owner, RunReport, SkipReason};
+use crate::job_layer::{
+    self, claim, ClaimOutcome, JobError, JobKey, Owner, ProveError, RunReport, SkipReason,
+};
 use crate::jobs::fine_settlement::{self, FineSettlement, MonthTotals};
 use crate::jobs::member_statements::MemberStatements;
 use crate::seed::{self, SeedSpec};
@@ -419,8 +421,8 @@ async fn statements_and_the_journal(
     let proved = fine_settlement::verify::verify(&mut conn, None, month, &settings.fine)
         .await
         .map_err(|e| match e {
-            Ok(why) => AppError::Invalid(why),
-            Err(e) => AppError::from(e),
+            ProveError::Cannot(why) => AppError::Invalid(why),
+            ProveError::Db(e) => AppError::from(e),
         })?;
     say!(
         out,

@@ -298,6 +298,64 @@ pub struct Proof {
     pub text: String,
 }
 
+/// One kind of trouble a proof looks for ([`Proof::of_findings`]): its key in `verify --json`,
+/// what its items are in words, in one and many ("shard whose totals differ from the loans"),
+/// and what was found.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    pub key: &'static str,
+    pub what: Phrase,
+    pub found: Found,
+}
+
+impl Proof {
+    /// The proof of `job`'s period `business_date` from what it looked for: right when nothing
+    /// was found; its problems one line of what was found, its JSON `job`, `business_date`,
+    /// `right` and each finding's `{count, ids}` under its key, its text the verdict and each
+    /// finding with its first ids.
+    pub fn of_findings(job: &str, business_date: BusinessDate, findings: &[Finding]) -> Self {
+        let found: Vec<&Finding> = findings.iter().filter(|f| f.found.count > 0).collect();
+        let problems = found
+            .iter()
+            .map(|f| format!("{}, ids {:?}", f.what.count(f.found.count), f.found.ids))
+            .collect::<Vec<_>>();
+        let right = problems.is_empty();
+        let mut json = serde_json::json!({
+            "job": job,
+            "business_date": business_date.to_string(),
+            "right": right,
+        });
+        let mut text = format!(
+            "{job} {business_date}: {}\n",
+            if right { "right" } else { "NOT RIGHT" }
+        );
+        for f in findings {
+            json[f.key] = serde_json::to_value(&f.found).unwrap_or_default();
+            text.push_str(&format!("{}: {}\n", f.what, f.found.count));
+            if !f.found.ids.is_empty() {
+                text.push_str(&format!("  ids {:?}\n", f.found.ids));
+            }
+        }
+        Proof {
+            right,
+            problems: (!right).then(|| problems.join("; ")),
+            json,
+            text,
+        }
+    }
+}
+
+/// Why a job could not prove a period ([`Job::prove`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ProveError {
+    /// The period cannot be proved as asked, in words (`verify` exits 2): the fine settlement's
+    /// month is pinned to a rule this version cannot read, or has no pin and no configured rule.
+    #[error("{0}")]
+    Cannot(String),
+    #[error(transparent)]
+    Db(#[from] sqlx::Error),
+}
+
 /// What a run of a period would write, for a dry run ([`Job::preview`], [`dry`]).
 #[derive(Debug, Clone, Default)]
 pub struct Preview {
@@ -692,13 +750,14 @@ pub trait Job: Sync {
         async { Ok(Vec::new()) }
     }
 
-    /// Proves the period `month` against the job's ground truth, read-only, at a cost
-    /// that follows the period (`verify --job`). `None`: the job has no proof. Default: none.
+    /// Proves the period `month` against the job's ground truth, read-only (in a snapshot of
+    /// its own, on connections of `pool`), at a cost that follows the period (`verify`, `verify
+    /// --job`). `None`: the job has no proof. Default: none.
     fn prove(
         &self,
-        _db: &mut PgConnection,
+        _pool: &PgPool,
         _month: BusinessDate,
-    ) -> impl Future<Output = sqlx::Result<Option<Proof>>> + Send {
+    ) -> impl Future<Output = std::result::Result<Option<Proof>, ProveError>> + Send {
         async { Ok(None) }
     }
 
@@ -1081,6 +1140,44 @@ mod tests {
         let end = planned.page(cursor(Some(9), None), 5);
         assert_eq!((end.items.len(), end.done), (0, true));
         assert_eq!(end.cursor(cursor(Some(9), None)), cursor(Some(9), None));
+    }
+
+    #[test]
+    fn a_proof_of_findings_is_right_only_when_nothing_was_found_and_names_what_was() {
+        let month = crate::calendar::BusinessDate::parse("2026-10-31").unwrap();
+        let finding = |count, ids: Vec<i64>| super::Finding {
+            key: "differ",
+            what: super::Phrase::new("shard whose totals differ", "shards whose totals differ"),
+            found: super::Found { count, ids },
+        };
+        let right = super::Proof::of_findings("totals", month, &[finding(0, vec![])]);
+        assert!(right.right && right.problems.is_none());
+        assert_eq!(right.json["differ"]["count"], 0);
+        assert_eq!(
+            right.text,
+            "totals 2026-10-31: right\nshards whose totals differ: 0\n"
+        );
+        let wrong = super::Proof::of_findings("totals", month, &[finding(2, vec![0, 3])]);
+        assert!(!wrong.right);
+        assert_eq!(
+            wrong.problems.as_deref(),
+            Some("2 shards whose totals differ, ids [0, 3]")
+        );
+        let one = super::Proof::of_findings("totals", month, &[finding(1, vec![3])]);
+        assert_eq!(
+            one.problems.as_deref(),
+            Some("1 shard whose totals differ, ids [3]")
+        );
+        assert_eq!(
+            (
+                &wrong.json["job"],
+                &wrong.json["business_date"],
+                &wrong.json["right"]
+            ),
+            (&"totals".into(), &"2026-10-31".into(), &false.into())
+        );
+        assert_eq!(wrong.json["differ"]["ids"], serde_json::json!([0, 3]));
+        assert!(wrong.text.contains("NOT RIGHT\n") && wrong.text.contains("  ids [0, 3]\n"));
     }
 
     #[test]

@@ -9,7 +9,7 @@
 
 use super::{
     BusinessDate, Cursor, Fact, Job, JobKey, Metrics, Noted, Params, PendingReport, Preview,
-    Progress, Proof, Result, RunOptions, RunReport, Words,
+    Progress, Proof, ProveError, Result, RunOptions, RunReport, Words,
 };
 use chrono::NaiveDate;
 use croner::Cron;
@@ -75,9 +75,9 @@ pub trait Registered: Send + Sync {
     /// [`Job::prove`]: `None` when the job has no proof of its periods.
     fn prove<'a>(
         &'a self,
-        db: &'a mut PgConnection,
+        pool: &'a PgPool,
         month: BusinessDate,
-    ) -> Boxed<'a, sqlx::Result<Option<Proof>>>;
+    ) -> Boxed<'a, std::result::Result<Option<Proof>, ProveError>>;
     /// [`Job::preview`]: `None` when the job cannot tell what its runs would write.
     fn preview<'a>(
         &'a self,
@@ -179,10 +179,10 @@ where
 
     fn prove<'a>(
         &'a self,
-        db: &'a mut PgConnection,
+        pool: &'a PgPool,
         month: BusinessDate,
-    ) -> Boxed<'a, sqlx::Result<Option<Proof>>> {
-        Box::pin(self.job.prove(db, month))
+    ) -> Boxed<'a, std::result::Result<Option<Proof>, ProveError>> {
+        Box::pin(self.job.prove(pool, month))
     }
 
     fn preview<'a>(

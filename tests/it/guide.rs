@@ -145,6 +145,28 @@ async fn the_guides_job_runs_after_the_settlement_and_totals_the_fines_at_or_abo
     .unwrap();
     assert!(expected.0 > 0, "the month has fines of 1.00 and more");
     assert_eq!(totals, expected);
+
+    // Its proof: right as run, and not right — naming the shard — once a total is edited.
+    let proof = job.prove(&db.pool, month).await.unwrap().unwrap();
+    assert!(proof.right, "{}", proof.text);
+    assert_eq!(proof.json["differ"]["count"], 0);
+    sqlx::query("UPDATE monthly_fine_totals SET loans = loans + 1")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let proof = job.prove(&db.pool, month).await.unwrap().unwrap();
+    assert_eq!(
+        proof.problems.as_deref(),
+        Some("1 shard whose totals differ from the loans, ids [0]"),
+        "{}",
+        proof.text
+    );
+    let never_run = job
+        .prove(&db.pool, bd("2026-09-30"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(never_run.json["never_run"]["count"], 1);
 }
 
 /// The repository's tracked files, as they are in the working tree, copied under `to`.

@@ -46,7 +46,7 @@ use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::job_layer::registry::Configured;
 use crate::job_layer::{
     parse_sum, Batch, Claim, Cursor, Fact, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
-    Pending, PendingReport, Phrase, Preview, Reopen, Words, HELD_IDS,
+    Pending, PendingReport, Phrase, Preview, Proof, ProveError, Reopen, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};
@@ -639,6 +639,19 @@ impl Job for FineSettlement {
             run_does: "settles",
             pinned: Some("rule"),
         }
+    }
+
+    /// The month from its journal and the loans by primary key, against its pinned rule
+    /// ([`verify`]): on two connections of `pool` at once (`database.max_connections` is at least
+    /// 2), which read the month's journal in two halves in one exported snapshot.
+    async fn prove(
+        &self,
+        pool: &PgPool,
+        month: BusinessDate,
+    ) -> Result<Option<Proof>, ProveError> {
+        let (mut conn, mut helper) = tokio::try_join!(pool.acquire(), pool.acquire())?;
+        let verification = verify::verify(&mut conn, Some(&mut helper), month, &self.rules).await?;
+        Ok(Some(verification.into_proof()))
     }
 
     /// The month's settled rows, fine sum and digest on the record, from its journal and the

@@ -21,7 +21,7 @@
 use super::{describe_params, rule_from_params, rule_of, MonthTotals, HELD_ROW, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
 use crate::fine::{FineRule, FineSchedule};
-use crate::job_layer::{params, JobError, HELD_IDS};
+use crate::job_layer::{params, JobError, Proof, ProveError, HELD_IDS};
 use sqlx::{Connection, Executor, PgConnection};
 use std::fmt::Write;
 
@@ -148,27 +148,30 @@ pub async fn verify(
     helper: Option<&mut PgConnection>,
     business_date: BusinessDate,
     rules: &FineSchedule,
-) -> Result<Verification, Result<String, JobError>> {
+) -> Result<Verification, ProveError> {
     let configured = rule_of(rules, business_date.date()).map(|r| r.rule);
-    let pinned = params::pinned(&mut *conn, super::JOB_NAME, business_date.date())
-        .await
-        .map_err(Err)?;
+    let pinned = match params::pinned(&mut *conn, super::JOB_NAME, business_date.date()).await {
+        Ok(pinned) => pinned,
+        Err(JobError::Db(e)) => return Err(ProveError::Db(e)),
+        Err(e) => return Err(ProveError::Cannot(e.to_string())),
+    };
     let (rule, rule_source) = match pinned {
         Some(p) => match rule_from_params(&p) {
             Some(rule) => (rule, RuleSource::Pinned),
             None => {
-                return Err(Ok(format!(
+                return Err(ProveError::Cannot(format!(
                     "{business_date} is pinned to parameters this version cannot read: {}",
                     describe_params(&p)
                 )))
             }
         },
-        None => (configured.clone().map_err(Ok)?, RuleSource::Configuration),
+        None => (
+            configured.clone().map_err(ProveError::Cannot)?,
+            RuleSource::Configuration,
+        ),
     };
     let configured = configured.ok().filter(|c| *c != rule);
-    read(conn, helper, business_date, rule, rule_source, configured)
-        .await
-        .map_err(|e| Err(JobError::Db(e)))
+    Ok(read(conn, helper, business_date, rule, rule_source, configured).await?)
 }
 
 async fn read(
@@ -499,6 +502,124 @@ async fn edits_side(tx: &mut PgConnection, business_date: BusinessDate) -> sqlx:
     .fetch_one(&mut *tx)
     .await?;
     Ok(Found::new(count, ids))
+}
+
+
+impl Verification {
+    /// The `verify --json` object.
+    pub fn to_json(&self) -> serde_json::Value {
+        let v = self;
+        serde_json::json!({
+            "job": super::JOB_NAME,
+            "business_date": v.business_date,
+            "right": v.is_right(),
+            "rule": super::rule_params(&v.rule),
+            "rule_source": v.rule_source,
+            "configured_rule": v.configured.as_ref().map(super::rule_params),
+            "returned": v.returned,
+            "totals": v.totals,
+            "mismatched": {
+                "count": v.mismatched,
+                "net_cents": v.mismatch_cents,
+                "first": v.mismatches,
+            },
+            "unsettled": v.unsettled,
+            "held": v.held,
+            "journal": {
+                "off_journal": v.off_journal,
+                "stale": v.stale,
+                "broken": v.broken,
+                "edits_waiting": v.edits_waiting,
+                "unjournaled": v.unjournaled,
+            },
+        })
+    }
+
+    /// What `verify` prints without `--json` (lines end with a newline).
+    pub fn to_text(&self) -> String {
+        let v = self;
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let verdict = if v.is_right() { "right" } else { "NOT RIGHT" };
+        let _ = writeln!(
+            out,
+            "{} {}: {verdict}",
+            super::JOB_NAME,
+            v.business_date
+        );
+        let source = match v.rule_source {
+            RuleSource::Pinned => "the month's pinned rule",
+            RuleSource::Configuration => {
+                "the month has no pinned rule: checked against the configuration's"
+            }
+        };
+        let _ = writeln!(out, "rule: {} ({source})", v.rule);
+        if let Some(configured) = &v.configured {
+            let _ = writeln!(
+                out,
+                "the configuration gives this month another rule: {configured} (a replica with it is \
+                 refused; `settlementd correct` would apply it)"
+            );
+        }
+        let _ = writeln!(
+            out,
+            "returned in the month: {}; settled: rows={} fine_cents_sum={} digest={}",
+            v.returned, v.totals.settled_rows, v.totals.fine_cents_sum, v.totals.digest
+        );
+        let _ = writeln!(
+            out,
+            "fines that differ from the rule: {} (net {:+} cents)",
+            v.mismatched, v.mismatch_cents
+        );
+        for m in &v.mismatches {
+            let stored = m.stored_cents.map_or("NULL".into(), |c| c.to_string());
+            let _ = writeln!(
+                out,
+                "  loan {}: stored {stored} cents, the rule gives {}",
+                m.id, m.expected_cents
+            );
+        }
+        let found = |out: &mut String, what: &str, f: &Found| {
+            let _ = writeln!(out, "{what}: {}", f.count);
+            if !f.ids.is_empty() {
+                let _ = writeln!(out, "  ids {:?}", f.ids);
+            }
+        };
+        found(&mut out, "returns not settled", &v.unsettled);
+        found(
+            &mut out,
+            "rows held (bad dates: due_on missing or infinite)",
+            &v.held,
+        );
+        found(
+            &mut out,
+            "fines that differ from their journal entry (edited outside settlementd)",
+            &v.off_journal,
+        );
+        found(
+            &mut out,
+            "loans whose dates changed after pricing with no edit queued",
+            &v.stale,
+        );
+        found(&mut out, "loans whose journal chain is broken", &v.broken);
+        found(&mut out, "edits waiting to be re-priced", &v.edits_waiting);
+        found(
+            &mut out,
+            "settled loans without a journal entry",
+            &v.unjournaled,
+        );
+        out
+    }
+
+    /// The month's proof as `verify` shows it ([`crate::job_layer::Job::prove`]).
+    pub fn into_proof(self) -> Proof {
+        Proof {
+            right: self.is_right(),
+            problems: self.problems(),
+            json: self.to_json(),
+            text: self.to_text(),
+        }
+    }
 }
 
 #[cfg(test)]

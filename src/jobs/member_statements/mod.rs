@@ -28,7 +28,7 @@ use crate::config::Settings;
 use crate::job_layer::registry::{Configured, NoSettings};
 use crate::job_layer::{
     parse_sum, split, Batch, Claim, Cursor, Fact, Job, JobKey, Metrics, Params, Pending,
-    PendingReport, Phrase, Planned, Proof, Reopen, Words,
+    PendingReport, Phrase, Planned, Proof, ProveError, Reopen, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};
@@ -244,10 +244,11 @@ impl Job for MemberStatements {
     /// Every member's statement of the month against what the journal gives ([`proof`]).
     async fn prove(
         &self,
-        db: &mut PgConnection,
+        pool: &PgPool,
         month: BusinessDate,
-    ) -> sqlx::Result<Option<Proof>> {
-        Ok(Some(proof::prove(db, month).await?.into_proof()))
+    ) -> Result<Option<Proof>, ProveError> {
+        let mut conn = pool.acquire().await?;
+        Ok(Some(proof::prove(&mut conn, month).await?.into_proof()))
     }
 
     /// Reads the mark to move to (the month's last journal row), then the members to compute —

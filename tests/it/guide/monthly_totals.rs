@@ -3,7 +3,9 @@
 
 use crate::config::Settings;
 use crate::job_layer::registry::Configured;
-use crate::job_layer::{Batch, BusinessDate, Claim, Cursor, Job};
+use crate::job_layer::{
+    Batch, BusinessDate, Claim, Cursor, Finding, Found, Job, Phrase, Proof, ProveError,
+};
 use sqlx::{PgConnection, PgPool};
 
 /// `[jobs.monthly_totals]`: the job's own keys (besides `enabled` and `cron`).
@@ -52,6 +54,45 @@ impl Job for MonthlyTotals {
     /// uses no other job's.)
     fn after(&self) -> Option<&'static str> {
         Some("fine-settlement")
+    }
+
+    /// `verify --job monthly-totals`: each shard's row holds what the loans give now, and the
+    /// month has totals at all.
+    async fn prove(&self, pool: &PgPool, month: BusinessDate) -> Result<Option<Proof>, ProveError> {
+        let (rows, differ, shards): (i64, i64, Vec<i64>) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE (t.loans, t.fine_cents) <> (l.n, l.cents)),
+                    COALESCE(array_agg(t.shard::bigint ORDER BY t.shard)
+                             FILTER (WHERE (t.loans, t.fine_cents) <> (l.n, l.cents)), '{}')
+               FROM monthly_fine_totals t,
+                    LATERAL (SELECT count(*) AS n, COALESCE(sum(fine_cents), 0) AS cents
+                               FROM loans
+                              WHERE returned_on BETWEEN $2 AND $1 AND fine_settled_at IS NOT NULL
+                                AND fine_cents >= $3
+                                AND (t.shards = 1 OR (id % t.shards + t.shards) % t.shards = t.shard)
+                    ) l
+              WHERE t.business_date = $1",
+        )
+        .bind(month.date())
+        .bind(month.first_day())
+        .bind(self.min_fine_cents)
+        .fetch_one(pool)
+        .await?;
+        let findings = [
+            Finding {
+                key: "differ",
+                what: Phrase::new(
+                    "shard whose totals differ from the loans",
+                    "shards whose totals differ from the loans",
+                ),
+                found: Found::new(differ, Some(shards)),
+            },
+            Finding {
+                key: "never_run",
+                what: Phrase::new("month without totals", "months without totals"),
+                found: Found::new((rows == 0).into(), None),
+            },
+        ];
+        Ok(Some(Proof::of_findings(Self::NAME, month, &findings)))
     }
 
     async fn plan(
