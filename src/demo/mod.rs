@@ -25,7 +25,7 @@ use crate::db;
 use crate::embedded_pg::{EmbeddedOptions, EmbeddedPg};
 use crate::fine::FineSchedule;
 use crate::job_layer::{
-    self, claim, ClaimOutcome, JobError, JobKey, Owner, ProveError, RunReport, SkipReason,
+    self, claim, ClaimOutcome, JobError, JobKey, Owner, ProveError, Report, RunReport, SkipReason,
 };
 use crate::jobs::fine_settlement::{self, FineSettlement, MonthTotals};
 use crate::jobs::member_statements::MemberStatements;

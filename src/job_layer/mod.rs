@@ -298,6 +298,28 @@ pub struct Proof {
     pub text: String,
 }
 
+/// A job's typed proof of a period (the settlement's `Verification`, the statements'
+/// `StatementsProof`): what a [`Proof`] is made of. Right is derived: nothing wrong to say.
+pub trait Report: Sized {
+    /// What is wrong, in one line; `None` when the period is right.
+    fn problems(&self) -> Option<String>;
+    /// The `verify --json` object: `job`, `business_date`, `right`, then the job's own keys.
+    fn to_json(&self) -> serde_json::Value;
+    /// What `verify` prints without `--json` (lines end with a newline).
+    fn to_text(&self) -> String;
+
+    /// The proof as `verify` shows it.
+    fn into_proof(self) -> Proof {
+        let problems = self.problems();
+        Proof {
+            right: problems.is_none(),
+            problems,
+            json: self.to_json(),
+            text: self.to_text(),
+        }
+    }
+}
+
 /// One kind of trouble a proof looks for ([`Proof::of_findings`]): its key in `verify --json`,
 /// what its items are in words, in one and many ("shard whose totals differ from the loans"),
 /// and what was found.

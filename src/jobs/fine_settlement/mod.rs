@@ -46,7 +46,7 @@ use crate::fine::{DatedRule, FineRule, FineSchedule};
 use crate::job_layer::registry::Configured;
 use crate::job_layer::{
     parse_sum, Batch, Claim, Cursor, Fact, Job, JobKey, Metric, Metrics, Noted, Notes, Params,
-    Pending, PendingReport, Phrase, Preview, Proof, ProveError, Reopen, Words, HELD_IDS,
+    Pending, PendingReport, Phrase, Preview, Proof, ProveError, Reopen, Report, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
 use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};

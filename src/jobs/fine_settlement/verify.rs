@@ -21,7 +21,7 @@
 use super::{describe_params, rule_from_params, rule_of, MonthTotals, HELD_ROW, MONTH_KEY_L};
 use crate::calendar::BusinessDate;
 use crate::fine::{FineRule, FineSchedule};
-use crate::job_layer::{params, JobError, Proof, ProveError, HELD_IDS};
+use crate::job_layer::{params, JobError, ProveError, Report, HELD_IDS};
 use sqlx::{Connection, Executor, PgConnection};
 use std::fmt::Write;
 
@@ -101,39 +101,6 @@ impl Verification {
             .all(|f| f.count == 0)
     }
 
-    /// What is wrong, in one line; `None` when the month is right.
-    pub fn problems(&self) -> Option<String> {
-        let mut parts = Vec::new();
-        if self.mismatched > 0 {
-            parts.push(format!(
-                "{} settled fines differ from the rule (net {:+} cents)",
-                self.mismatched, self.mismatch_cents
-            ));
-        }
-        let named = |f: &Found, what: &str| {
-            (f.count > 0).then(|| format!("{} {what}, ids {:?}", f.count, f.ids))
-        };
-        parts.extend(
-            [
-                named(&self.unsettled, "returns are not settled"),
-                named(&self.held, "rows held (bad dates)"),
-                named(
-                    &self.off_journal,
-                    "fines differ from their journal entry (edited outside settlementd)",
-                ),
-                named(
-                    &self.stale,
-                    "loans' dates changed after they were priced, with no edit queued",
-                ),
-                named(&self.broken, "loans whose journal chain is broken"),
-                named(&self.edits_waiting, "edits wait to be re-priced"),
-                named(&self.unjournaled, "settled loans have no journal entry"),
-            ]
-            .into_iter()
-            .flatten(),
-        );
-        (!parts.is_empty()).then(|| parts.join("; "))
-    }
 }
 
 /// Checks the month of `business_date` against its pinned rule, or, when it has none, against the
@@ -504,10 +471,44 @@ async fn edits_side(tx: &mut PgConnection, business_date: BusinessDate) -> sqlx:
     Ok(Found::new(count, ids))
 }
 
+/// The month's proof as `verify` shows it ([`Report::into_proof`]).
+impl Report for Verification {
+    /// What is wrong, in one line; `None` when the month is right.
+    fn problems(&self) -> Option<String> {
+        let mut parts = Vec::new();
+        if self.mismatched > 0 {
+            parts.push(format!(
+                "{} settled fines differ from the rule (net {:+} cents)",
+                self.mismatched, self.mismatch_cents
+            ));
+        }
+        let named = |f: &Found, what: &str| {
+            (f.count > 0).then(|| format!("{} {what}, ids {:?}", f.count, f.ids))
+        };
+        parts.extend(
+            [
+                named(&self.unsettled, "returns are not settled"),
+                named(&self.held, "rows held (bad dates)"),
+                named(
+                    &self.off_journal,
+                    "fines differ from their journal entry (edited outside settlementd)",
+                ),
+                named(
+                    &self.stale,
+                    "loans' dates changed after they were priced, with no edit queued",
+                ),
+                named(&self.broken, "loans whose journal chain is broken"),
+                named(&self.edits_waiting, "edits wait to be re-priced"),
+                named(&self.unjournaled, "settled loans have no journal entry"),
+            ]
+            .into_iter()
+            .flatten(),
+        );
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
 
-impl Verification {
     /// The `verify --json` object.
-    pub fn to_json(&self) -> serde_json::Value {
+    fn to_json(&self) -> serde_json::Value {
         let v = self;
         serde_json::json!({
             "job": super::JOB_NAME,
@@ -536,7 +537,7 @@ impl Verification {
     }
 
     /// What `verify` prints without `--json` (lines end with a newline).
-    pub fn to_text(&self) -> String {
+    fn to_text(&self) -> String {
         let v = self;
         let mut out = String::new();
         // Writing to a String cannot fail.
@@ -611,15 +612,6 @@ impl Verification {
         out
     }
 
-    /// The month's proof as `verify` shows it ([`crate::job_layer::Job::prove`]).
-    pub fn into_proof(self) -> Proof {
-        Proof {
-            right: self.is_right(),
-            problems: self.problems(),
-            json: self.to_json(),
-            text: self.to_text(),
-        }
-    }
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ use crate::config::Settings;
 use crate::job_layer::registry::{Configured, NoSettings};
 use crate::job_layer::{
     parse_sum, split, Batch, Claim, Cursor, Fact, Job, JobKey, Metrics, Params, Pending,
-    PendingReport, Phrase, Planned, Proof, ProveError, Reopen, Words,
+    PendingReport, Phrase, Planned, Proof, ProveError, Reopen, Report, Words,
 };
 use chrono::NaiveDate;
 use sqlx::{PgConnection, PgPool};

@@ -12,7 +12,7 @@
 
 use super::JOB_NAME;
 use crate::calendar::BusinessDate;
-use crate::job_layer::{Found, Proof, HELD_IDS};
+use crate::job_layer::{Found, Report, HELD_IDS};
 use serde::Serialize;
 use sqlx::{Connection, PgConnection};
 use std::fmt::Write;
@@ -58,9 +58,12 @@ impl StatementsProof {
     pub fn is_right(&self) -> bool {
         self.mismatched == 0 && self.missing.count == 0 && self.extra.count == 0
     }
+}
 
+/// The month's proof as `verify` shows it ([`Report::into_proof`]).
+impl Report for StatementsProof {
     /// What is wrong, in one line; `None` when the month is right.
-    pub fn problems(&self) -> Option<String> {
+    fn problems(&self) -> Option<String> {
         let mut parts = Vec::new();
         if self.mismatched > 0 {
             let ids: Vec<i64> = self.mismatches.iter().map(|d| d.member_id).collect();
@@ -83,7 +86,7 @@ impl StatementsProof {
         (!parts.is_empty()).then(|| parts.join("; "))
     }
 
-    pub fn to_json(&self) -> serde_json::Value {
+    fn to_json(&self) -> serde_json::Value {
         serde_json::json!({
             "job": JOB_NAME,
             "business_date": self.business_date.to_string(),
@@ -100,7 +103,7 @@ impl StatementsProof {
         })
     }
 
-    pub fn to_text(&self) -> String {
+    fn to_text(&self) -> String {
         let mut out = String::new();
         // Writing to a String cannot fail.
         let verdict = if self.is_right() {
@@ -141,14 +144,6 @@ impl StatementsProof {
         out
     }
 
-    pub fn into_proof(self) -> Proof {
-        Proof {
-            right: self.is_right(),
-            problems: self.problems(),
-            json: self.to_json(),
-            text: self.to_text(),
-        }
-    }
 }
 
 /// Each member of the month beside what the journal gives them and what they are stated: `m`,
