@@ -134,6 +134,17 @@ impl DbError {
 
 pub type Result<T, E = DbError> = std::result::Result<T, E>;
 
+/// The schema everything of settlementd's lives in (its tables, views, functions and migration
+/// ledgers), owned by the migration role, where no other role may create (migration
+/// 20261210000001, docs/DESIGN.md "A schema of its own"). libraryd's `loans` stays in `public`.
+pub const SCHEMA: &str = "settlementd";
+
+/// Every session of settlementd's finds its own objects first, then libraryd's `loans` in
+/// `public`: set on each pooled connection when it is made ([`pool`]) and on the connection that
+/// migrates ([`migrate_connection`]), so nothing depends on a role's or a database's default
+/// path. A session setting, as the guards are (a transaction-pooling pooler is refused).
+pub const SEARCH_PATH_SQL: &str = "SELECT set_config('search_path', 'settlementd, public', false)";
+
 /// How long a pooled connection may sit unused before it is closed: half a heartbeat (the
 /// replica's tick period), between 0.5 and 30 s. The pool hands out its idle connections in turn,
 /// so with a longer timeout a tick and a probe every heartbeat would keep every connection a run
@@ -186,9 +197,13 @@ pub fn pool(
             log::LevelFilter::Warn,
             Duration::from_millis(settings.slow_statement_ms),
         );
-    // The session guards and the read-only check in one round trip; a plain string runs as a
-    // simple query, so no prepared statement is left behind.
-    let session = format!("{}; {}", session_guards_sql(guards), server::READ_ONLY_SQL);
+    // The schema path, the session guards and the read-only check in one round trip; a plain
+    // string runs as a simple query, so no prepared statement is left behind.
+    let session = format!(
+        "{SEARCH_PATH_SQL}; {}; {}",
+        session_guards_sql(guards),
+        server::READ_ONLY_SQL
+    );
     Ok(PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .min_connections(0)
@@ -492,7 +507,8 @@ pub async fn check_loans(pool: &PgPool, max_fine: i64) -> Result<()> {
            JOIN pg_type t ON t.oid = a.atttypid
            JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
           WHERE a.attrelid = to_regclass('loans') AND a.attnum > 0 AND NOT a.attisdropped
-            AND a.attname IN ('id', 'borrowed_on', 'due_on', 'returned_on', 'fine_cents')",
+            AND a.attname IN ('id', 'member_id', 'borrowed_on', 'due_on', 'returned_on',
+                              'fine_cents')",
     )
     .fetch_all(pool)
     .await?;
@@ -510,15 +526,15 @@ fn loans_fit(
     max_fine: i64,
 ) -> std::result::Result<(), String> {
     let find = |name: &str| columns.iter().find(|c| c.0 == name);
-    for name in ["id", "borrowed_on", "due_on", "returned_on"] {
+    for name in ["id", "member_id", "borrowed_on", "due_on", "returned_on"] {
         if find(name).is_none() {
             return Err(format!("it has no column {name}"));
         }
     }
     for (name, found, base) in columns {
         let needed = match name.as_str() {
-            "id" if matches!(base.as_str(), "int2" | "int4" | "int8") => continue,
-            "id" => "an integer type (bigint, integer or smallint)",
+            "id" | "member_id" if matches!(base.as_str(), "int2" | "int4" | "int8") => continue,
+            "id" | "member_id" => "an integer type (bigint, integer or smallint)",
             "borrowed_on" | "due_on" | "returned_on" if base == "date" => continue,
             "borrowed_on" | "due_on" | "returned_on" => "date",
             "fine_cents" => {
@@ -542,6 +558,55 @@ fn loans_fit(
         return Err(format!("column {name} is {found}; it must be {needed}"));
     }
     Ok(())
+}
+
+/// What stands between libraryd and settlementd's record, as the catalog shows it now: each
+/// `SECURITY DEFINER` function of settlementd's owned by a superuser (it would run anything a
+/// planted object makes it run with a superuser's rights), and each of settlementd's triggers on
+/// `loans` that is missing, not enabled `ALWAYS`, or not the trigger `migrate` created (libraryd
+/// owns `loans` and may always disable or drop them: then its edits of settled loans are not
+/// queued, and the record goes stale). Read by `/readyz` (a reason of its own for each), the
+/// `settlementd_loans_triggers_tampered` gauge and `verify`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Guards {
+    /// "function f() of settlementd's is owned by superuser s".
+    pub superuser_definers: Vec<String>,
+    /// "settlementd_settled_deleted is disabled", "… is missing", "… was changed: …".
+    pub loans_triggers: Vec<String>,
+}
+
+impl Guards {
+    pub fn intact(&self) -> bool {
+        self.superuser_definers.is_empty() && self.loans_triggers.is_empty()
+    }
+}
+
+/// See [`Guards`]. Reads the catalog and `settlementd.loans_triggers` (what `migrate` left):
+/// call it once the schema is current.
+pub async fn guards(conn: &mut PgConnection) -> Result<Guards> {
+    let superuser_definers = migrations::superuser_definers(&mut *conn).await?;
+    let loans_triggers: Vec<String> = sqlx::query_scalar(
+        "SELECT e.name || CASE
+                    WHEN t.oid IS NULL THEN ' is missing on loans'
+                    WHEN t.tgenabled = 'D' THEN ' is disabled'
+                    WHEN t.tgenabled <> 'A' THEN
+                        ' fires only in ' || CASE t.tgenabled WHEN 'R' THEN 'replica' ELSE 'origin' END
+                        || ' sessions (it must be ENABLE ALWAYS)'
+                    ELSE ' is not the trigger settlementd created: '
+                         || settlementd.trigger_definition(t.oid)
+                END
+           FROM settlementd.loans_triggers e
+           LEFT JOIN pg_trigger t ON t.tgrelid = to_regclass('public.loans') AND t.tgname = e.name
+          WHERE t.oid IS NULL OR t.tgenabled <> 'A'
+             OR settlementd.trigger_definition(t.oid) <> e.definition
+          ORDER BY e.name",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(Guards {
+        superuser_definers,
+        loans_triggers,
+    })
 }
 
 /// Waits until every migration is applied (checking every `every`) or `shutdown`, for a replica
@@ -585,7 +650,9 @@ mod tests {
             .collect()
     }
 
-    const DATES: [(&str, &str, &str); 3] = [
+    /// The columns every test table has besides `id` and `fine_cents`.
+    const DATES: [(&str, &str, &str); 4] = [
+        ("member_id", "bigint", "int8"),
         ("borrowed_on", "date", "date"),
         ("due_on", "date", "date"),
         ("returned_on", "date", "date"),
@@ -642,7 +709,7 @@ mod tests {
             ("fine_cents", "integer", "int4"),
         ]));
         assert_eq!(loans_fit(&narrow, 10_000), Ok(()), "a cap that fits");
-        let mut no_returns = columns(&DATES[..2]);
+        let mut no_returns = columns(&DATES[..3]);
         no_returns.push(("id".into(), "bigint".into(), "int8".into()));
         assert!(loans_fit(&no_returns, 0)
             .unwrap_err()

@@ -8,8 +8,13 @@
 -- sees its grants revoked and not yet granted again; an error leaves everything as it was.
 -- Set the passwords yourself (psql: \password settlementd_app); none is stored here.
 --
--- settlementd_migrator runs `settlementd migrate` and owns what the migrations create (the job
--- tables, _sqlx_migrations). It is a member of the role owning libraryd's loans, without
+-- settlementd_migrator runs `settlementd migrate` and owns what the migrations create: the schema
+-- `settlementd` and everything in it (the job tables, the journal, the migration ledgers, every
+-- function), where no other role may create and which libraryd (the owner of `public`) cannot
+-- drop; and, in `public`, only the views the release before 0.3.0 reads (docs/OPERATIONS.md,
+-- "A schema of its own"). It may create the schema (CREATE on the database). It owns every
+-- function of settlementd's, whoever migrated first: this file hands each one to it (enumerated
+-- from the catalog), so none runs as a superuser. It is a member of the role owning libraryd's loans, without
 -- inheriting that role's rights (NOINHERIT; on PostgreSQL 16+ also WITH INHERIT FALSE): it cannot
 -- read or drop libraryd's other tables, and `settlementd migrate` takes the owner's role
 -- (SET LOCAL ROLE) only for the migrations that alter loans, one transaction each.
@@ -36,6 +41,10 @@
 --                    that runs as its owner; the member statements recompute the old members)
 --   _sqlx_migrations, settlementd_migrations SELECT (/readyz compares them with the binary's
 --                    migrations: the first holds those up to 20261205000001, the second the later ones)
+--   loans_triggers   SELECT, and settlementd.trigger_definition(oid) EXECUTE (/readyz compares
+--                    settlementd's triggers on loans with what migrate left)
+--   the schema settlementd USAGE; each view `public` keeps for the release before 0.3.0 the grants
+--                    of its table
 --   settlementd_prune_period(job, date, older_than_days, limit) EXECUTE: retention
 --                    (`settlementd prune`, retention.enabled). The function runs as its owner, the
 --                    migrator, and deletes only the audit trail, requests and claims of a period
@@ -69,13 +78,17 @@ BEGIN
     END IF;
 END
 $$;
-ALTER ROLE settlementd_migrator NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS NOINHERIT;
-ALTER ROLE settlementd_app NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
+-- LOGIN: a `migrate` run by a superuser creates settlementd_migrator without one when it is
+-- missing (it needs a role to give settlementd's functions to).
+ALTER ROLE settlementd_migrator LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS NOINHERIT;
+ALTER ROLE settlementd_app LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION NOBYPASSRLS;
 
 DO $$
 BEGIN
     EXECUTE format('GRANT CONNECT ON DATABASE %I TO settlementd_migrator, settlementd_app',
                    current_database());
+    -- The migration that makes settlementd's schema (20261210000001) creates it.
+    EXECUTE format('GRANT CREATE ON DATABASE %I TO settlementd_migrator', current_database());
 END
 $$;
 -- PostgreSQL 15 already denies CREATE in public to PUBLIC; older servers allow it.
@@ -83,32 +96,58 @@ REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 GRANT USAGE, CREATE ON SCHEMA public TO settlementd_migrator;
 GRANT USAGE ON SCHEMA public TO settlementd_app;
 
--- Ownership. Migrations alter what they created, so the migrator owns the job tables and sqlx's
--- bookkeeping even when an earlier `settlementd migrate` ran as another role.
+-- Ownership. Migrations alter what they created, so the migrator owns settlementd's schema and
+-- everything in it even when an earlier `settlementd migrate` ran as another role; in a database
+-- not moved yet (before 0.3.0's migrate), the same tables in public. Every function of
+-- settlementd's, found in the catalog (no list to forget one in): those in its schema, those in
+-- public under its names (`settlementd_…`), and any a trigger of its runs — each runs as its
+-- owner when it is SECURITY DEFINER, which must be the migrator, never a superuser that happened
+-- to migrate.
 DO $$
 DECLARE
     name text;
+    obj record;
 BEGIN
+    IF to_regnamespace('settlementd') IS NOT NULL THEN
+        ALTER SCHEMA settlementd OWNER TO settlementd_migrator;
+    END IF;
+    FOR obj IN
+        SELECT CASE c.relkind WHEN 'v' THEN 'VIEW' WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END AS kind,
+               format('%I.%I', n.nspname, c.relname) AS name
+          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = 'settlementd' AND c.relkind IN ('r', 'p', 'v', 'S')
+           AND NOT (c.relkind = 'S' AND EXISTS (SELECT FROM pg_depend d
+                                                 WHERE d.objid = c.oid AND d.deptype IN ('a', 'i')
+                                                   AND d.classid = 'pg_class'::regclass))
+    LOOP
+        EXECUTE format('ALTER %s %s OWNER TO settlementd_migrator', obj.kind, obj.name);
+    END LOOP;
     FOREACH name IN ARRAY ARRAY['job_runs', 'job_events', 'run_requests', 'run_request_shards',
                                 'job_params', 'fine_corrections', 'fine_adjustments',
-                                'fine_journal', 'fine_heads', 'loan_changes', 'member_moves',
-                                'job_pauses',
+                                'fine_journal', 'fine_journal_entries', 'fine_heads',
+                                'loan_changes', 'member_moves', 'job_pauses',
                                 'member_fine_statements', 'member_statement_marks',
                                 'replicas', '_sqlx_migrations', 'settlementd_migrations'] LOOP
-        IF to_regclass(format('public.%I', name)) IS NOT NULL THEN
-            EXECUTE format('ALTER TABLE public.%I OWNER TO settlementd_migrator', name);
+        SELECT c.relkind INTO obj FROM pg_class c
+         WHERE c.oid = to_regclass(format('public.%I', name));
+        IF FOUND THEN
+            EXECUTE format('ALTER %s public.%I OWNER TO settlementd_migrator',
+                           CASE obj.relkind WHEN 'v' THEN 'VIEW' ELSE 'TABLE' END, name);
         END IF;
     END LOOP;
-    -- Retention's functions run as their owner (SECURITY DEFINER): the migrator, never a
-    -- superuser that happened to migrate.
-    FOREACH name IN ARRAY ARRAY['settlementd_prune_period(text, date, integer, integer)',
-                                'settlementd_journal_appended()',
-                                'settlementd_loan_renumbered()',
-                                'settlementd_member_moved()',
-                                'settlementd_retention_untouched(text, date, timestamptz, timestamptz)'] LOOP
-        IF to_regprocedure(format('public.%s', name)) IS NOT NULL THEN
-            EXECUTE format('ALTER FUNCTION public.%s OWNER TO settlementd_migrator', name);
-        END IF;
+    FOR obj IN
+        SELECT format('%I.%I(%s)', n.nspname, p.proname, pg_get_function_identity_arguments(p.oid))
+                 AS name
+          FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE n.nspname = 'settlementd'
+            OR (n.nspname = 'public'
+                AND (p.proname LIKE 'settlementd\_%'
+                     OR p.oid IN (SELECT t.tgfoid FROM pg_trigger t
+                                   WHERE t.tgname LIKE 'settlementd\_%'
+                                      OR t.tgrelid IN (SELECT c.oid FROM pg_class c
+                                                        WHERE c.relowner = 'settlementd_migrator'::regrole))))
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s OWNER TO settlementd_migrator', obj.name);
     END LOOP;
 END
 $$;
@@ -140,11 +179,25 @@ BEGIN
 END
 $$;
 
--- A job's own tables, from now on: granted when the migrator creates them.
+-- A job's own tables, from now on: granted when the migrator creates them (in settlementd's
+-- schema; in public before it exists).
 ALTER DEFAULT PRIVILEGES FOR ROLE settlementd_migrator IN SCHEMA public
     GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO settlementd_app;
 ALTER DEFAULT PRIVILEGES FOR ROLE settlementd_migrator IN SCHEMA public
     GRANT USAGE ON SEQUENCES TO settlementd_app;
+DO $$
+BEGIN
+    IF to_regnamespace('settlementd') IS NOT NULL THEN
+        ALTER DEFAULT PRIVILEGES FOR ROLE settlementd_migrator IN SCHEMA settlementd
+            GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO settlementd_app;
+        ALTER DEFAULT PRIVILEGES FOR ROLE settlementd_migrator IN SCHEMA settlementd
+            GRANT USAGE ON SEQUENCES TO settlementd_app;
+        GRANT USAGE ON SCHEMA settlementd TO settlementd_app;
+        REVOKE ALL ON ALL TABLES IN SCHEMA settlementd FROM settlementd_app;
+        REVOKE ALL ON ALL SEQUENCES IN SCHEMA settlementd FROM settlementd_app;
+    END IF;
+END
+$$;
 
 -- The runtime role: first revoke everything (table and column privileges), then grant exactly.
 REVOKE ALL ON ALL TABLES IN SCHEMA public FROM settlementd_app;
@@ -153,6 +206,8 @@ DO $$
 DECLARE
     grant_ record;
     seq regclass;
+    rel regclass;
+    schema_ text;
 BEGIN
     IF to_regclass('public.loans') IS NOT NULL THEN
         GRANT SELECT ON public.loans TO settlementd_app;
@@ -186,43 +241,61 @@ BEGIN
                               ('fine_heads', 'SELECT'),
                               ('loan_changes', 'SELECT, DELETE'),
                               ('member_moves', 'SELECT'),
+                              ('loans_triggers', 'SELECT'),
                               ('_sqlx_migrations', 'SELECT'),
                               ('settlementd_migrations', 'SELECT')) AS g(tbl, privileges);
-    -- A job's own tables: what the migrator owns and the list does not name.
+    -- A job's own tables: what the migrator owns in settlementd's schema (or, before it exists,
+    -- in public) and the list does not name.
     INSERT INTO settlementd_grants
     SELECT c.relname, 'SELECT, INSERT, UPDATE, DELETE'
       FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
-     WHERE c.relnamespace = 'public'::regnamespace AND c.relkind IN ('r', 'p')
-       AND r.rolname = 'settlementd_migrator'
+     WHERE c.relnamespace = COALESCE(to_regnamespace('settlementd'), 'public'::regnamespace)
+       AND c.relkind IN ('r', 'p') AND r.rolname = 'settlementd_migrator'
        AND c.relname NOT IN (SELECT tbl FROM settlementd_grants);
     FOR grant_ IN SELECT * FROM settlementd_grants WHERE privileges IS NOT NULL
     LOOP
-        CONTINUE WHEN to_regclass(format('public.%I', grant_.tbl)) IS NULL;
-        EXECUTE format('GRANT %s ON public.%I TO settlementd_app', grant_.privileges, grant_.tbl);
-        -- A serial or identity id draws from a sequence owned by the table.
-        IF grant_.privileges LIKE '%INSERT%' THEN
-            FOR seq IN
-                SELECT d.objid::regclass FROM pg_depend d JOIN pg_class s ON s.oid = d.objid
-                 WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
-                   AND d.refobjid = format('public.%I', grant_.tbl)::regclass
-                   AND s.relkind = 'S' AND d.deptype IN ('a', 'i')
-            LOOP
-                EXECUTE format('GRANT USAGE ON SEQUENCE %s TO settlementd_app', seq);
-            END LOOP;
+        -- The table, in settlementd's schema (or, before it exists, in public), and the view the
+        -- release before 0.3.0 reads it through in public.
+        FOREACH schema_ IN ARRAY ARRAY['settlementd', 'public'] LOOP
+            rel := to_regclass(format('%I.%I', schema_, grant_.tbl));
+            CONTINUE WHEN rel IS NULL;
+            EXECUTE format('GRANT %s ON %s TO settlementd_app', grant_.privileges, rel);
+            -- A serial or identity id draws from a sequence owned by the table.
+            IF grant_.privileges LIKE '%INSERT%' THEN
+                FOR seq IN
+                    SELECT d.objid::regclass FROM pg_depend d JOIN pg_class s ON s.oid = d.objid
+                     WHERE d.classid = 'pg_class'::regclass AND d.refclassid = 'pg_class'::regclass
+                       AND d.refobjid = rel AND s.relkind = 'S' AND d.deptype IN ('a', 'i')
+                LOOP
+                    EXECUTE format('GRANT USAGE ON SEQUENCE %s TO settlementd_app', seq);
+                END LOOP;
+            END IF;
+        END LOOP;
+    END LOOP;
+    IF to_regclass('public.fine_journal_entries') IS NOT NULL THEN
+        GRANT SELECT ON public.fine_journal_entries TO settlementd_app;
+    END IF;
+    IF to_regclass('settlementd.fine_journal_entries') IS NOT NULL THEN
+        GRANT SELECT ON settlementd.fine_journal_entries TO settlementd_app;
+    END IF;
+    IF to_regprocedure('settlementd.trigger_definition(oid)') IS NOT NULL THEN
+        REVOKE ALL ON FUNCTION settlementd.trigger_definition(oid) FROM PUBLIC;
+        GRANT EXECUTE ON FUNCTION settlementd.trigger_definition(oid) TO settlementd_app;
+    END IF;
+    -- Retention's one way to delete audit rows (and its old name, for the release before 0.3.0);
+    -- the check it calls is granted to nobody.
+    FOREACH schema_ IN ARRAY ARRAY['settlementd', 'public'] LOOP
+        IF to_regprocedure(format('%I.settlementd_prune_period(text, date, integer, integer)', schema_)) IS NOT NULL THEN
+            EXECUTE format('REVOKE ALL ON FUNCTION %I.settlementd_prune_period(text, date, integer, integer) FROM PUBLIC, settlementd_app', schema_);
+            EXECUTE format('GRANT EXECUTE ON FUNCTION %I.settlementd_prune_period(text, date, integer, integer) TO settlementd_app', schema_);
+        END IF;
+        IF to_regprocedure(format('%I.settlementd_retention_untouched(text, date, timestamptz, timestamptz)', schema_)) IS NOT NULL THEN
+            EXECUTE format('REVOKE ALL ON FUNCTION %I.settlementd_retention_untouched(text, date, timestamptz, timestamptz) FROM PUBLIC, settlementd_app', schema_);
         END IF;
     END LOOP;
-    -- Retention's one way to delete audit rows; the check it calls is granted to nobody.
-    IF to_regprocedure('public.settlementd_prune_period(text, date, integer, integer)') IS NOT NULL THEN
-        REVOKE ALL ON FUNCTION public.settlementd_prune_period(text, date, integer, integer)
-            FROM PUBLIC, settlementd_app;
-        GRANT EXECUTE ON FUNCTION public.settlementd_prune_period(text, date, integer, integer)
-            TO settlementd_app;
-    ELSE
+    IF to_regprocedure('settlementd.settlementd_prune_period(text, date, integer, integer)') IS NULL
+       AND to_regprocedure('public.settlementd_prune_period(text, date, integer, integer)') IS NULL THEN
         RAISE NOTICE 'no settlementd_prune_period yet: run this again after settlementd migrate';
-    END IF;
-    IF to_regprocedure('public.settlementd_retention_untouched(text, date, timestamptz, timestamptz)') IS NOT NULL THEN
-        REVOKE ALL ON FUNCTION public.settlementd_retention_untouched(text, date, timestamptz, timestamptz)
-            FROM PUBLIC, settlementd_app;
     END IF;
 END
 $$;

@@ -37,16 +37,23 @@ pub enum NotReady {
     Starting(&'static str),
     /// A job is refused a due month for its rule: what it found.
     RuleConflict(String),
+    /// A `SECURITY DEFINER` function of settlementd's is owned by a superuser (named).
+    DefinerOwner(String),
+    /// settlementd's triggers on libraryd's `loans` are missing, disabled or changed (named):
+    /// libraryd's edits of settled loans would not reach the record.
+    LoansTriggers(String),
 }
 
 impl NotReady {
     /// Every value of the metric's `reason` label.
-    pub const LABELS: [&'static str; 5] = [
+    pub const LABELS: [&'static str; 7] = [
         "database",
         "read_only",
         "schema",
         "starting",
         "rule_conflict",
+        "definer_owner",
+        "loans_triggers",
     ];
 
     /// The `reason` label of `settlementd_not_ready`.
@@ -57,6 +64,8 @@ impl NotReady {
             NotReady::Schema => "schema",
             NotReady::Starting(_) => "starting",
             NotReady::RuleConflict(_) => "rule_conflict",
+            NotReady::DefinerOwner(_) => "definer_owner",
+            NotReady::LoansTriggers(_) => "loans_triggers",
         }
     }
 }
@@ -70,6 +79,18 @@ impl std::fmt::Display for NotReady {
                 write!(f, "starting: {job} has not looked at what is due yet")
             }
             NotReady::RuleConflict(why) => write!(f, "rule conflict: {why}"),
+            NotReady::DefinerOwner(which) => write!(
+                f,
+                "{which}: it would run with a superuser's rights; run deploy/sql/roles.sql, \
+                 which gives every function of settlementd's to settlementd_migrator"
+            ),
+            NotReady::LoansTriggers(which) => write!(
+                f,
+                "settlementd's triggers on loans are not as migrate left them ({which}): \
+                 libraryd's edits of settled loans are not queued; run `settlementd migrate` \
+                 as the owner of loans, or re-enable them (ALTER TABLE loans ENABLE ALWAYS \
+                 TRIGGER …)"
+            ),
         }
     }
 }
@@ -134,11 +155,25 @@ async fn evaluate_with(pool: &PgPool, health: &Health, direct: bool) -> Result<(
         if direct {
             crate::db::writable(pool).await?;
         }
-        crate::db::schema_is_current(pool).await
+        if !crate::db::schema_is_current(pool).await? {
+            return Ok(None);
+        }
+        let mut conn = pool.acquire().await?;
+        Ok(Some(crate::db::guards(&mut conn).await?))
     };
     let result = match tokio::time::timeout(ANSWER_WITHIN, answered).await {
-        Ok(Ok(true)) => health.jobs(),
-        Ok(Ok(false)) => Err(NotReady::Schema),
+        Ok(Ok(Some(guards))) => {
+            metrics::gauge!(super::metrics::LOANS_TRIGGERS_TAMPERED)
+                .set(guards.loans_triggers.len() as f64);
+            if let Some(which) = guards.superuser_definers.first() {
+                Err(NotReady::DefinerOwner(which.clone()))
+            } else if !guards.loans_triggers.is_empty() {
+                Err(NotReady::LoansTriggers(guards.loans_triggers.join("; ")))
+            } else {
+                health.jobs()
+            }
+        }
+        Ok(Ok(None)) => Err(NotReady::Schema),
         Ok(Err(e @ crate::db::DbError::ReadOnly { .. })) => Err(NotReady::ReadOnly(e.to_string())),
         Ok(Err(e)) => Err(NotReady::Database(e.to_string())),
         Err(_) => Err(NotReady::Database(

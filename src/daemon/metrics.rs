@@ -61,9 +61,11 @@ pub const SHARDS: &str = "settlementd_shards";
 /// `/metrics` request ([`super::health`]).
 pub const READY: &str = "settlementd_ready";
 /// 1 for the reason the replica is not ready (`database`, `read_only`, `schema`, `starting`,
-/// `rule_conflict`),
-/// 0 for the others; all 0 when it is ready.
+/// `rule_conflict`, `definer_owner`, `loans_triggers`), 0 for the others; all 0 when it is ready.
 pub const NOT_READY: &str = "settlementd_not_ready";
+/// settlementd's triggers on libraryd's `loans` that are missing, disabled or not as `migrate`
+/// created them ([`crate::db::Guards`]): libraryd's edits of settled loans are not queued.
+pub const LOANS_TRIGGERS_TAMPERED: &str = "settlementd_loans_triggers_tampered";
 /// Always 1, labelled with this binary's `version` and `commit`: a fleet's releases in one query.
 pub const BUILD_INFO: &str = "settlementd_build_info";
 /// Months not closed (as [`MONTHS_NOT_CLOSED`] counts them) whose deadline has passed: the end of
@@ -234,7 +236,11 @@ pub fn describe(registry: &crate::job_layer::registry::Registry) {
     );
     describe_gauge!(
         NOT_READY,
-        "1 for the reason the replica is not ready (database, read_only, schema, starting, rule_conflict), else 0"
+        "1 for the reason the replica is not ready (database, read_only, schema, starting, rule_conflict, definer_owner, loans_triggers), else 0"
+    );
+    describe_gauge!(
+        LOANS_TRIGGERS_TAMPERED,
+        "settlementd's triggers on loans that are missing, disabled or changed: libraryd's edits of settled loans are not queued"
     );
     describe_gauge!(
         BUILD_INFO,

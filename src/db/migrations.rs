@@ -149,12 +149,38 @@ pub async fn migrate(pool: &PgPool) -> Result<Vec<Applied>> {
     migrate_connection(&mut pooled).await
 }
 
-/// [`migrate`] on one connection.
+/// [`migrate`] on one connection (its search path set first, as every session of settlementd's:
+/// [`super::SEARCH_PATH_SQL`]).
+///
+/// Every function of settlementd's is owned by the migration role, whoever migrates: a superuser
+/// that migrates (the embedded database, a first `migrate` run by hand) gives what it created to
+/// `settlementd_migrator` afterwards ([`hand_over`]), and a role that is not one refuses, before
+/// it applies anything, a database where a `SECURITY DEFINER` function of settlementd's is owned
+/// by a superuser (it would run as that superuser), naming it ([`DbError::Privilege`]).
 pub async fn migrate_connection(conn: &mut PgConnection) -> Result<Vec<Applied>> {
+    conn.execute(super::SEARCH_PATH_SQL).await?;
+    let superuser: bool =
+        sqlx::query_scalar("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            .fetch_one(&mut *conn)
+            .await?;
+    if !superuser {
+        if let Some(refusal) = superuser_definers(&mut *conn).await?.first() {
+            return Err(DbError::Privilege(format!(
+                "{refusal}: it runs with a superuser's rights. Run deploy/sql/roles.sql as a \
+                 superuser (it gives every function of settlementd's to settlementd_migrator), \
+                 then `settlementd migrate` again"
+            )));
+        }
+    }
     if MIGRATOR.locking {
         conn.lock().await?;
     }
-    let result = apply_missing(conn).await;
+    let mut result = apply_missing(conn).await;
+    if superuser && result.is_ok() {
+        if let Err(e) = hand_over(conn).await {
+            result = Err(e);
+        }
+    }
     if MIGRATOR.locking {
         // Released with the session too, should this fail.
         let _ = conn.unlock().await;
@@ -322,6 +348,95 @@ pub fn alters_loans(statement: &str) -> bool {
         || (s.starts_with("drop trigger ") && s.ends_with(" on loans"))
         || (s.starts_with("create ") && (s.contains(" on loans ") || s.contains(" on loans(")))
 }
+
+/// settlementd's `SECURITY DEFINER` functions owned by a superuser, each as "function f() of
+/// settlementd's is owned by superuser s": in its schema, and under its old names in `public`
+/// (a database not moved yet). Empty when there are none (and before the schema exists).
+pub async fn superuser_definers(conn: &mut PgConnection) -> Result<Vec<String>> {
+    Ok(sqlx::query_scalar(SUPERUSER_DEFINERS)
+        .fetch_all(&mut *conn)
+        .await?)
+}
+
+/// See [`superuser_definers`]: `pg_proc` and `pg_roles` are readable by every role.
+pub const SUPERUSER_DEFINERS: &str =
+    "SELECT format('function %s of settlementd''s is owned by superuser %s',
+                   p.oid::regprocedure, pg_get_userbyid(p.proowner))
+       FROM pg_proc p JOIN pg_roles r ON r.oid = p.proowner
+      WHERE p.prosecdef AND r.rolsuper
+        AND (p.pronamespace = to_regnamespace('settlementd')
+             OR (p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'settlementd\\_%'))
+      ORDER BY 1";
+
+/// After a superuser migrated: gives the schema and everything of settlementd's that a superuser
+/// owns (in the schema, and what `public` keeps for the release before) to `settlementd_migrator`,
+/// created without a login if it does not exist yet (deploy/sql/roles.sql gives it one). The
+/// functions then run as a role that owns settlementd's tables and nothing else.
+async fn hand_over(conn: &mut PgConnection) -> Result<()> {
+    let mut tx = Connection::begin(&mut *conn).await?;
+    tx.execute(HAND_OVER).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+const HAND_OVER: &str = "DO $$
+DECLARE
+    obj record;
+BEGIN
+    IF to_regnamespace('settlementd') IS NULL THEN
+        RETURN;
+    END IF;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'settlementd_migrator') THEN
+        BEGIN
+            CREATE ROLE settlementd_migrator NOLOGIN NOINHERIT;
+        EXCEPTION WHEN duplicate_object OR unique_violation THEN
+            NULL; -- created meanwhile by another migrate on this server
+        END;
+    END IF;
+    IF (SELECT rolsuper FROM pg_roles WHERE rolname = 'settlementd_migrator') THEN
+        RAISE EXCEPTION 'settlementd_migrator is a superuser: make it NOSUPERUSER (deploy/sql/roles.sql)'
+            USING ERRCODE = 'insufficient_privilege';
+    END IF;
+    IF (SELECT r.rolsuper FROM pg_namespace n JOIN pg_roles r ON r.oid = n.nspowner
+         WHERE n.nspname = 'settlementd') THEN
+        ALTER SCHEMA settlementd OWNER TO settlementd_migrator;
+    END IF;
+    FOR obj IN
+        SELECT CASE c.relkind WHEN 'v' THEN 'VIEW' WHEN 'S' THEN 'SEQUENCE' ELSE 'TABLE' END AS kind,
+               format('%I.%I', n.nspname, c.relname) AS name
+          FROM pg_class c
+          JOIN pg_namespace n ON n.oid = c.relnamespace
+          JOIN pg_roles r ON r.oid = c.relowner
+         WHERE r.rolsuper AND c.relkind IN ('r', 'p', 'v', 'S')
+           AND (n.nspname = 'settlementd'
+                OR (n.nspname = 'public' AND c.relkind = 'v'
+                    AND c.relname IN ('job_runs', 'job_events', 'run_requests', 'run_request_shards',
+                                      'job_params', 'fine_corrections', 'fine_adjustments',
+                                      'fine_journal', 'fine_journal_entries', 'fine_heads',
+                                      'loan_changes', 'member_moves', 'job_pauses',
+                                      'member_fine_statements', 'member_statement_marks',
+                                      'replicas', '_sqlx_migrations', 'settlementd_migrations')))
+           -- A sequence owned by a table goes with it.
+           AND NOT (c.relkind = 'S' AND EXISTS (SELECT FROM pg_depend d
+                                                 WHERE d.objid = c.oid AND d.deptype IN ('a', 'i')
+                                                   AND d.classid = 'pg_class'::regclass))
+    LOOP
+        EXECUTE format('ALTER %s %s OWNER TO settlementd_migrator', obj.kind, obj.name);
+    END LOOP;
+    FOR obj IN
+        SELECT format('%I.%I(%s)', n.nspname, p.proname,
+                      pg_get_function_identity_arguments(p.oid)) AS name
+          FROM pg_proc p
+          JOIN pg_roles r ON r.oid = p.proowner
+          JOIN pg_namespace n ON n.oid = p.pronamespace
+         WHERE r.rolsuper
+           AND (p.pronamespace = 'settlementd'::regnamespace
+                OR (p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'settlementd\\_%'))
+    LOOP
+        EXECUTE format('ALTER FUNCTION %s OWNER TO settlementd_migrator', obj.name);
+    END LOOP;
+END
+$$";
 
 /// True when every embedded migration is applied, in either ledger (what `/readyz` checks).
 /// Migrations a newer release applied as well do not count against it: migrations stay

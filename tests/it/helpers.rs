@@ -48,6 +48,19 @@ async fn admin() -> PgConnection {
         .expect("connect to the test server")
 }
 
+/// Lets every session on database `name` find settlementd's schema first, as the binary's own
+/// sessions do (`settlementd::db::SEARCH_PATH_SQL`): the tests' SQL names settlementd's tables
+/// without their schema. A database's setting is not copied by `CREATE DATABASE … TEMPLATE`, so
+/// each database gets it. The binary never relies on it: [`bare_db`] has none.
+async fn find_settlementd_first(admin: &mut PgConnection, name: &str) {
+    sqlx::query(&format!(
+        "ALTER DATABASE {name} SET search_path = settlementd, public"
+    ))
+    .execute(admin)
+    .await
+    .unwrap();
+}
+
 /// A fresh database per test, cloned from a migrated template.
 pub struct TestDb {
     pub name: String,
@@ -89,6 +102,14 @@ pub async fn test_db() -> TestDb {
 
 /// An empty, unmigrated database (for migration tests).
 pub async fn empty_db() -> (String, String) {
+    let (name, url) = bare_db().await;
+    find_settlementd_first(&mut admin().await, &name).await;
+    (name, url)
+}
+
+/// An empty, unmigrated database whose sessions have PostgreSQL's default search path (`"$user",
+/// public`): what a release before settlementd's schema, or an operator's psql, sees.
+pub async fn bare_db() -> (String, String) {
     let name = format!("e_{:016x}", rand::random::<u64>());
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(&mut admin().await)
@@ -680,6 +701,7 @@ async fn create_database(pg: &EmbeddedPg, name: &str) -> String {
         .execute(&mut admin)
         .await
         .unwrap();
+    find_settlementd_first(&mut admin, name).await;
     pg.url(name)
 }
 
@@ -737,7 +759,7 @@ async fn create_from_template(name: &str, template: &str) {
             .execute(&mut admin)
             .await
         {
-            Ok(_) => return,
+            Ok(_) => return find_settlementd_first(&mut admin, name).await,
             Err(e) if i < 50 && e.to_string().contains("being accessed") => {
                 if i >= 3 {
                     sqlx::query(

@@ -320,18 +320,19 @@ async fn a_dry_run_writes_nothing_every_write_to_settlementds_tables_or_loans_fa
     )
     .await;
     let tables: Vec<String> = sqlx::query_scalar(
-        "SELECT tablename::text FROM pg_tables WHERE schemaname = 'public' ORDER BY 1",
+        "SELECT format('%I.%I', schemaname, tablename) FROM pg_tables
+          WHERE schemaname IN ('public', 'settlementd') ORDER BY 1",
     )
     .fetch_all(pool)
     .await
     .unwrap();
     for needed in [
-        "loans",
-        "job_runs",
-        "job_params",
-        "job_events",
-        "fine_journal",
-        "replicas",
+        "public.loans",
+        "settlementd.job_runs",
+        "settlementd.job_params",
+        "settlementd.job_events",
+        "settlementd.fine_journal",
+        "settlementd.replicas",
     ] {
         assert!(tables.iter().any(|t| t == needed), "{needed} in {tables:?}");
     }

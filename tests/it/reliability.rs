@@ -374,10 +374,13 @@ async fn a_wrong_password_is_one_line_and_exit_2_and_the_password_never_shows() 
         .execute(&mut admin)
         .await
         .unwrap();
-    sqlx::query("GRANT ALL ON ALL TABLES IN SCHEMA public TO settler")
-        .execute(&mut admin)
-        .await
-        .unwrap();
+    sqlx::raw_sql(
+        "GRANT ALL ON ALL TABLES IN SCHEMA public, settlementd TO settler;
+         GRANT USAGE ON SCHEMA settlementd TO settler",
+    )
+    .execute(&mut admin)
+    .await
+    .unwrap();
     // The cluster trusts local connections; make this role prove its password.
     let hba = cluster.pg.data_dir().join("pg_hba.conf");
     let rules = std::fs::read_to_string(&hba).unwrap();
