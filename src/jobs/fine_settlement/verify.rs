@@ -81,6 +81,10 @@ pub struct Verification {
     pub edits_waiting: Found,
     /// Settled loans of the month without any journal entry.
     pub unjournaled: Found,
+    /// settlementd's triggers on `loans` that are missing, disabled or changed
+    /// ([`crate::db::Guards`]): libraryd's edits of settled loans are not queued while they are,
+    /// so the record may no longer follow the loans, whatever else this month shows.
+    pub loans_triggers: Vec<String>,
 }
 
 impl Verification {
@@ -99,6 +103,7 @@ impl Verification {
             ]
             .iter()
             .all(|f| f.count == 0)
+            && self.loans_triggers.is_empty()
     }
 
 }
@@ -192,6 +197,13 @@ async fn read(
     .bind(business_date.date())
     .fetch_one(&mut *tx)
     .await?;
+    let loans_triggers = crate::db::guards(&mut tx)
+        .await
+        .map_err(|e| match e {
+            crate::db::DbError::Query(e) => e,
+            other => sqlx::Error::Protocol(other.to_string()),
+        })?
+        .loans_triggers;
     tx.rollback().await?;
     Ok(Verification {
         business_date: business_date.to_string(),
@@ -210,6 +222,7 @@ async fn read(
         broken: journal.broken,
         edits_waiting,
         unjournaled: Found::new(unjournaled.0, unjournaled.1),
+        loans_triggers,
     })
 }
 
@@ -476,6 +489,13 @@ impl Report for Verification {
     /// What is wrong, in one line; `None` when the month is right.
     fn problems(&self) -> Option<String> {
         let mut parts = Vec::new();
+        if !self.loans_triggers.is_empty() {
+            parts.push(format!(
+                "settlementd's triggers on loans are not as migrate left them, so libraryd's \
+                 edits of settled loans are not queued: {}",
+                self.loans_triggers.join("; ")
+            ));
+        }
         if self.mismatched > 0 {
             parts.push(format!(
                 "{} settled fines differ from the rule (net {:+} cents)",
@@ -526,6 +546,7 @@ impl Report for Verification {
             },
             "unsettled": v.unsettled,
             "held": v.held,
+            "loans_triggers": v.loans_triggers,
             "journal": {
                 "off_journal": v.off_journal,
                 "stale": v.stale,
@@ -609,6 +630,14 @@ impl Report for Verification {
             "settled loans without a journal entry",
             &v.unjournaled,
         );
+        let _ = writeln!(
+            out,
+            "settlementd's triggers on loans not as migrate left them: {}",
+            v.loans_triggers.len()
+        );
+        for which in &v.loans_triggers {
+            let _ = writeln!(out, "  {which}");
+        }
         out
     }
 
