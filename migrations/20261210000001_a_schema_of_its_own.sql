@@ -504,6 +504,12 @@ BEGIN
             EXECUTE pg_catalog.format(
                 'GRANT EXECUTE ON FUNCTION settlementd.trigger_definition(pg_catalog.oid) TO %I',
                 pg_catalog.pg_get_userbyid(g.grantee));
+            -- Whoever may append to the journal may insert the first heads of the loans it
+            -- settles (the heads trigger makes a head of any entry appended anyway).
+            IF g.rel = 'fine_journal' AND g.privilege_type = 'INSERT' THEN
+                EXECUTE pg_catalog.format('GRANT INSERT ON settlementd.fine_heads TO %I',
+                                          pg_catalog.pg_get_userbyid(g.grantee));
+            END IF;
         END IF;
     END LOOP;
     FOR g IN

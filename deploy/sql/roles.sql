@@ -33,8 +33,11 @@
 --   fine_corrections SELECT, INSERT, UPDATE (corrections by key; UPDATE marks one complete)
 --   fine_adjustments SELECT, INSERT (every fine a correction changed: append-only)
 --   fine_journal     SELECT, INSERT (the money journal: every change to a fine, append-only)
---   fine_heads       SELECT (each loan's last entry on the record, kept by a trigger on the journal
---                    that runs as its owner)
+--   fine_heads       SELECT, INSERT (each loan's last entry on the record, kept by a trigger on
+--                    the journal that runs as its owner; a batch of loans the journal never knew
+--                    inserts their first heads itself. INSERT gives nothing INSERT on the journal
+--                    does not: the trigger makes a head of any entry inserted. Never UPDATE or
+--                    DELETE)
 --   loan_changes     SELECT, DELETE (libraryd's edits of settled loans, queued by settlementd's
 --                    triggers on loans; a re-pricing deletes what it did)
 --   member_moves     SELECT (settled loans moved to another member, kept by a trigger on loans
@@ -238,7 +241,7 @@ BEGIN
                               ('fine_corrections', 'SELECT, INSERT, UPDATE'),
                               ('fine_adjustments', 'SELECT, INSERT'),
                               ('fine_journal', 'SELECT, INSERT'),
-                              ('fine_heads', 'SELECT'),
+                              ('fine_heads', 'SELECT, INSERT'),
                               ('loan_changes', 'SELECT, DELETE'),
                               ('member_moves', 'SELECT'),
                               ('loans_triggers', 'SELECT'),

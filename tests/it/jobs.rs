@@ -1221,7 +1221,7 @@ async fn a_month_held_by_a_correction_is_not_closed_for_the_statements_nor_for_j
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_deleted_loan_makes_the_statements_recompute_every_member_of_the_shard() {
+async fn a_deleted_loan_makes_the_statements_recompute_only_the_member_its_deletion_entry_names() {
     let db = test_db().await;
     let oct = bd("2026-10-31");
     seed_month_alone(&db.pool, oct, 300, 1).await;
@@ -1245,19 +1245,20 @@ async fn a_deleted_loan_makes_the_statements_recompute_every_member_of_the_shard
         .unwrap();
     let report = run_month(&db.url, &[], SETTLEMENT, oct);
     assert_eq!(report["late_returns"].as_u64(), Some(1), "{report}");
-    // Its member is gone with it: every member of the shard is computed again.
-    let members = count(
-        &db.pool,
-        "SELECT count(*) FROM (
-             SELECT member_id::bigint FROM loans
-              WHERE returned_on BETWEEN '2026-10-01' AND '2026-10-31'
-             UNION SELECT member_id FROM member_fine_statements) m",
+    // The deletion's journal entry names the member whose money it took out (before 0.3.0 an
+    // entry named none, and every member of the shard was computed again): that member alone.
+    let named: Vec<Option<i64>> = sqlx::query_scalar(
+        "SELECT member_id FROM fine_journal_entries WHERE loan_id = $1 AND kind = 'deleted'",
     )
-    .await;
+    .bind(loan)
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(named, vec![Some(member)]);
     let report = run_month(&db.url, &[], STATEMENTS, oct);
     assert_eq!(
         (report["scanned"].as_i64(), report["updated"].as_u64()),
-        (Some(members), Some(1)),
+        (Some(1), Some(1)),
         "{report}"
     );
     let after = statements_of(&db.pool, oct).await;

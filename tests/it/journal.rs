@@ -1321,13 +1321,17 @@ async fn verify_names_a_configured_rule_that_differs_from_the_pin_and_stays_righ
     assert_eq!(
         keys(&report["journal"]),
         [
+            "balanced",
             "broken",
             "edits_waiting",
+            "net_cents",
             "off_journal",
+            "record_cents",
             "stale",
             "unjournaled"
         ]
     );
+    assert_eq!(report["journal"]["balanced"], true, "{report}");
     assert_eq!(
         report["journal"]["stale"],
         serde_json::json!({"count": 0, "ids": []})

@@ -261,16 +261,22 @@ async fn a_loan_deleted_and_recreated_under_its_id_is_counted_once() {
     assert_eq!(status_totals(&db.url), totals);
     assert_eq!(table_totals(&db.pool).await, totals);
     assert_eq!(statements(&db.pool).await, stated);
-    // Settled again from where its money stood; the deletion libraryd's transaction queued is then
-    // taken as an edit of the loan it finds (priced to the same fine, still on the chain).
+    // Settled again from where its money stood, once: the deletion libraryd's transaction queued
+    // is superseded by pricing the loan as it is now, and goes with that batch (one entry per
+    // loan per run).
     assert_eq!(
         entries(&db.pool, id).await,
         vec![
             entry(1, "settled", "2026-10-01", 0, fine),
             entry(2, "late", "2026-10-01", fine, fine),
-            entry(3, "repriced", "2026-10-01", fine, fine),
         ]
     );
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM loan_changes WHERE loan_id = $1")
+        .bind(id)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(queued, 0, "the superseded edit is gone with the batch");
     assert_journal_whole(&db.pool).await;
     assert_verified(&db.url, &[], OCTOBER);
     assert_statements_right(&db.url);

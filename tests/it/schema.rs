@@ -33,8 +33,8 @@ async fn explain_batch(
     let sql = BatchSql::of(walk);
     let month_key = month.first_day().and_time(chrono::NaiveTime::MIN);
     let page = [low, high, shards, shard, batch];
-    let last: Option<i64> =
-        sqlx::query_scalar(&format!("SELECT last FROM ({}) p(n, last)", sql.page))
+    let (last, known): (Option<i64>, bool) =
+        sqlx::query_as(&format!("SELECT last, known FROM ({}) p(n, last, known)", sql.page))
             .persistent(false)
             .bind(month_key)
             .bind(low)
@@ -62,7 +62,10 @@ async fn explain_batch(
             rule.daily_rate_cents,
             rule.max_cents,
         ];
-        for statement in [&sql.odd, &sql.settle] {
+        // The settle statement the engine picks for the page: `settle` when a loan of it is
+        // known to the journal, `settle_fresh` when none is.
+        let settle = if known { &sql.settle } else { &sql.settle_fresh };
+        for statement in [&sql.odd, settle] {
             plans.push(first_column(&mut tx, &explain(statement), month_key, &numbers).await);
         }
     }
@@ -115,8 +118,10 @@ fn assert_month_index_only(plan: &Value) -> i64 {
         .filter(|n| n["Node Type"].as_str().is_some_and(|t| t.ends_with("Scan")))
         .filter(|n| n["Node Type"].as_str() != Some("Tid Scan"))
         .filter(|n| n["Relation Name"].as_str() == Some("loans") || n["Index Name"].is_string())
-        // The heads a batch's entries continue, by primary key (`fine_heads`).
+        // The heads a batch's entries continue, by primary key (`fine_heads`), and the edits
+        // queued for loans the journal knew, by loan (`loan_changes`), which the batch supersedes.
         .filter(|n| n["Relation Name"].as_str() != Some("fine_heads"))
+        .filter(|n| n["Relation Name"].as_str() != Some("loan_changes"))
         .collect();
     assert!(!scans.is_empty(), "{plan:#}");
     let mut read = 0;
@@ -340,7 +345,8 @@ async fn settle_plans(pool: &PgPool, job: &FineSettlement, begin: &str) -> (i64,
         assert_eq!(batch.scanned, u64::from(job.batch_size));
         cursor = batch.cursor;
     }
-    let settle = &BatchSql::of(Walk::of_shard(1)).settle;
+    // The month's loans are new to the journal: every batch is `settle_fresh`.
+    let settle = &BatchSql::of(Walk::of_shard(1)).settle_fresh;
     let plans: (i64, i64) = sqlx::query_as(
         "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
     )

@@ -81,28 +81,28 @@ pub fn rule_identity(rule: &FineRule) -> serde_json::Value {
 }
 
 /// The seq of loan `l`'s next entry: one past its head on the record (`fine_heads`), whatever its
-/// row says (`loans.fine_seq` is kept equal to it for readers and the release before this one).
+/// row says (`loans.fine_seq` is kept equal to the last entry's seq for readers and the release
+/// before this one). Used by the opening entries.
 pub const HEAD_SEQ_NEXT: &str =
     "COALESCE((SELECT h.seq FROM fine_heads h WHERE h.loan_id = l.id), 0) + 1";
 
-/// Loan `l`'s money on the record before an entry: its head's `after_cents` (0 for a loan the
-/// journal does not know), so that each entry's `before` is the previous entry's `after`.
-pub const HEAD_AFTER: &str =
-    "COALESCE((SELECT h.after_cents FROM fine_heads h WHERE h.loan_id = l.id), 0)";
+/// Whether head `h`'s money leaves its place when loan `l` (with member `member`) is priced in the
+/// month `$1`: the head prices money (neither a reversal nor a deletion, and not 0) in another
+/// month, or for another member. Such a change writes two entries in one statement: the money out
+/// of the head's month and member (`reversed`), and the loan's fine into the new place. A head
+/// without a member (written by a release before 0.3.0) is the loan's member.
+pub fn leaves(h: &str, member: &str) -> String {
+    format!(
+        "({h}.after_cents <> 0 AND {h}.kind NOT IN ('reversed', 'deleted')
+          AND NOT ({h}.month = $1::date AND COALESCE({h}.member_id, {member}) = {member}))"
+    )
+}
 
-/// `INSERT INTO fine_journal` of the rows of CTE `from` (columns `id`, `seq`, `due_on`,
-/// `returned_on`, `before`, `after`), one journal row when it has any. The other arguments are SQL
-/// expressions (parameters, casts or literals).
-pub fn insert_from(
-    from: &str,
-    month: &str,
-    kind: &str,
-    rule: &str,
-    shards: &str,
-    attempt: &str,
-    correction_key: &str,
-) -> String {
-    // The six aggregates read the rows in one pass, so the arrays line up without sorting.
+/// `INSERT INTO fine_journal` of the entries of CTE `from` (columns `month`, `kind`, `rule`, `id`,
+/// `seq`, `due_on`, `returned_on`, `before`, `after`, `member`), one journal row per month, kind
+/// and rule it has. `shards`, `attempt` and `correction_key` are SQL expressions.
+pub fn insert_entries(from: &str, shards: &str, attempt: &str, correction_key: &str) -> String {
+    // The aggregates read the rows in one pass, so the arrays line up without sorting.
     let at_least = if mutant::planted(Mutant::SkipJournal) {
         2
     } else {
@@ -110,14 +110,69 @@ pub fn insert_from(
     };
     format!(
         "INSERT INTO fine_journal (month, kind, rule, shards, attempt, correction_key, loan_ids,
-                                   seqs, due_on, returned_on, before_cents, after_cents)
-         SELECT {month}, {kind}, {rule}, {shards}, {attempt}, {correction_key},
+                                   seqs, due_on, returned_on, before_cents, after_cents, member_ids)
+         SELECT month, kind, rule, {shards}, {attempt}, {correction_key},
                 array_agg(id), array_agg(seq), array_agg(due_on), array_agg(returned_on),
-                array_agg(before), array_agg(after)
+                array_agg(before), array_agg(after), array_agg(member)
            FROM {from}
+          GROUP BY month, kind, rule
          HAVING count(*) >= {at_least}"
     )
 }
+
+/// The CTEs that write the entries of loans a statement settled along the month index (a batch
+/// of the month's run, whose `UPDATE` is the CTE `settled`, named by the argument: columns `id`, `member_id`, `due_on`,
+/// `returned_on`, `after`, `seq` — the seq it gave the loan — and `head`, the loan's head row as
+/// it was, NULL for a loan the journal does not know): `walked` (each loan's place before), the
+/// entries (`{prefix}entries`: the fine into the month for the loan's member, continuing the head
+/// when it was there; and, for a loan whose head held money in another month or for another
+/// member, that money out of it first), their journal rows, and the edits queued for loans the
+/// journal knew, which pricing the loan as it is now supersedes. `$1` month, `$4` shard count,
+/// `$9`..`$11` kind, rule identity and attempt.
+pub fn walked_entries(prefix: &str, settled: &str) -> String {
+    let p = prefix;
+    let leaves = leaves("(s.head)", "s.member_id");
+    format!(
+        "{p}walked AS MATERIALIZED (
+             SELECT s.id, s.member_id, s.due_on, s.returned_on, s.after, s.seq,
+                    (s.head).loan_id IS NOT NULL AS had_head,
+                    COALESCE({leaves}, false) AS moves,
+                    COALESCE((s.head).month = $1::date
+                             AND COALESCE((s.head).member_id, s.member_id) = s.member_id, false)
+                      AS same_place,
+                    COALESCE((s.head).after_cents, 0) AS head_after, (s.head).month AS head_month,
+                    COALESCE((s.head).member_id, s.member_id) AS head_member
+               FROM {settled} s
+         ), {p}entries AS (
+             SELECT $1::date AS month, $9::text AS kind, $10::jsonb AS rule, id, seq, due_on,
+                    returned_on, CASE WHEN same_place THEN head_after ELSE 0 END AS before, after,
+                    member_id::bigint AS member
+               FROM {p}walked
+             UNION ALL
+             SELECT head_month, 'reversed', NULL::jsonb, id, seq - 1, due_on, returned_on,
+                    head_after, 0::bigint, head_member::bigint
+               FROM {p}walked WHERE moves
+         ), {p}journal AS ({insert}
+         ), {p}dequeued AS (
+             DELETE FROM loan_changes c
+              USING (SELECT id FROM {p}walked WHERE had_head) k WHERE c.loan_id = k.id
+         )",
+        insert = insert_entries(&format!("{p}entries"), "$4::int", "$11::int", "NULL::text"),
+    )
+}
+
+/// The seq a batch's `UPDATE` gives loan `l` priced in the month `$1`: one past its head, two
+/// when the head's money leaves its place first ([`leaves`]). One probe of `fine_heads`.
+pub fn walk_seq() -> String {
+    format!(
+        "(SELECT COALESCE(max(h.seq), 0) + 1 + COALESCE(bool_or({}), false)::int
+            FROM fine_heads h WHERE h.loan_id = l.id)",
+        leaves("h", "l.member_id")
+    )
+}
+
+/// Loan `l`'s head row (`fine_heads`) for a batch's `RETURNING`, NULL when it has none.
+pub const HEAD_ROW: &str = "(SELECT h FROM fine_heads h WHERE h.loan_id = l.id)";
 
 /// Who writes a batch of re-pricings: the month, the rule it prices under, the run.
 #[derive(Debug, Clone)]
@@ -174,16 +229,22 @@ pub enum Source<'a> {
 /// Re-prices the loans of `source` under `by.rule` inside the caller's (fenced) transaction, and
 /// writes their journal entries (and, for a correction, a `fine_adjustments` row for each fine
 /// whose cents change: none where old = new) in the same statement:
-/// - a settled loan still returned in the month with dates the rule can price: the rule's fine
-///   (`repriced`; for a correction `corrected`, only when it changes);
-/// - a settled loan that is not: unsettled again, fine 0 (`reversed`);
-/// - a loan queued as deleted that is gone: its fine taken out (`deleted`);
-/// - an unsettled return of the month the rule can price (corrections only): settled (`corrected`).
+/// - a loan returned in the month with dates the rule can price (settled, or a correction's
+///   unsettled return): the rule's fine, for its member now (`repriced`; for a correction
+///   `corrected`, only when it changes or its money is not where it belongs); when its money on
+///   the record is in another month or for another member (a member merge, a loan re-created),
+///   that money is taken out of there first, in the same statement ([`Pricing`]);
+/// - a settled loan that is not, or one unsettled by hand whose money is still on the record:
+///   unsettled (again), fine 0, its money taken out of the month and member that held it
+///   (`reversed`);
+/// - a loan queued as deleted that is gone: its fine taken out where it was (`deleted`).
 ///
-/// Queued edits of the loans it took are deleted: from the queue, every edit of each loan it found;
-/// a correction's, only those of the loans it took, still in the month (a loan whose money has
-/// left the month since the correction's plan keeps its edits for its own month's run). Rows are locked (`FOR UPDATE`) before they are
-/// read, so a concurrent edit in libraryd is waited for and priced as it ends.
+/// So each month's entries net to the fines of the loans settled in it, whatever order months
+/// run in. Queued edits of the loans it took are deleted: from the queue, every edit of each loan
+/// it found; a correction's, only those of the loans it took, still in the month (a loan whose
+/// money has left the month since the correction's plan keeps its edits for its own month's
+/// run). Rows are locked (`FOR UPDATE`) before they are read, so a concurrent edit in libraryd is
+/// waited for and priced as it ends.
 pub async fn reprice(
     tx: &mut PgConnection,
     by: &Repricer,
@@ -238,17 +299,6 @@ fn statement(targets: &str, settles_returns: bool) -> String {
         settles_returns,
         lock: "FOR UPDATE OF l",
     };
-    let journal = |from: &str, kind: &str, rule: &str| {
-        insert_from(
-            from,
-            "$1::date",
-            kind,
-            rule,
-            "$2::int",
-            "$9::int",
-            "$10::text",
-        )
-    };
     // The queued edits that go with the batch: every edit of the loans the queue found, and of a
     // correction's only those of the loans it took (`cur`, `gone`). Deleting the edits of every
     // loan it was given dropped another month's edits: a loan corrected in August, since settled
@@ -258,59 +308,49 @@ fn statement(targets: &str, settles_returns: bool) -> String {
     } else {
         "targets"
     };
-    let written = on.written("c", "$10::text");
     format!(
         "WITH {targets}, {pricing},
-         priced AS (
+         updated AS (
              UPDATE loans l
-                SET fine_cents = c.new, fine_settled_at = COALESCE(l.fine_settled_at, now()),
-                    fine_seq = c.next_seq
-               FROM cur c
-              WHERE l.id = c.id AND c.stays AND {written}
-             RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
-                       c.head_after AS before, l.fine_cents::bigint AS after,
-                       CASE WHEN c.settled THEN c.old ELSE 0 END AS was
-         ), reversed AS (
-             UPDATE loans l
-                SET fine_cents = 0, fine_settled_at = NULL, fine_seq = c.next_seq
-               FROM cur c
-              WHERE l.id = c.id AND c.settled AND NOT c.stays
-             RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
-                       c.head_after AS before, 0::bigint AS after, c.old AS was
-         ), journal_priced AS ({priced}
-         ), journal_reversed AS ({reversed}
-         ), journal_deleted AS ({deleted}
+                SET fine_cents = CASE WHEN w.stays THEN w.new ELSE 0 END,
+                    fine_settled_at = CASE WHEN w.stays THEN COALESCE(l.fine_settled_at, now()) END,
+                    fine_seq = w.last_seq
+               FROM written w
+              WHERE l.id = w.id
+         ), journal AS ({journal}
          ), adjusted AS (
              INSERT INTO fine_adjustments
                     (correction_key, loan_id, business_date, old_cents, new_cents)
-             SELECT $10, id, $12, was, after
-               FROM (SELECT id, was, after FROM priced
-                     UNION ALL SELECT id, was, after FROM reversed) x
-              WHERE $10::text IS NOT NULL AND was IS DISTINCT FROM after
+             SELECT $10, id, $12, was, CASE WHEN stays THEN new ELSE 0 END
+               FROM written
+              WHERE $10::text IS NOT NULL AND was IS DISTINCT FROM CASE WHEN stays THEN new ELSE 0 END
          ), dequeued AS (
              DELETE FROM loan_changes c USING {dequeued} t WHERE c.loan_id = t.loan_id
          )
-         SELECT (SELECT count(*) FROM targets), (SELECT count(*) FROM priced),
-                (SELECT count(*) FROM reversed), (SELECT count(*) FROM gone),
+         SELECT (SELECT count(*) FROM targets), (SELECT count(*) FROM written WHERE stays),
+                (SELECT count(*) FROM written WHERE NOT stays), (SELECT count(*) FROM gone),
                 (SELECT count(*) FROM cur WHERE held AND NOT settled),
                 ARRAY(SELECT id FROM cur WHERE held AND NOT settled ORDER BY id
                       LIMIT {held_ids})",
         pricing = on.ctes(),
-        priced = journal("priced", "$11::text", "$8::jsonb"),
-        reversed = journal("reversed", "'reversed'", "NULL::jsonb"),
-        deleted = journal("gone", "'deleted'", "NULL::jsonb"),
+        journal = insert_entries("entries", "$2::int", "$9::int", "$10::text"),
         held_ids = crate::job_layer::HELD_IDS,
     )
 }
 
-/// How the loans of a re-pricing are priced: the CTEs `{prefix}gone` (loans deleted in libraryd:
-/// their money taken out) and `{prefix}cur` (each loan found, its money before and as the rule
-/// makes it, and whether it stays in the month) over CTE `{prefix}targets` (`loan_id`, `seq`).
-/// What a batch writes ([`reprice`]) and what a dry run reports ([`super::preview`]) are these
-/// same expressions; the dry run reads them without a lock and for several shards at once.
+/// How the loans of a re-pricing are priced, as CTEs over CTE `{prefix}targets` (`loan_id`,
+/// `seq`): `{prefix}gone` (loans deleted in libraryd: their money taken out where it was),
+/// `{prefix}cur` (each loan found with its money on the record — its head: seq, cents, month,
+/// member — and as the rule makes it, and whether it stays in the month), `{prefix}written` (the
+/// loans of `cur` whose row and record change) and `{prefix}entries`, every journal entry the
+/// statement writes (columns as [`insert_entries`] reads them, besides `was`, a loan's fine in
+/// `loans` before). What a batch writes ([`reprice`]) and what a dry run reports
+/// ([`super::preview`]) are these same CTEs; the dry run reads them without a lock and for
+/// several shards at once.
 ///
-/// Parameters: `$1` month (first day), `$2` shard count, `$5`..`$7` the rule, and whatever
-/// `shard` puts in the filter of a loan id (`$3`).
+/// Parameters: `$1` month (first day), `$2` shard count, `$5`..`$7` the rule, `$8` its identity,
+/// `$10` the correction key (NULL: a run), `$11` the kind of priced entries, and whatever `shard`
+/// puts in the filter of a loan id (`$3`).
 pub(super) struct Pricing<'a> {
     pub prefix: &'a str,
     pub shard: &'a dyn Fn(&str) -> String,
@@ -327,15 +367,16 @@ impl Pricing<'_> {
         let p = self.prefix;
         let shard = (self.shard)("t.loan_id");
         let lock = self.lock;
-        // Which rows are taken. From the queue: settled ones (their earliest edit says their
-        // money is in the month). A correction's: a loan still at the seq of its last entry in
-        // the month, or a return still unsettled; a loan whose money has left the month since the
-        // plan (re-priced, reversed or settled in another month) is another month's, and so are
-        // its queued edits.
+        // Which rows are taken. From the queue: settled ones, and those unsettled by hand whose
+        // money is still on the record (their earliest edit says their money is in the month). A
+        // correction's: a loan whose head is still the month's last entry of it, or a return
+        // still unsettled; a loan whose money has left the month since the plan (re-priced,
+        // reversed or settled in another month) is another month's, and so are its queued edits.
         let taken = if self.settles_returns {
-            "CASE WHEN t.seq IS NULL THEN l.fine_settled_at IS NULL ELSE l.fine_seq = t.seq END"
+            "CASE WHEN t.seq IS NULL THEN l.fine_settled_at IS NULL ELSE h.seq = t.seq END"
         } else {
-            "l.fine_settled_at IS NOT NULL"
+            "(l.fine_settled_at IS NOT NULL
+              OR (h.after_cents <> 0 AND h.kind NOT IN ('reversed', 'deleted')))"
         };
         // A deletion waiting in the queue is the month's when its loan's money was: any the queue
         // finds (its earliest edit is in the month), a correction's only at its seq.
@@ -344,47 +385,81 @@ impl Pricing<'_> {
         } else {
             "true"
         };
+        // A correction over the journal's loans writes only the fines it changes (and a loan
+        // whose money is not where it belongs). An edit from the queue is always written, its
+        // fine changed or not: the entry carries the loan's new dates, and the journal must
+        // follow them (found by the fault campaign, seed 1018: a due date moved within the grace
+        // days under a correction left the journal's old dates, and verify wrong).
+        let written = if self.settles_returns {
+            "(c.stays AND ($10::text IS NULL OR NOT c.settled OR c.old <> c.new OR NOT c.same_place))
+             OR c.reverses"
+        } else {
+            "c.stays OR c.reverses"
+        };
+        // The member a head of a release before 0.3.0 priced (it kept none): the one the loan had
+        // before its earliest queued edit, else the loan's.
+        let legacy_member = "(SELECT q.old_member_id FROM loan_changes q
+                                WHERE q.loan_id = l.id ORDER BY q.id LIMIT 1)";
         format!(
             "{p}gone AS MATERIALIZED (
                  SELECT DISTINCT ON (c.loan_id) c.loan_id AS id,
                         COALESCE(h.seq, c.old_fine_seq, 0) + 1 AS seq,
                         c.old_due_on AS due_on, c.old_returned_on AS returned_on,
                         COALESCE(h.after_cents, c.old_fine_cents)::bigint AS before,
-                        0::bigint AS after
+                        0::bigint AS after, COALESCE(h.month, c.month) AS month,
+                        COALESCE(h.member_id, c.old_member_id)::bigint AS member
                    FROM loan_changes c JOIN {p}targets t ON t.loan_id = c.loan_id
                    LEFT JOIN fine_heads h ON h.loan_id = c.loan_id
                   WHERE c.deleted AND {gone_taken}
                     AND NOT EXISTS (SELECT 1 FROM loans l WHERE l.id = c.loan_id)
                   ORDER BY c.loan_id, c.id DESC
              ), {p}cur AS MATERIALIZED (
-                 SELECT l.id::bigint AS id, l.member_id, l.due_on, l.fine_cents::bigint AS old,
-                        COALESCE(h.seq, 0) + 1 AS next_seq,
-                        COALESCE(h.after_cents, 0) AS head_after,
-                        l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
-                        (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
-                         AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
-                        CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
-                             THEN NULL ELSE {fine} END AS new
-                   FROM {p}targets t JOIN loans l ON l.id = t.loan_id
-                   LEFT JOIN fine_heads h ON h.loan_id = l.id
-                  WHERE {shard} AND {taken}
-                    {lock}
+                 SELECT c.*,
+                        c.stays AND NOT c.same_place AND c.priced_head AND c.head_after <> 0
+                          AS moves,
+                        NOT c.stays AND (c.settled OR (c.priced_head AND c.head_after <> 0))
+                          AS reverses
+                   FROM (
+                     SELECT l.id::bigint AS id, l.member_id::bigint AS member_id, l.due_on,
+                            l.returned_on, l.fine_cents::bigint AS old,
+                            COALESCE(h.seq, 0) AS head_seq, COALESCE(h.after_cents, 0) AS head_after,
+                            COALESCE(h.month, $1::date) AS head_month,
+                            COALESCE(h.member_id, {legacy_member}, l.member_id)::bigint AS head_member,
+                            COALESCE(h.kind NOT IN ('reversed', 'deleted'), false) AS priced_head,
+                            COALESCE(h.month = $1::date
+                                     AND COALESCE(h.member_id, {legacy_member}, l.member_id)
+                                         = l.member_id, false) AS same_place,
+                            l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
+                            (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
+                             AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
+                            CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
+                                 THEN NULL ELSE {fine} END AS new
+                       FROM {p}targets t JOIN loans l ON l.id = t.loan_id
+                       LEFT JOIN fine_heads h ON h.loan_id = l.id
+                      WHERE {shard} AND {taken}
+                        {lock}
+                   ) c
+             ), {p}written AS MATERIALIZED (
+                 SELECT c.*, c.head_seq + 1 + (c.stays AND c.moves)::int AS last_seq,
+                        CASE WHEN c.settled THEN c.old ELSE 0 END AS was
+                   FROM {p}cur c
+                  WHERE {written}
+             ), {p}entries AS (
+                 SELECT $1::date AS month, $11::text AS kind, $8::jsonb AS rule, w.id, w.last_seq AS seq,
+                        w.due_on, w.returned_on,
+                        CASE WHEN w.same_place THEN w.head_after ELSE 0 END AS before,
+                        w.new AS after, w.member_id AS member, w.was
+                   FROM {p}written w WHERE w.stays
+                 UNION ALL
+                 SELECT w.head_month, 'reversed', NULL::jsonb, w.id, w.head_seq + 1, w.due_on,
+                        w.returned_on, w.head_after, 0::bigint, w.head_member, w.was
+                   FROM {p}written w WHERE w.moves OR w.reverses
+                 UNION ALL
+                 SELECT g.month, 'deleted', NULL::jsonb, g.id, g.seq, g.due_on, g.returned_on,
+                        g.before, g.after, g.member, g.before
+                   FROM {p}gone g
              )"
         )
-    }
-
-    /// Whether the priced row `c` of `cur` is written: a correction over the journal's loans
-    /// writes only the fines it changes. An edit from the queue is always written, its fine
-    /// changed or not: the entry carries the loan's new dates, and the journal must follow them
-    /// (found by the fault campaign, seed 1018: a due date moved within the grace days under a
-    /// correction left the journal's old dates, and verify wrong).
-    /// `correction_key`: the SQL of the key (`NULL`: a run's re-pricing, every row written).
-    pub fn written(&self, c: &str, correction_key: &str) -> String {
-        if self.settles_returns {
-            format!("({correction_key} IS NULL OR NOT {c}.settled OR {c}.old <> {c}.new)")
-        } else {
-            "true".to_string()
-        }
     }
 }
 
@@ -522,6 +597,7 @@ pub fn opening_statement() -> &'static str {
                              ORDER BY id LIMIT $1))
                     AND l.fine_seq IS NULL AND l.fine_settled_at IS NOT NULL
                  RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
+                           l.member_id::bigint AS member,
                            (SELECT h.after_cents FROM fine_heads h WHERE h.loan_id = l.id)
                              AS before,
                            l.fine_cents::bigint AS after,
@@ -532,14 +608,16 @@ pub fn opening_statement() -> &'static str {
                            {unreturned} AS unreturned
              ), journal AS (
                  INSERT INTO fine_journal (month, kind, loan_ids, seqs, due_on, returned_on,
-                                           before_cents, after_cents)
+                                           before_cents, after_cents, member_ids)
                  SELECT month, 'opening', array_agg(id), array_agg(seq), array_agg(due_on),
-                        array_agg(returned_on), array_agg(before), array_agg(after)
+                        array_agg(returned_on), array_agg(before), array_agg(after),
+                        array_agg(member)
                    FROM opened GROUP BY month
              ), queued AS (
                  INSERT INTO loan_changes (loan_id, month, deleted, old_fine_cents, old_fine_seq,
-                                           old_due_on, old_returned_on)
-                 SELECT id, month, false, after, seq, due_on, returned_on FROM opened WHERE unreturned
+                                           old_due_on, old_returned_on, old_member_id)
+                 SELECT id, month, false, after, seq, due_on, returned_on, member
+                   FROM opened WHERE unreturned
              )
              SELECT count(*) FROM opened"
         )

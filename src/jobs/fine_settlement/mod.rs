@@ -49,7 +49,6 @@ use crate::job_layer::{
     Pending, PendingReport, Phrase, Preview, Proof, ProveError, Reopen, Report, Words, HELD_IDS,
 };
 use chrono::{NaiveDate, NaiveDateTime, NaiveTime};
-use journal::{HEAD_AFTER, HEAD_SEQ_NEXT};
 use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgExecutor, PgPool, Postgres};
 use std::borrow::Cow;
@@ -142,7 +141,8 @@ impl Bounds {
         (low, high): (i64, i64),
         limit: i64,
     ) -> sqlx::Result<Page> {
-        let (scanned, last): (i64, Option<i64>) = sqlx::query_as(&BatchSql::of(self.walk).page)
+        let (scanned, last, known): (i64, Option<i64>, bool) =
+            sqlx::query_as(&BatchSql::of(self.walk).page)
             .bind(self.month)
             .bind(low)
             .bind(high)
@@ -151,15 +151,22 @@ impl Bounds {
             .bind(limit)
             .fetch_one(db)
             .await?;
-        Ok(Page { scanned, last })
+        Ok(Page {
+            scanned,
+            last,
+            known,
+        })
     }
 }
 
-/// What a page found: how many entries, and the last id in the walk's order (`None`: none left).
+/// What a page found: how many entries, the last id in the walk's order (`None`: none left), and
+/// whether any of its loans is known to the journal (has a head: [`BatchSql`]'s `settle` rather
+/// than `settle_fresh`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Page {
     scanned: i64,
     last: Option<i64>,
+    known: bool,
 }
 
 /// The next batch's page, read on a spare pooled connection while the current batch settles
@@ -854,9 +861,14 @@ impl FineSettlement {
                 .bind(entries.attempt);
             let (odd, odd_cents, held, held_ids): (i64, i64, i64, Vec<i64>) =
                 odd.fetch_one(&mut *tx).await?;
+            let statement = if page.known {
+                &sql.settle
+            } else {
+                &sql.settle_fresh
+            };
             let rest = numbers
                 .iter()
-                .fold(sqlx::query_as(&sql.settle).bind(bounds.month), |q, n| {
+                .fold(sqlx::query_as(statement).bind(bounds.month), |q, n| {
                     q.bind(*n)
                 })
                 .bind(entries.kind.as_str())
@@ -971,23 +983,32 @@ pub const ODD_ROW: &str = "(l.returned_on < l.borrowed_on OR l.due_on < l.borrow
 /// `±infinity`.
 pub const HELD_ROW: &str = "(l.due_on IS NULL OR NOT isfinite(l.due_on))";
 
-/// The three statements of a batch of one walk.
+/// The statements of a batch of one walk.
 ///
 /// `page`: `$1` month key, `$2`..`$3` the ids still to walk (inclusive), `$4`/`$5` shard count and
-/// index, `$6` batch size. Returns (rows read, last id read); the last id read is the largest of
-/// the page walking up, the smallest walking down. Read-only.
+/// index, `$6` batch size. Returns (rows read, last id read, whether any of them is a loan the
+/// journal knows — has a head in `fine_heads`); the last id read is the largest of the page walking
+/// up, the smallest walking down. Read-only.
 ///
-/// `odd` and `settle`: `$1` month key, `$2`..`$3` the batch's ids (from the remaining range's
-/// start to the page's last id, or from the page's last id to the range's end), `$4`/`$5` shard
-/// count and index, `$6`..`$8` the fine rule, `$9`..`$11` the journal's kind, rule identity and
-/// attempt. `odd` settles the range's [`ODD_ROW`]s, `settle` every row left, each writing the
-/// journal entries of what it settled in the same statement ([`journal`]); `settle` returns how
-/// many it settled.
+/// `odd`, `settle` and `settle_fresh`: `$1` month key, `$2`..`$3` the batch's ids (from the
+/// remaining range's start to the page's last id, or from the page's last id to the range's end),
+/// `$4`/`$5` shard count and index, `$6`..`$8` the fine rule, `$9`..`$11` the journal's kind, rule
+/// identity and attempt. `odd` settles the range's [`ODD_ROW`]s, `settle` every row left, each
+/// writing the journal entries of what it settled in the same statement ([`journal`]) and
+/// returning how many it settled and their cents. `settle_fresh` is `settle` for a page of loans
+/// the journal never knew (what almost every page of a month's first run is): each one's entry is
+/// its first (seq 1, before 0) and its head is written by the statement itself, a plain insert,
+/// with no probe of `fine_heads` per loan; a loan known meanwhile fails the batch at the heads'
+/// primary key (it is then retried with `settle`). `settle` (a page with a loan the journal knows:
+/// a loan re-created, reloaded or unsettled by hand) probes each loan's head, continues it when
+/// the loan's money was in this month for its member, and otherwise takes that money out of where
+/// it was in the same statement; the heads trigger on the journal keeps its heads.
 #[derive(Debug)]
 pub struct BatchSql {
     pub page: String,
     pub odd: String,
     pub settle: String,
+    pub settle_fresh: String,
 }
 
 impl BatchSql {
@@ -1002,36 +1023,29 @@ impl BatchSql {
 
     fn new(order: &str, last: &str) -> BatchSql {
         let page = format!(
-            "/* settle.page */ SELECT count(*), {last}(id)::bigint FROM (
-                 SELECT id FROM loans
+            "/* settle.page */ WITH page AS MATERIALIZED (
+                 SELECT id::bigint AS id FROM loans
                   WHERE {MONTH_KEY} = $1 AND fine_settled_at IS NULL AND returned_on IS NOT NULL
                     AND id + 0 BETWEEN $2 AND $3 AND ($4 = 1 OR (id % $4 + $4) % $4 = $5)
                   ORDER BY id + 0{order}
                   LIMIT $6
-             ) page"
+             )
+             SELECT count(*), {last}(id)::bigint,
+                    EXISTS (SELECT 1 FROM fine_heads h
+                             WHERE h.loan_id = ANY (ARRAY(SELECT id FROM page)))
+               FROM page"
         );
         let range = "date_trunc('month', l.returned_on::timestamp) = $1
                 AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
                 AND l.id + 0 BETWEEN $2 AND $3
                 AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)";
         let fine = FineRule::sql_params(6);
-        let journal = |from: &str| {
-            journal::insert_from(
-                from,
-                "$1::date",
-                "$9::text",
-                "$10::jsonb",
-                "$4::int",
-                "$11::int",
-                "NULL",
-            )
-        };
-        // The entry continues the loan's chain on the record (`fine_heads`), not its row's marks:
-        // a loan reloaded or re-created under an id the journal knows is settled once more, from
-        // where its money stands.
+        let seq = journal::walk_seq();
+        let head = journal::HEAD_ROW;
         let settled = format!(
-            "RETURNING l.id::bigint AS id, l.fine_seq AS seq, l.due_on, l.returned_on,
-                       {HEAD_AFTER} AS before, l.fine_cents::bigint AS after"
+            "RETURNING l.id::bigint AS id, l.member_id::bigint AS member_id, l.due_on,
+                       l.returned_on, l.fine_cents::bigint AS after, l.fine_seq AS seq,
+                       {head} AS head"
         );
         // One pass over the range finds the rare rows that need more than the plain update: held
         // ones (named, left alone) and odd ones (settled here, so that they are counted by what
@@ -1044,8 +1058,7 @@ impl BatchSql {
                   WHERE {range} AND ({HELD_ROW} OR {ODD_ROW})
              ), odd AS (
                  UPDATE loans l
-                    SET fine_cents = {fine}, fine_settled_at = now(),
-                        fine_seq = {HEAD_SEQ_NEXT}
+                    SET fine_cents = {fine}, fine_settled_at = now(), fine_seq = {seq}
                   WHERE l.ctid = ANY (ARRAY(SELECT ctid FROM flagged WHERE NOT held))
                     AND l.returned_on >= $1::date
                     AND l.returned_on < ($1 + interval '1 month')::date
@@ -1053,29 +1066,62 @@ impl BatchSql {
                     AND ($4 = 1 OR (l.id % $4 + $4) % $4 = $5)
                     AND NOT {HELD_ROW} AND {ODD_ROW}
                  {settled}
-             ), journal AS ({journal_odd}
-             )
+             ), {entries}
              SELECT (SELECT count(*) FROM odd), (SELECT {CENTS} FROM odd),
                     (SELECT count(*) FROM flagged WHERE held),
                     ARRAY(SELECT id::bigint FROM flagged WHERE held ORDER BY id LIMIT {HELD_IDS})",
-            journal_odd = journal("odd"),
+            entries = journal::walked_entries("odd_", "odd"),
         );
         let settle = format!(
             "/* settle.batch */ WITH settled AS (
                  UPDATE loans l
-                    SET fine_cents = {fine}, fine_settled_at = now(),
-                        fine_seq = {HEAD_SEQ_NEXT}
+                    SET fine_cents = {fine}, fine_settled_at = now(), fine_seq = {seq}
                   WHERE {range}
                     AND NOT {HELD_ROW}
                  {settled}
-             ), journal AS ({journal_settled}
-             )
+             ), {entries}
              SELECT count(*), {CENTS} FROM settled",
-            journal_settled = journal("settled"),
+            entries = journal::walked_entries("", "settled"),
+        );
+        let at_least = if crate::mutant::planted(crate::mutant::Mutant::SkipJournal) {
+            2
+        } else {
+            1
+        };
+        let settle_fresh = format!(
+            "/* settle.batch */ WITH settled AS (
+                 UPDATE loans l
+                    SET fine_cents = {fine}, fine_settled_at = now(), fine_seq = 1
+                  WHERE {range}
+                    AND NOT {HELD_ROW}
+                 RETURNING l.id::bigint AS id, l.member_id::bigint AS member_id, l.due_on,
+                           l.returned_on, l.fine_cents::bigint AS after
+             ), journal AS (
+                 INSERT INTO fine_journal (month, kind, rule, shards, attempt, loan_ids, seqs,
+                                           due_on, returned_on, before_cents, after_cents,
+                                           member_ids, heads_kept)
+                 SELECT $1::date, $9::text, $10::jsonb, $4::int, $11::int, array_agg(id),
+                        array_agg(1), array_agg(due_on), array_agg(returned_on),
+                        array_agg(0::bigint), array_agg(after), array_agg(member_id), true
+                   FROM settled
+                 HAVING count(*) >= {at_least}
+                 RETURNING id
+             ), heads AS (
+                 INSERT INTO fine_heads (loan_id, journal_id, seq, month, kind, before_cents,
+                                         after_cents, member_id, entries)
+                 SELECT s.id, j.id, 1, $1::date, $9::text, 0, s.after, s.member_id, 1
+                   FROM settled s, journal j
+             )
+             SELECT count(*), {CENTS} FROM settled"
         );
         #[cfg(feature = "bench-unjournaled")]
-        let settle = unjournaled(&settle);
-        BatchSql { page, odd, settle }
+        let (settle, settle_fresh) = (unjournaled(&settle), unjournaled(&settle_fresh));
+        BatchSql {
+            page,
+            odd,
+            settle,
+            settle_fresh,
+        }
     }
 }
 

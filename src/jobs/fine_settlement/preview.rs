@@ -15,7 +15,7 @@
 //! settle`, case `D`, measures it against `L`.
 
 use super::correction::loans_of_month;
-use super::journal::{queue_targets, Pricing, HEAD_AFTER};
+use super::journal::{self, queue_targets, rule_identity, Pricing};
 use super::{parse_sum, HELD_ROW, MONTH_KEY_L, ODD_ROW};
 use crate::calendar::BusinessDate;
 use crate::fine::FineRule;
@@ -89,6 +89,9 @@ pub struct MemberChange {
 #[derive(Debug, Clone, Default)]
 pub struct MonthPreview {
     pub by_shard: BTreeMap<u32, BTreeMap<String, Kind>>,
+    /// Loans written per shard, each once: a loan whose money leaves another month or member as
+    /// it is settled has two entries (`reverse` there, `settle` here) and is one write.
+    pub writes_by_shard: BTreeMap<u32, u64>,
     pub odd_rows: BTreeMap<u32, u64>,
     pub held: Vec<Held>,
     pub members_changed: u64,
@@ -104,14 +107,9 @@ fn kinds(writer: Writer) -> &'static [&'static str] {
 }
 
 impl MonthPreview {
-    /// Loans it would write, over every shard (held ones are left as they are).
+    /// Loans it would write, over every shard, each once (held ones are left as they are).
     pub fn writes(&self) -> u64 {
-        self.by_shard
-            .values()
-            .flat_map(|kinds| kinds.iter())
-            .filter(|(kind, _)| kind.as_str() != "hold")
-            .map(|(_, k)| k.loans)
-            .sum()
+        self.writes_by_shard.values().sum()
     }
 
     /// As the job layer shows it ([`crate::job_layer::dry`]).
@@ -175,7 +173,10 @@ impl MonthPreview {
             "odd_rows".into(),
             self.odd_rows.get(&shard).copied().unwrap_or(0).into(),
         );
-        out.insert("writes".into(), written.loans.into());
+        out.insert(
+            "writes".into(),
+            self.writes_by_shard.get(&shard).copied().unwrap_or(0).into(),
+        );
         out.insert("fine_cents".into(), number(written.after_cents));
         out.insert("net_cents".into(), number(written.net_cents()));
         out
@@ -310,8 +311,17 @@ fn any_shard(id: &str) -> String {
 }
 
 /// The statement of `writer`'s preview. Parameters: `$1` month (first day), `$2` shard count,
-/// `$3` the shards (int[]), `$4` how many held loans to list, `$5`..`$7` the rule, `$8` how many
-/// members to list.
+/// `$3` the shards (int[]), `$4` how many held loans to list, `$5`..`$7` the rule, `$8` its
+/// identity, `$9` how many members to list, `$10` the correction's key (NULL for a run), `$11`
+/// the kind of the entries it prices.
+///
+/// A run's loans are what its batches write, entry by entry (each one's money on the record
+/// before and after): its unsettled returns as a batch settles them (continuing a head that was
+/// in the month for the loan's member, else from 0, with the head's money taken out of where it
+/// was), then its queued edits as [`Pricing`] prices them — except those of loans the walk
+/// settles, whose edits the walk supersedes. A correction's are what it writes per loan: the
+/// fine in `loans` before (`was`, which a fine edited by hand makes differ from the record) and
+/// after, as its `fine_adjustments` rows record them.
 fn statement(writer: Writer) -> String {
     let fine = FineRule::sql_params(5);
     let shard_of = |id: &str| format!("(({id} % $2 + $2) % $2)::int");
@@ -321,45 +331,61 @@ fn statement(writer: Writer) -> String {
         settles_returns: false,
         lock: "",
     };
-    let queued = |kind_priced: &str| {
+    let kind_of = "CASE e.kind WHEN 'repriced' THEN 'reprice' WHEN 'corrected' THEN 'correct'
+                        WHEN 'reversed' THEN 'reverse' ELSE 'delete' END";
+    // A correction's loans, once each: as its fine_adjustments rows see them.
+    let per_loan = |p: &str| {
         format!(
-            "SELECT {shard}, CASE WHEN c.stays THEN '{kind_priced}' ELSE 'reverse' END, c.id,
-                    c.member_id, c.head_after, CASE WHEN c.stays THEN c.new ELSE 0 END, false,
-                    NULL::date
-               FROM q_cur c
+            "SELECT {shard}, CASE WHEN w.stays THEN 'correct' ELSE 'reverse' END, w.id, w.member_id,
+                    w.was, CASE WHEN w.stays THEN w.new ELSE 0 END, false, NULL::date
+               FROM {p}written w
              UNION ALL
-             SELECT {gone}, 'delete', g.id, NULL::bigint, g.before, 0::bigint, false, NULL::date
-               FROM q_gone g",
-            shard = shard_of("c.id"),
+             SELECT {gone}, 'delete', g.id, g.member, g.before, 0::bigint, false, NULL::date
+               FROM {p}gone g",
+            shard = shard_of("w.id"),
             gone = shard_of("g.id"),
         )
     };
     let (ctes, moves) = match writer {
         Writer::Run => (
             format!(
-                "{targets}, {pricing},
-                 returns AS MATERIALIZED (
-                     SELECT {shard} AS shard, l.id::bigint AS id, l.member_id,
+                "returns AS MATERIALIZED (
+                     SELECT {shard} AS shard, l.id::bigint AS id, l.member_id::bigint AS member_id,
                             {HELD_ROW} AS held, {ODD_ROW} AS odd, l.due_on,
-                            {HEAD_AFTER}::bigint AS before,
-                            CASE WHEN {HELD_ROW} THEN NULL ELSE {fine} END AS after
-                       FROM loans l
+                            CASE WHEN {HELD_ROW} THEN NULL ELSE {fine} END AS after,
+                            COALESCE(h.after_cents, 0) AS head_after, h.month AS head_month,
+                            COALESCE(h.member_id, l.member_id)::bigint AS head_member,
+                            COALESCE({leaves}, false) AS moves,
+                            COALESCE(h.month = $1::date
+                                     AND COALESCE(h.member_id, l.member_id) = l.member_id, false)
+                              AS same_place
+                       FROM loans l LEFT JOIN fine_heads h ON h.loan_id = l.id
                       WHERE {MONTH_KEY_L} = $1::date::timestamp
                         AND l.fine_settled_at IS NULL AND l.returned_on IS NOT NULL
                         AND {any}
-                 )",
-                targets = queue_targets("q_", &any_shard, "ALL"),
+                 ), {targets},
+                 q_targets AS MATERIALIZED (
+                     SELECT t.* FROM q0_targets t
+                      WHERE NOT EXISTS (SELECT 1 FROM returns r WHERE r.id = t.loan_id AND NOT r.held)
+                 ), {pricing}",
+                targets = queue_targets("q0_", &any_shard, "ALL"),
                 pricing = queue.ctes(),
                 shard = shard_of("l.id"),
                 any = any_shard("l.id"),
+                leaves = journal::leaves("h", "l.member_id"),
             ),
             format!(
                 "SELECT shard, CASE WHEN held THEN 'hold' ELSE 'settle' END, id, member_id,
-                        before, COALESCE(after, before), odd AND NOT held,
-                        CASE WHEN held THEN due_on END
+                        CASE WHEN same_place AND NOT held THEN head_after ELSE 0 END,
+                        COALESCE(after, 0), odd AND NOT held, CASE WHEN held THEN due_on END
                    FROM returns
-                 UNION ALL {}",
-                queued("reprice")
+                 UNION ALL
+                 SELECT shard, 'reverse', id, head_member, head_after, 0::bigint, false, NULL::date
+                   FROM returns WHERE moves AND NOT held
+                 UNION ALL
+                 SELECT {shard}, {kind_of}, e.id, e.member, e.before, e.after, false, NULL::date
+                   FROM q_entries e",
+                shard = shard_of("e.id"),
             ),
         ),
         Writer::Correction => {
@@ -369,8 +395,6 @@ fn statement(writer: Writer) -> String {
                 settles_returns: true,
                 lock: "",
             };
-            // A correction's key is never NULL: only the fines it changes are written.
-            let written = loans.written("c", "'dry run'::text");
             (
                 format!(
                     "{targets}, {queue_pricing},
@@ -386,22 +410,13 @@ fn statement(writer: Writer) -> String {
                 format!(
                     "{queued}
                      UNION ALL
-                     SELECT {shard}, CASE WHEN c.stays THEN 'correct' WHEN c.settled THEN 'reverse'
-                                          ELSE 'hold' END,
-                            c.id, c.member_id, c.head_after,
-                            CASE WHEN c.stays THEN c.new WHEN c.settled THEN 0
-                                 ELSE c.head_after END,
-                            false, CASE WHEN NOT c.stays AND NOT c.settled THEN c.due_on END
-                       FROM p_cur c
-                      WHERE (c.stays AND {written}) OR (c.settled AND NOT c.stays)
-                         OR (c.held AND NOT c.settled)
+                     {loans}
                      UNION ALL
-                     SELECT {gone}, 'delete', g.id, NULL::bigint, g.before, 0::bigint, false,
-                            NULL::date
-                       FROM p_gone g",
-                    queued = queued("correct"),
+                     SELECT {shard}, 'hold', c.id, c.member_id, 0::bigint, 0::bigint, false, c.due_on
+                       FROM p_cur c WHERE c.held AND NOT c.settled",
+                    queued = per_loan("q_"),
+                    loans = per_loan("p_"),
                     shard = shard_of("c.id"),
-                    gone = shard_of("g.id"),
                 ),
             )
         }
@@ -414,7 +429,8 @@ fn statement(writer: Writer) -> String {
         "/* {name} */ WITH {ctes},
          moves (shard, kind, id, member_id, before, after, odd, due_on) AS MATERIALIZED ({moves}),
          members AS (
-             SELECT member_id, count(*) AS loans, sum(before) AS before, sum(after) AS after
+             SELECT member_id, count(DISTINCT id) AS loans, sum(before) AS before,
+                    sum(after) AS after
                FROM moves WHERE kind <> 'hold' GROUP BY member_id
              HAVING sum(after) <> sum(before)
          )
@@ -424,6 +440,9 @@ fn statement(writer: Writer) -> String {
                             sum(before)::text AS before, sum(after)::text AS after,
                             count(*) FILTER (WHERE odd) AS odd
                        FROM moves GROUP BY shard, kind) k)::text,
+                (SELECT COALESCE(json_agg(w), '[]') FROM (
+                     SELECT shard, count(DISTINCT id) AS loans
+                       FROM moves WHERE kind <> 'hold' GROUP BY shard) w)::text,
                 (SELECT COALESCE(json_agg(h), '[]') FROM (
                      SELECT shard, id,
                             CASE WHEN due_on IS NULL THEN 'no due date'
@@ -433,7 +452,7 @@ fn statement(writer: Writer) -> String {
                 (SELECT count(*) FROM members),
                 (SELECT COALESCE(json_agg(m), '[]') FROM (
                      SELECT member_id, loans, before::text, after::text FROM members
-                      ORDER BY abs(after - before) DESC, member_id NULLS LAST LIMIT $8) m)::text"
+                      ORDER BY abs(after - before) DESC, member_id NULLS LAST LIMIT $9) m)::text"
     )
 }
 
@@ -448,7 +467,11 @@ pub async fn preview(
     rule: &FineRule,
 ) -> sqlx::Result<MonthPreview> {
     let shards: Vec<i32> = shards.iter().map(|s| *s as i32).collect();
-    let (by_kind, held, members_changed, members): (String, String, i64, String) =
+    let (correction_key, priced) = match writer {
+        Writer::Run => (None, journal::Kind::Repriced),
+        Writer::Correction => (Some("dry run"), journal::Kind::Corrected),
+    };
+    let (by_kind, writes, held, members_changed, members): (String, String, String, i64, String) =
         sqlx::query_as(&statement(writer))
             .bind(month.first_day())
             .bind(i64::from(count))
@@ -457,13 +480,24 @@ pub async fn preview(
             .bind(rule.grace_days)
             .bind(rule.daily_rate_cents)
             .bind(rule.max_cents)
+            .bind(rule_identity(rule))
             .bind(TOP_MEMBERS)
+            .bind(correction_key)
+            .bind(priced.as_str())
             .fetch_one(&mut *db)
             .await?;
     let mut out = MonthPreview {
         members_changed: members_changed as u64,
         ..MonthPreview::default()
     };
+    #[derive(serde::Deserialize)]
+    struct Writes {
+        shard: u32,
+        loans: u64,
+    }
+    for w in parse::<Vec<Writes>>(&writes)? {
+        out.writes_by_shard.insert(w.shard, w.loans);
+    }
     #[derive(serde::Deserialize)]
     struct Row {
         shard: u32,
@@ -525,6 +559,7 @@ mod tests {
                 after_cents: 150,
             },
         );
+        found.writes_by_shard.insert(1, 3);
         found.held.push(Held {
             shard: 1,
             id: 17,

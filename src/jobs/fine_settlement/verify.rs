@@ -81,6 +81,12 @@ pub struct Verification {
     pub edits_waiting: Found,
     /// Settled loans of the month without any journal entry.
     pub unjournaled: Found,
+    /// What the month's journal entries net to (each entry's after − before), and the fines its
+    /// loans hold on the record (their last entries in the month): equal when the month's journal
+    /// balances — money that left the month (another return date, a deletion, another member)
+    /// was reversed out of it, and money that came in was settled in it.
+    pub journal_net_cents: i128,
+    pub record_cents: i128,
     /// settlementd's triggers on `loans` that are missing, disabled or changed
     /// ([`crate::db::Guards`]): libraryd's edits of settled loans are not queued while they are,
     /// so the record may no longer follow the loans, whatever else this month shows.
@@ -92,6 +98,7 @@ impl Verification {
     /// waiting or held, and the journal is whole.
     pub fn is_right(&self) -> bool {
         self.mismatched == 0
+            && self.journal_net_cents == self.record_cents
             && [
                 &self.unsettled,
                 &self.held,
@@ -222,6 +229,8 @@ async fn read(
         broken: journal.broken,
         edits_waiting,
         unjournaled: Found::new(unjournaled.0, unjournaled.1),
+        journal_net_cents: journal.journal_net_cents,
+        record_cents: journal.record_cents,
         loans_triggers,
     })
 }
@@ -242,6 +251,10 @@ struct JournalSide {
     off_journal: Found,
     stale: Found,
     broken: Found,
+    /// What the month's entries net to (each one's after − before).
+    journal_net_cents: i128,
+    /// What its loans hold on the record: the fines of the entries that are their loans' heads.
+    record_cents: i128,
 }
 
 impl JournalSide {
@@ -271,6 +284,8 @@ impl JournalSide {
             off_journal: found(self.off_journal, other.off_journal),
             stale: found(self.stale, other.stale),
             broken: found(self.broken, other.broken),
+            journal_net_cents: self.journal_net_cents + other.journal_net_cents,
+            record_cents: self.record_cents + other.record_cents,
         }
     }
 
@@ -326,13 +341,16 @@ async fn journal_side(
     );
     let sql = format!(
         "WITH e AS (
-             SELECT j.id AS jid, j.kind, x.loan_id, x.seq, x.due_on, x.returned_on, x.after_cents
+             SELECT j.id AS jid, j.kind, x.loan_id, x.seq, x.due_on, x.returned_on,
+                    x.before_cents, x.after_cents
                FROM fine_journal j,
-                    unnest(j.loan_ids, j.seqs, j.due_on, j.returned_on, j.after_cents)
-                      AS x(loan_id, seq, due_on, returned_on, after_cents)
+                    unnest(j.loan_ids, j.seqs, j.due_on, j.returned_on, j.before_cents,
+                           j.after_cents)
+                      AS x(loan_id, seq, due_on, returned_on, before_cents, after_cents)
               WHERE j.month = $1 {half}
          ), c AS (
-             SELECT e.kind, e.loan_id, e.seq, e.due_on, e.returned_on, e.after_cents,
+             SELECT e.kind, e.loan_id, e.seq, e.due_on, e.returned_on, e.before_cents,
+                    e.after_cents,
                     h.journal_id IS NOT DISTINCT FROM e.jid AS cur, h.seq AS h_seq,
                     h.breaks AS h_breaks,
                     l.id IS NOT NULL AS present, l.fine_seq AS l_seq,
@@ -346,7 +364,9 @@ async fn journal_side(
          ), f AS (
              -- Each entry's verdicts, computed once (OFFSET 0 keeps the subquery a fence: the
              -- aggregates below read its columns instead of re-evaluating each condition).
-             SELECT loan_id, l_fine, expected, {settled} AS settled, {differs} AS differs,
+             SELECT loan_id, l_fine, expected, before_cents, after_cents,
+                    cur AND kind NOT IN ('reversed', 'deleted') AS on_record,
+                    {settled} AS settled, {differs} AS differs,
                     {off_journal} AS off_journal, {stale} AS stale, {broken} AS broken
                FROM c OFFSET 0
          )
@@ -363,7 +383,9 @@ async fn journal_side(
                 count(DISTINCT loan_id) FILTER (WHERE stale),
                 (array_agg(DISTINCT loan_id) FILTER (WHERE stale))[1:{HELD_IDS}],
                 count(DISTINCT loan_id) FILTER (WHERE broken),
-                (array_agg(DISTINCT loan_id) FILTER (WHERE broken))[1:{HELD_IDS}]
+                (array_agg(DISTINCT loan_id) FILTER (WHERE broken))[1:{HELD_IDS}],
+                COALESCE(sum(after_cents::numeric - COALESCE(before_cents, 0)), 0)::text,
+                COALESCE(sum(after_cents) FILTER (WHERE on_record), 0)::text
            FROM f"
     );
     type Row = (
@@ -380,6 +402,8 @@ async fn journal_side(
         Option<Vec<i64>>,
         i64,
         Option<Vec<i64>>,
+        String,
+        String,
     );
     let row: Row = sqlx::query_as(&sql)
         .bind(business_date.first_day())
@@ -415,6 +439,8 @@ async fn journal_side(
         off_journal: Found::new(row.7, row.8),
         stale: Found::new(row.9, row.10),
         broken: Found::new(row.11, row.12),
+        journal_net_cents: super::parse_sum(&row.13)?,
+        record_cents: super::parse_sum(&row.14)?,
     })
 }
 
@@ -484,6 +510,13 @@ async fn edits_side(tx: &mut PgConnection, business_date: BusinessDate) -> sqlx:
     Ok(Found::new(count, ids))
 }
 
+/// A sum of cents as a JSON number, however large.
+fn number(n: i128) -> serde_json::Value {
+    n.to_string()
+        .parse::<serde_json::Value>()
+        .unwrap_or(serde_json::Value::Null)
+}
+
 /// The month's proof as `verify` shows it ([`Report::into_proof`]).
 impl Report for Verification {
     /// What is wrong, in one line; `None` when the month is right.
@@ -494,6 +527,13 @@ impl Report for Verification {
                 "settlementd's triggers on loans are not as migrate left them, so libraryd's \
                  edits of settled loans are not queued: {}",
                 self.loans_triggers.join("; ")
+            ));
+        }
+        if self.journal_net_cents != self.record_cents {
+            parts.push(format!(
+                "the month's journal does not balance: its entries net {} cents, its loans hold {} \
+                 cents on the record",
+                self.journal_net_cents, self.record_cents
             ));
         }
         if self.mismatched > 0 {
@@ -548,6 +588,9 @@ impl Report for Verification {
             "held": v.held,
             "loans_triggers": v.loans_triggers,
             "journal": {
+                "net_cents": number(v.journal_net_cents),
+                "record_cents": number(v.record_cents),
+                "balanced": v.journal_net_cents == v.record_cents,
                 "off_journal": v.off_journal,
                 "stale": v.stale,
                 "broken": v.broken,
@@ -587,6 +630,17 @@ impl Report for Verification {
             out,
             "returned in the month: {}; settled: rows={} fine_cents_sum={} digest={}",
             v.returned, v.totals.settled_rows, v.totals.fine_cents_sum, v.totals.digest
+        );
+        let _ = writeln!(
+            out,
+            "journal: its entries net {} cents, its loans hold {} cents on the record{}",
+            v.journal_net_cents,
+            v.record_cents,
+            if v.journal_net_cents == v.record_cents {
+                " (balanced)"
+            } else {
+                " (NOT BALANCED)"
+            }
         );
         let _ = writeln!(
             out,
@@ -686,6 +740,8 @@ mod tests {
             off_journal: found(),
             stale: found(),
             broken: found(),
+            journal_net_cents: ids.iter().map(|id| i128::from(*id)).sum(),
+            record_cents: ids.len() as i128,
         }
     }
 
@@ -700,6 +756,10 @@ mod tests {
             (whole.mismatched, whole.mismatch_cents)
         );
         assert_eq!(halves.mismatches, whole.mismatches);
+        assert_eq!(
+            (halves.journal_net_cents, halves.record_cents),
+            (whole.journal_net_cents, whole.record_cents)
+        );
         for (half, all) in [
             (&halves.off_journal, &whole.off_journal),
             (&halves.stale, &whole.stale),

@@ -298,25 +298,34 @@ impl Job for MemberStatements {
         // run recomputes all: it does not know what its predecessor wrote).
         let only: Option<Vec<i64>> = match (claim.reopened, old_mark) {
             (true, Some(old)) => {
-                // The loans' members now, and the members a loan of the month was moved away
-                // from (`member_moves`: their statements still count it).
+                // The members the rows after the mark priced money for or took it from (each
+                // entry names its member: a move writes the old member's entry and the new
+                // one's). A row of a release before 0.3.0 names none: its loan's member now, and
+                // those a loan of the month was moved away from (`member_moves`); a deletion
+                // without a member recomputes every member of the shard.
                 let (members, deletion): (Vec<i64>, bool) = sqlx::query_as(&format!(
                     "WITH e AS MATERIALIZED (
-                         SELECT j.kind, x.loan_id
+                         SELECT j.kind, x.loan_id, x.member_id
                            FROM (SELECT $2::bigint AS journal_id,
                                         $3::text::pg_snapshot AS snapshot) k,
-                                fine_journal j, unnest(j.loan_ids) AS x(loan_id)
+                                fine_journal j,
+                                unnest(j.loan_ids, j.member_ids) AS x(loan_id, member_id)
                           WHERE j.month = $1 AND {AFTER_MARK}
                      )
                      SELECT COALESCE(array_agg(DISTINCT m.member) FILTER (WHERE m.member IS NOT NULL),
                                      '{{}}'),
-                            COALESCE(bool_or(m.deleted), false)
-                       FROM (SELECT l.member_id::bigint AS member, e.kind = 'deleted' AS deleted
-                               FROM e LEFT JOIN loans l ON l.id = e.loan_id
+                            COALESCE(bool_or(m.unknown), false)
+                       FROM (SELECT COALESCE(e.member_id, l.member_id)::bigint AS member,
+                                    e.member_id IS NULL AND e.kind = 'deleted' AS unknown
+                               FROM e
+                               LEFT JOIN LATERAL (SELECT member_id FROM loans
+                                                   WHERE id = e.loan_id AND e.member_id IS NULL) l
+                                 ON true
                              UNION ALL
                              SELECT v.old_member_id, false
                                FROM e JOIN member_moves v
-                                 ON v.loan_id = e.loan_id AND v.month = $1) m"
+                                 ON v.loan_id = e.loan_id AND v.month = $1
+                              WHERE e.member_id IS NULL) m"
                 ))
                 .bind(month.first_day())
                 .bind(old)
@@ -333,19 +342,24 @@ impl Job for MemberStatements {
         };
         // The statements of the month as its journal and loans say now, for the shard's members
         // (or those concerned).
+        // Each loan whose head is in the month and prices money, for the member its entry
+        // names (one before 0.3.0 names none: the loan's), as `proof` proves them.
         let computed: Vec<(i64, i64, String)> = sqlx::query_as(
-            "SELECT l.member_id::bigint, count(*) FILTER (WHERE l.fine_cents > 0),
-                    COALESCE(sum(l.fine_cents), 0)::text
-               FROM (SELECT j.id AS jid, j.kind, x.loan_id
-                       FROM fine_journal j, unnest(j.loan_ids) AS x(loan_id)
-                      WHERE j.month = $1) e
-               JOIN fine_heads h ON h.loan_id = e.loan_id AND h.journal_id = e.jid
-               JOIN loans l ON l.id = e.loan_id AND l.fine_seq = h.seq
-              WHERE e.kind NOT IN ('reversed', 'deleted') AND l.fine_settled_at IS NOT NULL
-                AND l.returned_on BETWEEN $1 AND $2
-                AND ($3 = 1 OR (l.member_id % $3 + $3) % $3 = $4)
-                AND ($5::bigint[] IS NULL OR l.member_id = ANY ($5))
-              GROUP BY l.member_id",
+            "SELECT m.member, count(*) FILTER (WHERE m.after_cents > 0),
+                    COALESCE(sum(m.after_cents), 0)::text
+               FROM (SELECT COALESCE(h.member_id, l.member_id)::bigint AS member, e.after_cents
+                       FROM (SELECT j.id AS jid, j.kind, x.loan_id, x.after_cents
+                               FROM fine_journal j,
+                                    unnest(j.loan_ids, j.after_cents) AS x(loan_id, after_cents)
+                              WHERE j.month = $1) e
+                       JOIN fine_heads h ON h.loan_id = e.loan_id AND h.journal_id = e.jid
+                       LEFT JOIN LATERAL (SELECT member_id FROM loans
+                                           WHERE id = e.loan_id AND h.member_id IS NULL) l ON true
+                      WHERE e.kind NOT IN ('reversed', 'deleted')) m
+              WHERE m.member IS NOT NULL
+                AND ($3 = 1 OR (m.member % $3 + $3) % $3 = $4)
+                AND ($5::bigint[] IS NULL OR m.member = ANY ($5))
+              GROUP BY m.member",
         )
         .bind(month.first_day())
         .bind(month.date())

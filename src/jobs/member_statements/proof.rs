@@ -2,12 +2,14 @@
 //! member owes? Read-only, in one snapshot.
 //!
 //! The truth is the journal alone: each loan whose last entry on the record (its head,
-//! `fine_heads`) is in the month and neither reverses nor deletes it holds that entry's fine there; a member owes the month the sum of their loans'
-//! fines, and has a statement exactly when one of them is above 0 (the job writes no zero rows:
-//! a member left without a fine loses the statement). The member is the loan's, read by primary
-//! key; a loan gone from `loans` without its deletion journaled is the settlement's broken chain
-//! (its `verify` names it), so it is left out here. Cost: the month's journal rows (by
-//! `fine_journal_by_month`), their heads and loans by primary key, and the month's statements (by their
+//! `fine_heads`) is in the month and neither reverses nor deletes it holds that entry's fine
+//! there, for the member the entry priced it for; a member owes the month the sum of their
+//! loans' fines, and has a statement exactly when one of them is above 0 (the job writes no zero
+//! rows: a member left without a fine loses the statement). A loan that moves to another member
+//! or month moves its money with a pair of entries (out of the old place, into the new), so a
+//! statement follows the loan. An entry written before 0.3.0 names no member: the loan's, read
+//! by primary key. Cost: the month's journal rows (by `fine_journal_by_month`), their heads by
+//! primary key (and the loans of entries without a member), and the month's statements (by their
 //! primary key's first column) — never a scan of `loans`.
 
 use super::JOB_NAME;
@@ -151,17 +153,21 @@ impl Report for StatementsProof {
 /// $1: the month's first day, $2: its last.
 const COMPARED: &str = "
     WITH last AS (
-        SELECT x.loan_id, j.kind, x.after_cents
+        SELECT x.loan_id, j.kind, x.after_cents, h.member_id
           FROM fine_journal j
          CROSS JOIN LATERAL unnest(j.loan_ids, j.after_cents) AS x(loan_id, after_cents)
           JOIN fine_heads h ON h.loan_id = x.loan_id AND h.journal_id = j.id
          WHERE j.month = $1
     ), owed AS (
-        SELECT l.member_id AS m, count(*) FILTER (WHERE s.after_cents > 0) AS jf,
+        SELECT COALESCE(s.member_id, l.member_id) AS m,
+               count(*) FILTER (WHERE s.after_cents > 0) AS jf,
                COALESCE(sum(s.after_cents), 0)::bigint AS jc
-          FROM last s JOIN loans l ON l.id = s.loan_id
+          FROM last s
+          LEFT JOIN LATERAL (SELECT member_id FROM loans
+                              WHERE id = s.loan_id AND s.member_id IS NULL) l ON true
          WHERE s.kind NOT IN ('reversed', 'deleted')
-         GROUP BY l.member_id
+           AND COALESCE(s.member_id, l.member_id) IS NOT NULL
+         GROUP BY 1
         HAVING count(*) FILTER (WHERE s.after_cents > 0) > 0
     ), stated AS (
         SELECT member_id AS m, fines AS sf, fine_cents::bigint AS sc
