@@ -22,17 +22,21 @@ pub enum Mutant {
     /// A re-opened month's member statements recompute none of the members its late journal rows
     /// touch, and move the mark past them.
     StatementsReopenSkips,
+    /// A loan's money priced in another month or for another member than its head's continues
+    /// the head where it was priced, instead of being reversed out of the old place first.
+    MoveWithoutReversal,
 }
 
 impl Mutant {
     /// Every planted bug, as `SETTLEMENTD_CAMPAIGN_MUTANT` names them.
-    pub const ALL: [(Mutant, &'static str); 6] = [
+    pub const ALL: [(Mutant, &'static str); 7] = [
         (Mutant::FenceOff, "fence-off"),
         (Mutant::ClaimIgnoresConflict, "claim-ignores-conflict"),
         (Mutant::LeaseLocalClock, "lease-local-clock"),
         (Mutant::SkipJournal, "skip-journal"),
         (Mutant::LateUnderConfigRule, "late-under-config-rule"),
         (Mutant::StatementsReopenSkips, "statements-reopen-skips"),
+        (Mutant::MoveWithoutReversal, "move-without-reversal"),
     ];
 
     /// The bug `SETTLEMENTD_CAMPAIGN_MUTANT` names (`Ok(None)`: unset).

@@ -17,6 +17,7 @@ mod edges;
 mod failover;
 mod fault;
 mod fleet;
+mod follow;
 mod guide;
 mod http_limits;
 mod jobs;

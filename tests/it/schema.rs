@@ -33,18 +33,20 @@ async fn explain_batch(
     let sql = BatchSql::of(walk);
     let month_key = month.first_day().and_time(chrono::NaiveTime::MIN);
     let page = [low, high, shards, shard, batch];
-    let (last, known): (Option<i64>, bool) =
-        sqlx::query_as(&format!("SELECT last, known FROM ({}) p(n, last, known)", sql.page))
-            .persistent(false)
-            .bind(month_key)
-            .bind(low)
-            .bind(high)
-            .bind(shards)
-            .bind(shard)
-            .bind(batch)
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
+    let (last, known): (Option<i64>, bool) = sqlx::query_as(&format!(
+        "SELECT last, known FROM ({}) p(n, last, known)",
+        sql.page
+    ))
+    .persistent(false)
+    .bind(month_key)
+    .bind(low)
+    .bind(high)
+    .bind(shards)
+    .bind(shard)
+    .bind(batch)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
     let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}");
     let mut plans =
         vec![first_column::<Value>(&mut tx, &explain(&sql.page), month_key, &page).await];
@@ -64,7 +66,11 @@ async fn explain_batch(
         ];
         // The settle statement the engine picks for the page: `settle` when a loan of it is
         // known to the journal, `settle_fresh` when none is.
-        let settle = if known { &sql.settle } else { &sql.settle_fresh };
+        let settle = if known {
+            &sql.settle
+        } else {
+            &sql.settle_fresh
+        };
         for statement in [&sql.odd, settle] {
             plans.push(first_column(&mut tx, &explain(statement), month_key, &numbers).await);
         }

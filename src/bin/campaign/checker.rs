@@ -134,6 +134,8 @@ pub struct Entry {
     pub seq: i32,
     pub before: Option<i64>,
     pub after: i64,
+    /// The member the entry's money is for (`None`: an entry that names none).
+    pub member: Option<i64>,
 }
 
 /// One row of `fine_journal`, with the transaction that wrote it (from the campaign's log).
@@ -394,12 +396,14 @@ pub async fn read(
         Vec<i32>,
         Vec<Option<i64>>,
         Vec<Option<i64>>,
+        Vec<Option<i64>>,
     );
     let rows: Vec<JRow> = sqlx::query_as(
         "SELECT j.id, (SELECT l.txid FROM campaign_journal_log l
                         WHERE l.journal_id = j.id AND l.op = 'I' ORDER BY l.n LIMIT 1),
                 j.month, j.kind, j.shards, j.attempt, j.correction_key, j.loan_ids, j.seqs,
-                j.before_cents, j.after_cents
+                j.before_cents, j.after_cents,
+                COALESCE(j.member_ids, array_fill(NULL::bigint, ARRAY[cardinality(j.loan_ids)]))
            FROM fine_journal j ORDER BY j.id",
     )
     .fetch_all(&mut *conn)
@@ -409,11 +413,13 @@ pub async fn read(
             r.7.iter()
                 .zip(&r.8)
                 .zip(r.9.iter().zip(&r.10))
-                .map(|((loan, seq), (before, after))| Entry {
+                .zip(&r.11)
+                .map(|(((loan, seq), (before, after)), member)| Entry {
                     loan: *loan,
                     seq: *seq,
                     before: *before,
                     after: after.unwrap_or(i64::MIN),
+                    member: *member,
                 })
                 .collect();
         facts.journal.push(JournalRow {
@@ -646,6 +652,7 @@ pub fn check(facts: &Facts) -> Vec<Violation> {
     check_fences(facts, &mut out);
     check_transitions(facts, &mut out);
     check_journal(facts, &mut out);
+    check_balance(facts, &mut out);
     check_fines(facts, &mut out);
     check_statements(facts, &mut out);
     check_request_shards(facts, &mut out);
@@ -1010,20 +1017,14 @@ fn check_transitions(f: &Facts, out: &mut Vec<Violation>) {
             w.new_settled.unwrap_or(false),
         );
         let seq = w.new_seq.unwrap_or(0);
-        if seq != w.old_seq.unwrap_or(0) + 1 {
-            report(
-                out,
-                format!(
-                    "loan {}'s fine_seq went {:?} -> {:?} in transaction {}",
-                    w.loan, w.old_seq, w.new_seq, w.txid
-                ),
-            );
-        }
-        let entry = by_loan.get(&w.loan).and_then(|es| {
-            es.iter()
-                .find(|(j, e)| e.seq == seq && j.txid == Some(w.txid))
-        });
-        let Some((j, e)) = entry else {
+        // The entries this transaction wrote for the loan: one, or two when its money left
+        // another month or member first (`reversed` there, then the fine here).
+        let chain = by_loan.get(&w.loan).map(Vec::as_slice).unwrap_or_default();
+        let mine: Vec<&(&JournalRow, Entry)> = chain
+            .iter()
+            .filter(|(j, _)| j.txid == Some(w.txid))
+            .collect();
+        let Some((j, e)) = mine.last().copied() else {
             report(
                 out,
                 format!(
@@ -1033,9 +1034,73 @@ fn check_transitions(f: &Facts, out: &mut Vec<Violation>) {
             );
             continue;
         };
+        let moved = match mine.as_slice() {
+            [_] => false,
+            [(out_row, out_entry), _] => {
+                if out_row.kind != "reversed"
+                    || out_entry.after != 0
+                    || out_entry.seq + 1 != e.seq
+                    || e.before != Some(0)
+                {
+                    report(
+                        out,
+                        format!(
+                            "loan {} has two entries in transaction {} that are not a move \
+                             (out of {} as {} {:?} -> {}, in as {:?} -> {})",
+                            w.loan,
+                            w.txid,
+                            out_row.month,
+                            out_row.kind,
+                            out_entry.before,
+                            out_entry.after,
+                            e.before,
+                            e.after
+                        ),
+                    );
+                }
+                true
+            }
+            more => {
+                report(
+                    out,
+                    format!(
+                        "loan {} has {} entries in transaction {}: one change, one entry \
+                         (two for a move)",
+                        w.loan,
+                        more.len(),
+                        w.txid
+                    ),
+                );
+                continue;
+            }
+        };
+        // The chain before this transaction: its last seq. A row libraryd inserted again (a
+        // reload, a loan re-created under its id) carries no seq of its own.
+        let first_seq = mine[0].1.seq;
+        let prev_seq = chain
+            .iter()
+            .map(|(_, e)| e.seq)
+            .filter(|s| *s < first_seq)
+            .max()
+            .unwrap_or(0);
+        if seq != e.seq
+            || first_seq != prev_seq + 1
+            || w.old_seq.is_some_and(|old_seq| old_seq != prev_seq)
+        {
+            report(
+                out,
+                format!(
+                    "loan {}'s fine_seq went {:?} -> {:?} in transaction {}, its chain was at {prev_seq}",
+                    w.loan, w.old_seq, w.new_seq, w.txid
+                ),
+            );
+        }
         let kind = j.kind.as_str();
-        let before = if old { w.old_fine } else { Some(0) };
-        if e.before.is_some() && e.before != before
+        // The row before, where it is the record's (its seq the chain's): its fine is where the
+        // entry starts, unless the money moved in from elsewhere (then from 0).
+        let before = if moved || !old { Some(0) } else { w.old_fine };
+        let row_is_the_records = w.old_seq == Some(prev_seq);
+        if (row_is_the_records && e.before.is_some() && e.before != before)
             || Some(e.after) != w.new_fine.map(|n| if new { n } else { 0 })
         {
             report(
@@ -1229,6 +1294,49 @@ fn check_journal(f: &Facts, out: &mut Vec<Violation>) {
                 format!("correction {key}'s adjustment of loan {loan} ({old} -> {new}) is not on the journal"),
             ),
         }
+    }
+}
+
+/// Each month's journal balances, member by member: the entries of a (month, member) net to the
+/// fines of the member's loans settled in the month. Money that left a month or a member (another
+/// return date, a deletion, a re-created or merged loan) was reversed out of it, and money that
+/// came in was settled there, whatever order the months ran in.
+fn check_balance(f: &Facts, out: &mut Vec<Violation>) {
+    let mut journal: BTreeMap<(NaiveDate, Option<i64>), i64> = BTreeMap::new();
+    for j in &f.journal {
+        for e in &j.entries {
+            let member = e.member.or_else(|| f.loans.get(&e.loan).map(|l| l.member));
+            *journal.entry((j.month, member)).or_default() += e.after - e.before.unwrap_or(0);
+        }
+    }
+    let mut loans: BTreeMap<(NaiveDate, Option<i64>), i64> = BTreeMap::new();
+    for l in f.loans.values() {
+        if let (true, Day::On(ret)) = (l.settled, l.returned) {
+            *loans.entry((first_of(ret), Some(l.member))).or_default() += l.fine;
+        }
+    }
+    journal.retain(|_, net| *net != 0);
+    loans.retain(|_, held| *held != 0);
+    let keys: BTreeSet<&(NaiveDate, Option<i64>)> = journal.keys().chain(loans.keys()).collect();
+    let wrong: Vec<String> = keys
+        .into_iter()
+        .filter(|k| journal.get(*k) != loans.get(*k))
+        .map(|(month, member)| {
+            format!(
+                "{month} for member {member:?}: the journal nets {} cents, the loans settled there hold {}",
+                journal.get(&(*month, *member)).unwrap_or(&0),
+                loans.get(&(*month, *member)).unwrap_or(&0)
+            )
+        })
+        .collect();
+    for w in wrong.iter().take(10) {
+        out.push(violation("balance", w.clone()));
+    }
+    if wrong.len() > 10 {
+        out.push(violation(
+            "balance",
+            format!("… {} (month, member) balances wrong in all", wrong.len()),
+        ));
     }
 }
 
@@ -1745,6 +1853,7 @@ mod tests {
                     seq: 1,
                     before: Some(0),
                     after: 100,
+                    member: Some(7),
                 }],
             }],
             run_log: vec![
@@ -1884,10 +1993,24 @@ mod tests {
             seq: 2,
             before: Some(100),
             after: 100,
+            member: Some(7),
         }];
         f.journal.push(row);
         f.loans.get_mut(&1).unwrap().seq = Some(2);
         assert_caught(&f, "transitions", "settled twice");
+    }
+
+    #[test]
+    fn money_left_on_the_old_member_or_month_is_caught_by_the_balance() {
+        // The loan's entry names another member than the loan's: member 8's money in October
+        // that no loan of 8 holds, and member 7's fine with no entry.
+        let mut f = tiny();
+        f.journal[0].entries[0].member = Some(8);
+        assert_caught(&f, "balance", "member Some(8)");
+        // The same money in the wrong month.
+        let mut f = tiny();
+        f.journal[0].month = day(2026, 9, 1);
+        assert_caught(&f, "balance", "2026-09-01");
     }
 
     #[test]

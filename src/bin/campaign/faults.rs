@@ -679,7 +679,7 @@ async fn edit_settled(world: &World, pick: u64, n: u32, rng: &mut ChaCha8Rng) ->
     .await?;
     let mut done = Vec::new();
     for (id, returned) in loans {
-        let (sql, what): (String, &str) = match rng.random_range(0..10) {
+        let (sql, what): (String, &str) = match rng.random_range(0..12) {
             0..=3 => {
                 // Within its month: the return moves a few days (or the due date does).
                 let Some(ret) = returned else { continue };
@@ -718,11 +718,39 @@ async fn edit_settled(world: &World, pick: u64, n: u32, rng: &mut ChaCha8Rng) ->
                 format!("UPDATE loans SET due_on = NULL WHERE id = {id}"),
                 "due removed",
             ),
+            9 => (
+                // A member merge: the loan goes to another member.
+                format!("UPDATE loans SET member_id = member_id + 1000 WHERE id = {id}"),
+                "member moved",
+            ),
+            10 => {
+                // A reload of the loan: deleted and inserted again under its id without
+                // settlementd's columns, for another member and returned in another month.
+                let month = months[rng.random_range(0..months.len())];
+                let day = month + chrono::Days::new(rng.random_range(0..28));
+                (
+                    format!(
+                        "BEGIN;
+                         CREATE TEMP TABLE kept ON COMMIT DROP AS
+                             SELECT id, member_id, book_id, borrowed_on, due_on FROM loans
+                              WHERE id = {id};
+                         DELETE FROM loans WHERE id = {id};
+                         INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+                             SELECT id, member_id + 2000, book_id, borrowed_on, due_on, '{day}'
+                               FROM kept;
+                         COMMIT"
+                    ),
+                    "re-created",
+                )
+            }
             _ => (format!("DELETE FROM loans WHERE id = {id}"), "deleted"),
         };
-        match sqlx::query(&sql).execute(&mut conn).await {
+        match sqlx::raw_sql(&sql).execute(&mut conn).await {
             Ok(_) => done.push(format!("{id} {what}")),
-            Err(e) => world.note(format!("an edit of loan {id} was refused: {e}")),
+            Err(e) => {
+                world.note(format!("an edit of loan {id} was refused: {e}"));
+                let _ = sqlx::raw_sql("ROLLBACK").execute(&mut conn).await;
+            }
         }
     }
     let _ = sqlx::Connection::close(conn).await;

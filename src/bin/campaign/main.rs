@@ -44,7 +44,7 @@ struct Args {
     #[arg(long, value_name = "PATH")]
     settlementd: Option<PathBuf>,
     /// The planted bug to switch on (`fence-off`, `claim-ignores-conflict`, `lease-local-clock`,
-    /// `skip-journal`, `late-under-config-rule`, `statements-reopen-skips`), in a settlementd built with `--features
+    /// `skip-journal`, `late-under-config-rule`, `statements-reopen-skips`, `move-without-reversal`), in a settlementd built with `--features
     /// campaign-mutants` (given with --settlementd).
     #[arg(long, value_name = "NAME", value_parser = mutant_name)]
     mutant: Option<String>,

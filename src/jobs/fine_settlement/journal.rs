@@ -92,6 +92,9 @@ pub const HEAD_SEQ_NEXT: &str =
 /// of the head's month and member (`reversed`), and the loan's fine into the new place. A head
 /// without a member (written by a release before 0.3.0) is the loan's member.
 pub fn leaves(h: &str, member: &str) -> String {
+    if mutant::planted(Mutant::MoveWithoutReversal) {
+        return "false".to_string();
+    }
     format!(
         "({h}.after_cents <> 0 AND {h}.kind NOT IN ('reversed', 'deleted')
           AND NOT ({h}.month = $1::date AND COALESCE({h}.member_id, {member}) = {member}))"
@@ -132,14 +135,19 @@ pub fn insert_entries(from: &str, shards: &str, attempt: &str, correction_key: &
 pub fn walked_entries(prefix: &str, settled: &str) -> String {
     let p = prefix;
     let leaves = leaves("(s.head)", "s.member_id");
+    // The planted bug continues the head wherever it was priced.
+    let same_place = if mutant::planted(Mutant::MoveWithoutReversal) {
+        "(s.head).loan_id IS NOT NULL"
+    } else {
+        "COALESCE((s.head).month = $1::date
+                  AND COALESCE((s.head).member_id, s.member_id) = s.member_id, false)"
+    };
     format!(
         "{p}walked AS MATERIALIZED (
              SELECT s.id, s.member_id, s.due_on, s.returned_on, s.after, s.seq,
                     (s.head).loan_id IS NOT NULL AS had_head,
                     COALESCE({leaves}, false) AS moves,
-                    COALESCE((s.head).month = $1::date
-                             AND COALESCE((s.head).member_id, s.member_id) = s.member_id, false)
-                      AS same_place,
+                    {same_place} AS same_place,
                     COALESCE((s.head).after_cents, 0) AS head_after, (s.head).month AS head_month,
                     COALESCE((s.head).member_id, s.member_id) AS head_member
                FROM {settled} s
@@ -400,6 +408,16 @@ impl Pricing<'_> {
         // before its earliest queued edit, else the loan's.
         let legacy_member = "(SELECT q.old_member_id FROM loan_changes q
                                 WHERE q.loan_id = l.id ORDER BY q.id LIMIT 1)";
+        // The planted bug continues the head wherever it was priced.
+        let same_place = if mutant::planted(Mutant::MoveWithoutReversal) {
+            "h.loan_id IS NOT NULL".to_string()
+        } else {
+            format!(
+                "COALESCE(h.month = $1::date
+                          AND COALESCE(h.member_id, {legacy_member}, l.member_id) = l.member_id,
+                          false)"
+            )
+        };
         format!(
             "{p}gone AS MATERIALIZED (
                  SELECT DISTINCT ON (c.loan_id) c.loan_id AS id,
@@ -426,9 +444,7 @@ impl Pricing<'_> {
                             COALESCE(h.month, $1::date) AS head_month,
                             COALESCE(h.member_id, {legacy_member}, l.member_id)::bigint AS head_member,
                             COALESCE(h.kind NOT IN ('reversed', 'deleted'), false) AS priced_head,
-                            COALESCE(h.month = $1::date
-                                     AND COALESCE(h.member_id, {legacy_member}, l.member_id)
-                                         = l.member_id, false) AS same_place,
+                            {same_place} AS same_place,
                             l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
                             (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
                              AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
@@ -517,22 +533,35 @@ fn loans_sql() -> &'static str {
     })
 }
 
+/// A queued edit of loan `c.loan_id` that its month's walk takes instead (an unsettled return of
+/// the month `month` the rule can price: the walk prices the loan as it is and supersedes the
+/// edit), so it is counted once, as a late return.
+fn walked_instead(month: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM loans l
+                  WHERE l.id = c.loan_id AND l.fine_settled_at IS NULL
+                    AND l.returned_on IS NOT NULL AND {MONTH_KEY_L} = {month}::timestamp
+                    AND NOT {HELD_ROW})"
+    )
+}
+
 /// How many loans have edits queued for `month` (first day) whose earliest edit is in it, for
-/// shard `shard` of `shards`.
+/// shard `shard` of `shards`, but those the month's walk settles instead.
 pub async fn edits_waiting(
     db: &mut PgConnection,
     month: NaiveDate,
     shards: i64,
     shard: i64,
 ) -> sqlx::Result<u64> {
-    let n: i64 = sqlx::query_scalar(
+    let n: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM (
-             SELECT DISTINCT ON (c.loan_id) c.month FROM loan_changes c
+             SELECT DISTINCT ON (c.loan_id) c.loan_id, c.month FROM loan_changes c
               WHERE c.loan_id IN (SELECT loan_id FROM loan_changes
                                    WHERE month = $1 AND ($2 = 1 OR (loan_id % $2 + $2) % $2 = $3))
               ORDER BY c.loan_id, c.id
-         ) e WHERE e.month = $1",
-    )
+         ) c WHERE c.month = $1 AND NOT {}",
+        walked_instead("$1::date")
+    ))
     .bind(month)
     .bind(shards)
     .bind(shard)
@@ -542,16 +571,17 @@ pub async fn edits_waiting(
 }
 
 /// Loans with queued edits by (month, shard of `shards`), each under the month of its earliest
-/// edit.
+/// edit, but those the month's walk settles instead (counted as late returns).
 pub async fn edits_by_month(
     db: &mut PgConnection,
     shards: i64,
 ) -> sqlx::Result<Vec<(NaiveDate, i64, i64)>> {
-    sqlx::query_as(
+    sqlx::query_as(&format!(
         "SELECT month, ((loan_id % $1 + $1) % $1)::bigint, count(*) FROM (
              SELECT DISTINCT ON (loan_id) loan_id, month FROM loan_changes ORDER BY loan_id, id
-         ) e GROUP BY 1, 2 ORDER BY 1, 2",
-    )
+         ) c WHERE NOT {} GROUP BY 1, 2 ORDER BY 1, 2",
+        walked_instead("c.month")
+    ))
     .bind(shards)
     .fetch_all(db)
     .await
