@@ -313,8 +313,24 @@ $$;
 -- The invoker trigger functions on job_runs: their path pinned as well.
 ALTER FUNCTION settlementd.job_runs_rerun_forgets_descending_cursor()
     SET search_path = pg_catalog, settlementd, pg_temp;
-ALTER FUNCTION settlementd.settlementd_claim_version()
-    SET search_path = pg_catalog, settlementd, pg_temp;
+
+-- The release on every claim. A claim's `version` is the release that made its current attempt.
+-- The trigger below cleared it whenever the attempt changed and `version` did not (a release
+-- that records no version took the claim over), which also cleared it when a release re-wrote its
+-- own version on a re-open or a correction: those claims showed as "a release before 0.2.0". Now
+-- a writer says which attempt its version is for (`version_attempt`, new: the release before this
+-- one never sets it); the version is cleared only when the attempt changed and neither did.
+ALTER TABLE settlementd.job_runs ADD COLUMN version_attempt integer;
+CREATE OR REPLACE FUNCTION settlementd.settlementd_claim_version() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, settlementd, pg_temp AS $$
+BEGIN
+    IF NEW.attempt IS DISTINCT FROM OLD.attempt AND NEW.version IS NOT DISTINCT FROM OLD.version
+       AND NEW.version_attempt IS DISTINCT FROM NEW.attempt THEN
+        NEW.version := NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
 
 -- Retention's check and its one door, every object named with its schema.
 CREATE OR REPLACE FUNCTION settlementd.settlementd_retention_untouched(

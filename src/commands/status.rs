@@ -232,7 +232,7 @@ impl MonthStatus {
                     r.status,
                     r.attempt,
                     r.owner,
-                    r.version.as_deref().unwrap_or("<0.2.0"),
+                    r.version.as_deref().unwrap_or("unrecorded"),
                     r.heartbeat_age_secs,
                     compact(r.cursor()),
                     r.scanned,

@@ -162,9 +162,9 @@ pub async fn claim_for(
     let rule = opts.params.map(|(mine, describe)| describe(mine));
     let inserted: Option<(i32, Option<String>)> = sqlx::query_as(
         "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
-                               started_at, heartbeat_at, request_id, version)
+                               started_at, heartbeat_at, request_id, version, version_attempt)
          VALUES ($1, $2, $3, $4, 'RUNNING', 1, $5, clock_timestamp(), clock_timestamp(), $6::uuid,
-                 $7)
+                 $7, 1)
          ON CONFLICT (job_name, business_date, shards, shard) DO NOTHING
          RETURNING attempt, request_id::text",
     )
@@ -220,6 +220,7 @@ pub async fn claim_for(
          )
          UPDATE job_runs j
             SET status = 'RUNNING', attempt = j.attempt + 1, owner = $5, version = $10,
+                version_attempt = j.attempt + 1,
                 started_at = clock_timestamp(), heartbeat_at = clock_timestamp(),
                 finished_at = NULL, last_error = NULL,
                 last_id = CASE WHEN j.status = 'SUCCESS' OR $9 THEN NULL ELSE j.last_id END,
@@ -347,7 +348,8 @@ pub async fn close_abandoned(
     let closed: i64 = sqlx::query_scalar(
         "WITH closed AS (
              UPDATE job_runs
-                SET status = 'FAILED', attempt = attempt + 1, owner = $3,
+                SET status = 'FAILED', attempt = attempt + 1, owner = $3, version = $5,
+                    version_attempt = attempt + 1,
                     heartbeat_at = clock_timestamp(), finished_at = clock_timestamp(),
                     last_error = format('abandoned: left RUNNING by its holder, whose lease expired, '
                                         'while the fleet runs %s shards', $2::int)
@@ -368,6 +370,7 @@ pub async fn close_abandoned(
     .bind(shards as i32)
     .bind(&owner.0)
     .bind(ttl.as_secs_f64())
+    .bind(crate::version::VERSION)
     .fetch_one(db)
     .await?;
     Ok(closed as u64)
@@ -605,8 +608,9 @@ pub struct JobRunRow {
     pub scanned: i64,
     pub updated: i64,
     pub last_error: Option<String>,
-    /// The release that made the current attempt; `None` for a release before 0.2.0 (which does
-    /// not record it: the migration's trigger clears it when such a release takes a claim over).
+    /// The release that made the current attempt; `None` when the release that made it did not
+    /// record itself (0.1.0; 0.2.0 on a re-open or a correction): the migration's trigger clears
+    /// it when the attempt changes and no release said it made the new one (`version_attempt`).
     pub version: Option<String>,
 }
 

@@ -458,3 +458,50 @@ async fn a_claim_of_another_shard_count_left_running_by_a_dead_holder_is_closed_
         ClaimOutcome::Won(claim::Claim { attempt: 3, .. })
     ));
 }
+
+/// Issue 48: a claim re-opened for a late return and every correction attempt showed "a release
+/// before 0.2.0": the upgrade trigger cleared `version` whenever the attempt changed and the
+/// version did not, also when this release wrote its own version again. Every attempt this
+/// release makes now records it.
+#[tokio::test]
+async fn every_attempt_this_release_makes_records_its_release() {
+    let db = test_db().await;
+    let month = bd("2026-10-31");
+    seed_month_alone(&db.pool, month, 40, 1).await;
+    let version = || async {
+        sqlx::query_as::<_, (i32, Option<String>)>(
+            "SELECT attempt, version FROM job_runs
+              WHERE job_name = 'fine-settlement' AND business_date = '2026-10-31'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let mine = Some(env!("CARGO_PKG_VERSION").to_string());
+    run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31"]));
+    assert_eq!(version().await, (1, mine.clone()));
+    // A late return re-opens the month: a new attempt, by this release.
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (900001, 1, 1, '2026-09-20', '2026-10-01', '2026-10-20')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31"]));
+    assert_eq!(version().await, (2, mine.clone()), "a re-open");
+    // A correction's attempt.
+    run_ok(settlementd(Some(&db.url)).args([
+        "correct",
+        "--business-date",
+        "2026-10-31",
+        "--key",
+        "K-1",
+        "--reason",
+        "check",
+    ]));
+    assert_eq!(version().await, (3, mine.clone()), "a correction");
+    // A forced re-run.
+    run_ok(settlementd(Some(&db.url)).args(["run", "--business-date", "2026-10-31", "--force"]));
+    assert_eq!(version().await, (4, mine), "a forced re-run");
+}

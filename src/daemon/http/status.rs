@@ -374,7 +374,7 @@ fn fleet_section(
                             }
                         }
                     }
-                    p.note { "Claims without a release were made by a release before 0.2.0, which does not report here." }
+                    p.note { "A claim without a release was made by a release that did not record itself on that attempt (0.1.0, or 0.2.0 re-opening or correcting a month)." }
                 }
             }
         }
@@ -754,7 +754,7 @@ fn cell(
                             }
                         },
                     }
-                    div.small { "release " (run.version.as_deref().unwrap_or("before 0.2.0")) }
+                    div.small { "release " (run.version.as_deref().unwrap_or("not recorded")) }
                     div.updated {
                         (words.written.count(run.updated)) " by attempt " (run.attempt)
                         @if run.attempt > 1 && run.updated == 0 && run.status == "SUCCESS" {
