@@ -945,9 +945,18 @@ fn check_fences(f: &Facts, out: &mut Vec<Violation>) {
                 shards,
                 shard: shard_of(first.loan, shards),
             };
+            // A run's entries are in its month, but for money it took out of another month as a
+            // loan moved (`reversed`, in the month the money left): those are fenced by the run
+            // of a month this transaction wrote entries in.
+            let months: BTreeSet<NaiveDate> = journal.iter().map(|o| month_end(o.month)).collect();
             let fenced = runs_by_tx.get(tx).is_some_and(|runs| {
                 runs.iter().any(|r| {
-                    r.key == key
+                    (r.key == key
+                        || (j.kind == "reversed"
+                            && r.key.job == key.job
+                            && r.key.shards == key.shards
+                            && r.key.shard == key.shard
+                            && months.contains(&r.key.date)))
                         && r.op == 'U'
                         && r.old_status.as_deref() == Some("RUNNING")
                         && r.new_status.as_deref() == Some("RUNNING")
@@ -1148,6 +1157,9 @@ fn check_transitions(f: &Facts, out: &mut Vec<Violation>) {
                     report(out, format!("loan {} unsettled by a {kind} entry", w.loan));
                 }
             }
+            // A loan unsettled in `loans` whose money is still on the record (re-created, or its
+            // return undone, by libraryd): that money reversed out.
+            (false, false) if kind == "reversed" && e.before.is_some_and(|b| b != 0) => {}
             (false, false) => report(
                 out,
                 format!(
@@ -1266,17 +1278,28 @@ fn check_journal(f: &Facts, out: &mut Vec<Violation>) {
             );
         }
     }
-    // Every adjustment a correction made is on the journal, under its key.
-    let mut recorded: BTreeMap<(String, i64, i64, i64), usize> = BTreeMap::new();
+    // Every adjustment a correction made is on the journal, under its key: a loan's entries of
+    // one transaction under the key, from the first one's before to the last one's after (a move
+    // is two: its money out of the old place, then the corrected fine into the new one).
+    let mut changes: BTreeMap<(String, i64, Option<i64>), Vec<Entry>> = BTreeMap::new();
     for j in &f.journal {
         let Some(key) = &j.correction_key else {
             continue;
         };
         for e in &j.entries {
-            *recorded
-                .entry((key.clone(), e.loan, e.before.unwrap_or(0), e.after))
-                .or_default() += 1;
+            changes
+                .entry((key.clone(), e.loan, j.txid))
+                .or_default()
+                .push(*e);
         }
+    }
+    let mut recorded: BTreeMap<(String, i64, i64, i64), usize> = BTreeMap::new();
+    for ((key, loan, _), mut entries) in changes {
+        entries.sort_by_key(|e| e.seq);
+        let (first, last) = (entries[0], entries[entries.len() - 1]);
+        *recorded
+            .entry((key, loan, first.before.unwrap_or(0), last.after))
+            .or_default() += 1;
     }
     for (key, loan, old, new) in &f.adjustments {
         if old == new {

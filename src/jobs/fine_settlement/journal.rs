@@ -375,8 +375,14 @@ impl Pricing<'_> {
         let p = self.prefix;
         let shard = (self.shard)("t.loan_id");
         let lock = self.lock;
-        // Which rows are taken. From the queue: settled ones, and those unsettled by hand whose
-        // money is still on the record (their earliest edit says their money is in the month). A
+        // Which rows are taken. From the queue: settled ones, and unsettled ones whose money is
+        // still on the record and that no month's walk settles (not returned, or held: a return
+        // undone by hand, a loan re-created without one) — their earliest edit says their money
+        // is in the month. An unsettled return the rule can price is its month's walk's alone:
+        // the walk takes its money out of where it was as it settles it, and two writers of one
+        // loan at once would each read its head before the other's entry (found by the fault
+        // campaign, seed 9: a loan re-created in another month, reversed by its old month's queue
+        // while its new month's walk moved it, reversed twice). A
         // correction's: a loan whose head is still the month's last entry of it, or a return
         // still unsettled; a loan whose money has left the month since the plan (re-priced,
         // reversed or settled in another month) is another month's, and so are its queued edits.
@@ -384,7 +390,9 @@ impl Pricing<'_> {
             "CASE WHEN t.seq IS NULL THEN l.fine_settled_at IS NULL ELSE h.seq = t.seq END"
         } else {
             "(l.fine_settled_at IS NOT NULL
-              OR (h.after_cents <> 0 AND h.kind NOT IN ('reversed', 'deleted')))"
+              OR (h.after_cents <> 0 AND h.kind NOT IN ('reversed', 'deleted')
+                  AND NOT (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
+                           AND NOT (l.due_on IS NULL OR NOT isfinite(l.due_on)))))"
         };
         // A deletion waiting in the queue is the month's when its loan's money was: any the queue
         // finds (its earliest edit is in the month), a correction's only at its seq.
@@ -435,7 +443,9 @@ impl Pricing<'_> {
                  SELECT c.*,
                         c.stays AND NOT c.same_place AND c.priced_head AND c.head_after <> 0
                           AS moves,
-                        NOT c.stays AND (c.settled OR (c.priced_head AND c.head_after <> 0))
+                        NOT c.stays
+                          AND (c.settled
+                               OR (c.priced_head AND c.head_after <> 0 AND NOT c.walked))
                           AS reverses
                    FROM (
                      SELECT l.id::bigint AS id, l.member_id::bigint AS member_id, l.due_on,
@@ -446,6 +456,8 @@ impl Pricing<'_> {
                             COALESCE(h.kind NOT IN ('reversed', 'deleted'), false) AS priced_head,
                             {same_place} AS same_place,
                             l.fine_settled_at IS NOT NULL AS settled, {HELD_ROW} AS held,
+                            (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
+                             AND NOT {HELD_ROW}) AS walked,
                             (l.returned_on IS NOT NULL AND isfinite(l.returned_on)
                              AND {MONTH_KEY_L} = $1::date::timestamp AND NOT {HELD_ROW}) AS stays,
                             CASE WHEN {HELD_ROW} OR l.returned_on IS NULL OR NOT isfinite(l.returned_on)
