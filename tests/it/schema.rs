@@ -389,3 +389,58 @@ async fn every_batch_is_planned_for_its_own_cursor_also_after_five_executions() 
         "control: without the setting the plan turns generic"
     );
 }
+
+/// Issue 48: after a large run every idle tick logged a slow statement: the upkeep's "is any
+/// settled loan without a journal entry?" planned a sequential scan of `loans` on statistics from
+/// before the run (when most settled rows had no `fine_seq`) and read the whole table to find
+/// none. The probe is pinned to its partial index, whatever the statistics say.
+#[tokio::test]
+async fn the_upkeeps_probe_reads_its_partial_index_on_statistics_from_before_a_run() {
+    let db = test_db().await;
+    // Statistics of a table whose settled rows mostly have no journal entry yet.
+    sqlx::raw_sql(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on, fine_cents,
+                            fine_settled_at)
+         SELECT i, 1, 1, '2026-09-01', '2026-09-10', '2026-09-12', 100, now()
+           FROM generate_series(1, 20000) i;
+         ANALYZE loans;
+         UPDATE loans SET fine_seq = 1;",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let mut conn = db.pool.acquire().await.unwrap();
+    let scans = |plan: &Value| -> Vec<String> {
+        nodes(&plan[0]["Plan"])
+            .into_iter()
+            .filter(|n| n["Relation Name"].as_str() == Some("loans"))
+            .map(|n| n["Node Type"].as_str().unwrap_or_default().to_string())
+            .collect()
+    };
+    let explain = "EXPLAIN (FORMAT JSON)
+         SELECT EXISTS (SELECT 1 FROM loans WHERE fine_settled_at IS NOT NULL AND fine_seq IS NULL)";
+    // The control: unpinned, these statistics choose the table.
+    let unpinned: Value = sqlx::query_scalar(explain)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    assert_eq!(scans(&unpinned), ["Seq Scan"], "{unpinned:#}");
+    // As the upkeep runs it.
+    let mut tx = sqlx::Connection::begin(&mut *conn).await.unwrap();
+    sqlx::query(fine_settlement::journal::PIN_OPENING)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let pinned: Value = sqlx::query_scalar(explain)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    assert!(
+        scans(&pinned).iter().all(|s| s.starts_with("Index")),
+        "{pinned:#}"
+    );
+    tx.rollback().await.unwrap();
+    assert!(!fine_settlement::journal::any_unjournaled(&mut conn)
+        .await
+        .unwrap());
+}
