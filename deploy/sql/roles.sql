@@ -68,6 +68,13 @@
 
 BEGIN;
 
+-- libraryd owns `public` (PostgreSQL 15+ gives it to the database owner) and may create functions
+-- and operators there, which a superuser's session with `public` on its path would run instead of
+-- PostgreSQL's own wherever they fit the arguments better (a `public.format(text, name)` is picked
+-- over `pg_catalog.format(text, VARIADIC "any")`): this file finds every name in pg_catalog alone,
+-- and names libraryd's table with its schema (public.loans).
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'settlementd_migrator') THEN
