@@ -18,6 +18,7 @@ mod failover;
 mod fault;
 mod fleet;
 mod guide;
+mod hostile;
 mod http_limits;
 mod jobs;
 mod journal;
