@@ -204,10 +204,10 @@ async fn sample(replica: &ServeProcess, series: &str) -> Option<f64> {
 /// with. Sequences count the calls (a sequence is not rolled back: a call inside a statement that
 /// fails still counts): by context — inside a function running as another role than the
 /// session's (a SECURITY DEFINER function: `current_user <> session_user`), as a superuser, as
-/// the migrator — and by planted object, so a failure names what ran. libraryd's own statements
-/// count nowhere; the runtime role's own statements (not a definer function's) are counted apart,
-/// by object, and try nothing: they run with the rights a trigger libraryd adds to `loans` has
-/// anyway (docs/OPERATIONS.md, "A schema of its own").
+/// the migrator — and by planted object, so a failure names what ran. What runs with libraryd's
+/// own rights counts nowhere; the runtime role's own statements (not a definer function's) are
+/// counted apart, by object, and try nothing: they run with the rights a trigger libraryd adds to
+/// `loans` has anyway (docs/OPERATIONS.md, "A schema of its own").
 const PLANT_RECORDER: &str = r#"
 CREATE TABLE public.planted (k serial PRIMARY KEY, what text NOT NULL);
 CREATE SEQUENCE public.ran_in_definer;
@@ -220,7 +220,7 @@ LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
 DECLARE
     own_statement boolean := current_user = session_user;
 BEGIN
-    IF own_statement AND current_user = 'libraryd' THEN
+    IF current_user = 'libraryd' THEN
         RETURN;
     END IF;
     IF own_statement AND current_user = 'settlementd_app' THEN
@@ -645,6 +645,21 @@ async fn a_function_libraryd_plants_in_public_never_runs_with_settlementds_right
         );
     }
     libraryd_does(&mut libraryd, &plants()).await;
+    // And functions of libraryd's that look like settlementd's, for roles.sql to find: one under
+    // settlementd's names, one run by a trigger on loans under settlementd's names; both SECURITY
+    // DEFINER, so given to the migrator they would run as the migrator.
+    libraryd_does(
+        &mut libraryd,
+        "CREATE FUNCTION public.settlementd_gift() RETURNS void LANGUAGE plpgsql SECURITY DEFINER
+             SET search_path = pg_catalog, pg_temp AS
+             $$ BEGIN PERFORM public.libraryd_was_here(1); END $$;
+         CREATE FUNCTION public.gift_on_loans() RETURNS trigger LANGUAGE plpgsql SECURITY DEFINER
+             SET search_path = pg_catalog, pg_temp AS
+             $$ BEGIN PERFORM public.libraryd_was_here(1); RETURN NULL; END $$;
+         CREATE TRIGGER settlementd_gift AFTER UPDATE ON loans
+             FOR EACH STATEMENT EXECUTE FUNCTION public.gift_on_loans();",
+    )
+    .await;
     // The superuser's own look, with public on its path, would find them: they are there.
     let planted: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_proc WHERE pronamespace = 'public'::regnamespace
@@ -742,6 +757,27 @@ async fn a_function_libraryd_plants_in_public_never_runs_with_settlementds_right
         Some(0.0)
     );
     drop(replica);
+    let gifts: Vec<String> = sqlx::query_scalar(
+        "SELECT pg_get_userbyid(proowner)::text FROM pg_proc
+          WHERE oid IN ('public.settlementd_gift()'::regprocedure,
+                        'public.gift_on_loans()'::regprocedure)",
+    )
+    .fetch_all(&mut su)
+    .await
+    .unwrap();
+    assert_eq!(
+        gifts,
+        [LIBRARYD, LIBRARYD],
+        "roles.sql took libraryd's functions"
+    );
+    libraryd_does(
+        &mut libraryd,
+        &format!(
+            "SELECT public.settlementd_gift();
+             UPDATE loans SET returned_on = returned_on WHERE id = {moved_due}"
+        ),
+    )
+    .await;
 
     // Retention, through its definer function: `settlementd prune`, and the name 0.2.0 calls.
     age_month(&mut su, MONTH).await;
@@ -798,7 +834,8 @@ async fn a_function_libraryd_plants_in_public_never_runs_with_settlementds_right
                 (SELECT c FROM unnest(p.proconfig) AS c WHERE c LIKE 'search\\_path=%')
            FROM pg_proc p
           WHERE p.pronamespace = 'settlementd'::regnamespace
-             OR (p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'settlementd\\_%')
+             OR (p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'settlementd\\_%'
+                 AND p.proowner <> 'libraryd'::regrole)
           ORDER BY 1",
     )
     .fetch_all(&mut su)
@@ -1054,6 +1091,21 @@ async fn the_owner_of_loans_and_public_can_drop_nothing_of_settlementds() {
         "no row of the record was lost"
     );
     journal_kept(&journal, &journal_rows(&mut su).await);
+    // In their place, a table of its own under an old name: roles.sql, run again, leaves it
+    // libraryd's.
+    libraryd_does(
+        &mut libraryd,
+        "CREATE TABLE public.job_runs (id int); GRANT ALL ON public.job_runs TO PUBLIC;",
+    )
+    .await;
+    apply_roles_sql(&library.admin).await;
+    let owner: String = sqlx::query_scalar(
+        "SELECT pg_get_userbyid(relowner)::text FROM pg_class WHERE oid = 'public.job_runs'::regclass",
+    )
+    .fetch_one(&mut su)
+    .await
+    .unwrap();
+    assert_eq!(owner, LIBRARYD);
 
     // This release still settles (a new month), proves both months, and serves.
     library.seed("2026-09-30", 10_000).await;
@@ -1336,6 +1388,38 @@ async fn a_first_migrate_by_a_superuser_then_roles_sql_leaves_every_function_wit
         sample(&replica, "settlementd_not_ready{reason=\"definer_owner\"}").await,
         Some(0.0)
     );
+
+    // roles.sql again, as after every migration, while a runtime transaction reads every table of
+    // settlementd's: it takes no lock on what the migrator owns already, so it does not wait
+    // (one ALTER … OWNER per table, each an ACCESS EXCLUSIVE lock, deadlocked with replicas).
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT format('settlementd.%I', relname) FROM pg_class
+          WHERE relnamespace = 'settlementd'::regnamespace AND relkind = 'r'
+            AND has_table_privilege('settlementd_app', oid, 'SELECT')",
+    )
+    .fetch_all(&mut su)
+    .await
+    .unwrap();
+    assert!(tables.len() >= 15, "{tables:?}");
+    let mut reader = PgConnection::connect(&library.app).await.unwrap();
+    let reads: Vec<String> = tables
+        .iter()
+        .map(|t| format!("SELECT count(*) FROM {t};"))
+        .collect();
+    sqlx::raw_sql(&format!("BEGIN; {}", reads.join(" ")))
+        .execute(&mut reader)
+        .await
+        .unwrap();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        apply_roles_sql(&library.admin),
+    )
+    .await
+    .expect("roles.sql waited for the runtime role's reads");
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut reader)
+        .await
+        .unwrap();
 }
 
 // --- e: settlementd's triggers on loans ---------------------------------------------------------
