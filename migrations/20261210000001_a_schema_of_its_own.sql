@@ -32,10 +32,11 @@
 -- the release after this one drops them. Each role keeps on a view the privileges it had on the
 -- table, and USAGE on the schema. docs/DESIGN.md, "A schema of its own".
 --
--- Locks: ACCESS EXCLUSIVE on each of settlementd's tables for the moment of its move (catalog
--- updates only: no table is rewritten or scanned), nothing on `loans`. A lock that waits more than
--- 5 s (a long transaction of the release before on one of them) makes the migration fail and
--- change nothing: run `settlementd migrate` again.
+-- Locks: ACCESS EXCLUSIVE on each of settlementd's tables, sequences, views and functions it
+-- moves, held until the migration commits (catalog updates only: no table is rewritten or
+-- scanned; 50–113 ms on 2 M loans, docs/OPERATIONS.md), nothing on `loans`. A lock that waits
+-- more than 5 s (a long transaction of the release before on one of them) makes the migration
+-- fail and change nothing: run `settlementd migrate` again.
 SET LOCAL lock_timeout = '5s';
 
 CREATE SCHEMA IF NOT EXISTS settlementd;

@@ -145,6 +145,26 @@ pub const SCHEMA: &str = "settlementd";
 /// path. A session setting, as the guards are (a transaction-pooling pooler is refused).
 pub const SEARCH_PATH_SQL: &str = "SELECT set_config('search_path', 'settlementd, public', false)";
 
+/// The path settlementd's own reads of the catalog run with ([`catalog_only`]): PostgreSQL's names
+/// alone, then the session's temporary schema (never searched for functions or operators).
+pub const CATALOG_PATH_SQL: &str = "SELECT set_config('search_path', 'pg_catalog, pg_temp', true)";
+
+/// A transaction on `conn` (a savepoint when `conn` is in one already) whose path is
+/// [`CATALOG_PATH_SQL`], for settlementd's reads of the catalog: what `/readyz`, `verify` and
+/// `migrate` decide from them must be PostgreSQL's answer, and nothing of libraryd's may run
+/// with the reader's rights. [`SEARCH_PATH_SQL`] puts `public` on every session's path (where
+/// `loans` is), and libraryd, which owns `public`, may create functions and operators there that
+/// PostgreSQL picks over its own wherever their argument types fit better (`public."="(oid,
+/// regclass)` over `oid = oid` for `c.oid = to_regclass(…)`). Roll it back when done: the path
+/// is the session's again.
+pub async fn catalog_only(
+    conn: &mut PgConnection,
+) -> sqlx::Result<sqlx::Transaction<'_, sqlx::Postgres>> {
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    tx.execute(CATALOG_PATH_SQL).await?;
+    Ok(tx)
+}
+
 /// How long a pooled connection may sit unused before it is closed: half a heartbeat (the
 /// replica's tick period), between 0.5 and 30 s. The pool hands out its idle connections in turn,
 /// so with a longer timeout a tick and a probe every heartbeat would keep every connection a run
@@ -501,17 +521,20 @@ async fn pause(start: std::time::Instant) {
 /// migration ("functions in index expression must be marked IMMUTABLE") or in a batch ("integer
 /// out of range") with its rows left unsettled.
 pub async fn check_loans(pool: &PgPool, max_fine: i64) -> Result<()> {
+    let mut conn = pool.acquire().await?;
+    let mut tx = catalog_only(&mut conn).await?;
     let columns: Vec<(String, String, String)> = sqlx::query_as(
         "SELECT a.attname::text, format_type(a.atttypid, a.atttypmod), b.typname::text
            FROM pg_attribute a
            JOIN pg_type t ON t.oid = a.atttypid
            JOIN pg_type b ON b.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
-          WHERE a.attrelid = to_regclass('loans') AND a.attnum > 0 AND NOT a.attisdropped
+          WHERE a.attrelid = to_regclass('public.loans') AND a.attnum > 0 AND NOT a.attisdropped
             AND a.attname IN ('id', 'member_id', 'borrowed_on', 'due_on', 'returned_on',
                               'fine_cents')",
     )
-    .fetch_all(pool)
+    .fetch_all(&mut *tx)
     .await?;
+    tx.rollback().await?;
     // No such column at all: no table yet (the migrations create it; another process may be doing
     // so right now).
     if columns.is_empty() {
@@ -581,10 +604,13 @@ impl Guards {
     }
 }
 
-/// See [`Guards`]. Reads the catalog and `settlementd.loans_triggers` (what `migrate` left):
-/// call it once the schema is current.
+/// See [`Guards`]. Reads the catalog and `settlementd.loans_triggers` (what `migrate` left), with
+/// PostgreSQL's names alone on the path ([`catalog_only`]): call it once the schema is current.
 pub async fn guards(conn: &mut PgConnection) -> Result<Guards> {
-    let superuser_definers = migrations::superuser_definers(&mut *conn).await?;
+    let mut tx = catalog_only(conn).await?;
+    let superuser_definers: Vec<String> = sqlx::query_scalar(migrations::SUPERUSER_DEFINERS)
+        .fetch_all(&mut *tx)
+        .await?;
     let loans_triggers: Vec<String> = sqlx::query_scalar(
         "SELECT e.name || CASE
                     WHEN t.oid IS NULL THEN ' is missing on loans'
@@ -601,8 +627,9 @@ pub async fn guards(conn: &mut PgConnection) -> Result<Guards> {
              OR settlementd.trigger_definition(t.oid) <> e.definition
           ORDER BY e.name",
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(&mut *tx)
     .await?;
+    tx.rollback().await?;
     Ok(Guards {
         superuser_definers,
         loans_triggers,

@@ -71,6 +71,13 @@
 
 BEGIN;
 
+-- libraryd owns `public` (PostgreSQL 15+ gives it to the database owner) and may create functions
+-- and operators there, which a superuser's session with `public` on its path would run instead of
+-- PostgreSQL's own wherever they fit the arguments better (a `public.format(text, name)` is picked
+-- over `pg_catalog.format(text, VARIADIC "any")`): this file finds every name in pg_catalog alone,
+-- and names libraryd's table with its schema (public.loans).
+SET LOCAL search_path = pg_catalog, pg_temp;
+
 DO $$
 BEGIN
     IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'settlementd_migrator') THEN
@@ -105,13 +112,20 @@ GRANT USAGE ON SCHEMA public TO settlementd_app;
 -- settlementd's, found in the catalog (no list to forget one in): those in its schema, those in
 -- public under its names (`settlementd_…`), and any a trigger of its runs — each runs as its
 -- owner when it is SECURITY DEFINER, which must be the migrator, never a superuser that happened
--- to migrate.
+-- to migrate. A function is given only from a superuser: one another role owns, that role could
+-- have rewritten (libraryd, which owns public, may create `public.settlementd_anything()` SECURITY
+-- DEFINER, or a trigger named `settlementd_…` on loans), and given to the migrator it would run
+-- as the migrator. Likewise a relation in public once settlementd has its schema (public then
+-- holds only views for the release before, which the migrator or a superuser made). Nothing the
+-- migrator owns already is given again: ALTER … OWNER takes an ACCESS EXCLUSIVE lock even then,
+-- and a re-run taking one on every table in turn deadlocks with the replicas reading them.
 DO $$
 DECLARE
     name text;
     obj record;
 BEGIN
-    IF to_regnamespace('settlementd') IS NOT NULL THEN
+    IF (SELECT nspowner <> 'settlementd_migrator'::regrole FROM pg_namespace
+         WHERE nspname = 'settlementd') THEN
         ALTER SCHEMA settlementd OWNER TO settlementd_migrator;
     END IF;
     FOR obj IN
@@ -119,6 +133,7 @@ BEGIN
                format('%I.%I', n.nspname, c.relname) AS name
           FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
          WHERE n.nspname = 'settlementd' AND c.relkind IN ('r', 'p', 'v', 'S')
+           AND c.relowner <> 'settlementd_migrator'::regrole
            AND NOT (c.relkind = 'S' AND EXISTS (SELECT FROM pg_depend d
                                                  WHERE d.objid = c.oid AND d.deptype IN ('a', 'i')
                                                    AND d.classid = 'pg_class'::regclass))
@@ -131,8 +146,10 @@ BEGIN
                                 'loan_changes', 'member_moves', 'job_pauses',
                                 'member_fine_statements', 'member_statement_marks',
                                 'replicas', '_sqlx_migrations', 'settlementd_migrations'] LOOP
-        SELECT c.relkind INTO obj FROM pg_class c
-         WHERE c.oid = to_regclass(format('public.%I', name));
+        SELECT c.relkind INTO obj FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+         WHERE c.oid = to_regclass(format('public.%I', name))
+           AND c.relowner <> 'settlementd_migrator'::regrole
+           AND (r.rolsuper OR to_regnamespace('settlementd') IS NULL);
         IF FOUND THEN
             EXECUTE format('ALTER %s public.%I OWNER TO settlementd_migrator',
                            CASE obj.relkind WHEN 'v' THEN 'VIEW' ELSE 'TABLE' END, name);
@@ -142,13 +159,15 @@ BEGIN
         SELECT format('%I.%I(%s)', n.nspname, p.proname, pg_get_function_identity_arguments(p.oid))
                  AS name
           FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-         WHERE n.nspname = 'settlementd'
-            OR (n.nspname = 'public'
-                AND (p.proname LIKE 'settlementd\_%'
-                     OR p.oid IN (SELECT t.tgfoid FROM pg_trigger t
-                                   WHERE t.tgname LIKE 'settlementd\_%'
-                                      OR t.tgrelid IN (SELECT c.oid FROM pg_class c
-                                                        WHERE c.relowner = 'settlementd_migrator'::regrole))))
+          JOIN pg_roles r ON r.oid = p.proowner
+         WHERE (n.nspname = 'settlementd'
+                OR (n.nspname = 'public'
+                    AND (p.proname LIKE 'settlementd\_%'
+                         OR p.oid IN (SELECT t.tgfoid FROM pg_trigger t
+                                       WHERE t.tgname LIKE 'settlementd\_%'
+                                          OR t.tgrelid IN (SELECT c.oid FROM pg_class c
+                                                            WHERE c.relowner = 'settlementd_migrator'::regrole)))))
+           AND r.rolsuper
     LOOP
         EXECUTE format('ALTER FUNCTION %s OWNER TO settlementd_migrator', obj.name);
     END LOOP;

@@ -201,6 +201,16 @@ fn refused_for_rights(e: DbError) -> DbError {
     if db.code().as_deref() != Some("42501") {
         return e;
     }
+    // The migration that makes settlementd's schema needs CREATE on the database, which
+    // roles.sql gives the migration role: a migration role without it ran the old roles.sql.
+    if db.message().contains("permission denied for database") {
+        return DbError::Privilege(format!(
+            "this role may not create settlementd's schema ({}): run the new \
+             deploy/sql/roles.sql as a superuser first (it grants the migration role CREATE on \
+             the database), then `settlementd migrate` again",
+            db.message()
+        ));
+    }
     DbError::Privilege(format!(
         "this role may not apply settlementd's migrations ({}): apply them as the migration role \
          with `settlementd migrate` (deploy/sql/roles.sql), and set \
@@ -258,13 +268,7 @@ async fn apply(conn: &mut PgConnection, migration: &Migration) -> Result<()> {
     let started = std::time::Instant::now();
     let mut tx = Connection::begin(&mut *conn).await?;
     let owner: Option<String> = if LOANS_MIGRATIONS.contains(&migration.version) {
-        sqlx::query_scalar(
-            "SELECT r.rolname::text FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
-              WHERE c.oid = to_regclass('loans') AND r.rolname <> current_user
-                AND pg_has_role(current_user, r.oid, 'MEMBER')",
-        )
-        .fetch_optional(&mut *tx)
-        .await?
+        loans_owner(&mut tx).await?
     } else {
         None
     };
@@ -325,6 +329,21 @@ async fn apply(conn: &mut PgConnection, migration: &Migration) -> Result<()> {
     Ok(())
 }
 
+/// The role owning `loans` when the migrating role is a member of it and not that role itself,
+/// read with PostgreSQL's names alone on the path ([`super::catalog_only`]).
+async fn loans_owner(conn: &mut PgConnection) -> Result<Option<String>> {
+    let mut read = super::catalog_only(conn).await?;
+    let owner = sqlx::query_scalar(
+        "SELECT r.rolname::text FROM pg_class c JOIN pg_roles r ON r.oid = c.relowner
+          WHERE c.oid = to_regclass('public.loans') AND r.rolname <> current_user
+            AND pg_has_role(current_user, r.oid, 'MEMBER')",
+    )
+    .fetch_optional(&mut *read)
+    .await?;
+    read.rollback().await?;
+    Ok(owner)
+}
+
 /// The statements of a migration of [`LOANS_MIGRATIONS`], without comments: those files hold
 /// plain DDL (no dollar quotes, no `;` or `--` inside literals), which a test checks.
 pub fn statements(sql: &str) -> Vec<String> {
@@ -351,14 +370,21 @@ pub fn alters_loans(statement: &str) -> bool {
 
 /// settlementd's `SECURITY DEFINER` functions owned by a superuser, each as "function f() of
 /// settlementd's is owned by superuser s": in its schema, and under its old names in `public`
-/// (a database not moved yet). Empty when there are none (and before the schema exists).
+/// (a database not moved yet). Empty when there are none (and before the schema exists). Read
+/// with PostgreSQL's names alone on the path ([`super::catalog_only`]): the migrator runs this
+/// before every migration, and a function or operator of libraryd's must not answer it with the
+/// migrator's rights.
 pub async fn superuser_definers(conn: &mut PgConnection) -> Result<Vec<String>> {
-    Ok(sqlx::query_scalar(SUPERUSER_DEFINERS)
-        .fetch_all(&mut *conn)
-        .await?)
+    let mut read = super::catalog_only(conn).await?;
+    let found = sqlx::query_scalar(SUPERUSER_DEFINERS)
+        .fetch_all(&mut *read)
+        .await?;
+    read.rollback().await?;
+    Ok(found)
 }
 
-/// See [`superuser_definers`]: `pg_proc` and `pg_roles` are readable by every role.
+/// See [`superuser_definers`]: `pg_proc` and `pg_roles` are readable by every role. Run it with
+/// [`super::CATALOG_PATH_SQL`]'s path.
 pub const SUPERUSER_DEFINERS: &str =
     "SELECT format('function %s of settlementd''s is owned by superuser %s',
                    p.oid::regprocedure, pg_get_userbyid(p.proowner))
@@ -374,6 +400,9 @@ pub const SUPERUSER_DEFINERS: &str =
 /// functions then run as a role that owns settlementd's tables and nothing else.
 async fn hand_over(conn: &mut PgConnection) -> Result<()> {
     let mut tx = Connection::begin(&mut *conn).await?;
+    // A superuser runs this: with `public` on its path, a function or operator libraryd created
+    // there (`format(text, name, name)`, `"="(oid, regnamespace)`) would run as that superuser.
+    tx.execute(super::CATALOG_PATH_SQL).await?;
     tx.execute(HAND_OVER).await?;
     tx.commit().await?;
     Ok(())

@@ -19,6 +19,7 @@ mod fault;
 mod fleet;
 mod follow;
 mod guide;
+mod hostile;
 mod http_limits;
 mod jobs;
 mod journal;
