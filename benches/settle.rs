@@ -273,6 +273,11 @@ async fn configure(
     ))
     .execute(&mut db)
     .await?;
+    // The benchmark's own SQL names settlementd's tables without their schema (the binary sets
+    // its sessions' path itself).
+    sqlx::query("ALTER DATABASE postgres SET search_path = settlementd, public")
+        .execute(&mut db)
+        .await?;
     sqlx::query("CHECKPOINT").execute(&mut db).await?;
     db.close().await?;
     // shared_buffers takes a restart; nothing is lost (checkpointed, and the data is throwaway).
