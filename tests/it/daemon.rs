@@ -763,9 +763,13 @@ async fn a_month_still_failed_when_the_next_fire_arrives_is_settled_before_the_n
     .unwrap() else {
         panic!("claim February")
     };
-    assert!(claim::mark_failed(&db.pool, &c, "database restarted")
-        .await
-        .unwrap());
+    assert!(claim::mark_failed(
+        &mut db.pool.acquire().await.unwrap(),
+        &c,
+        "database restarted"
+    )
+    .await
+    .unwrap());
     drop(conn);
 
     let clock = ManualClock::new(shanghai(2027, 4, 1, 2, 30, 5));
