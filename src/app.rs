@@ -491,7 +491,9 @@ pub fn retention_key(
 }
 
 /// The dry runs of `months` for `shards` of `count` (`run --dry-run`, `POST /v1/runs/dry-run`),
-/// a month not over yet shown refused.
+/// a month not over yet shown refused. With a `deadline`, the server stops each month's
+/// statements when it passes ([`crate::job_layer::dry::dry_run`]).
+#[allow(clippy::too_many_arguments)]
 pub async fn dry_months(
     settings: &Settings,
     pool: &PgPool,
@@ -500,6 +502,7 @@ pub async fn dry_months(
     count: u32,
     shards: &[u32],
     force: bool,
+    deadline: Option<tokio::time::Instant>,
 ) -> Result<Vec<crate::job_layer::dry::DryRun>> {
     let mut out = Vec::new();
     for month in months {
@@ -511,6 +514,7 @@ pub async fn dry_months(
             shards,
             force,
             std::time::Duration::from_secs(settings.lease.ttl_secs),
+            deadline,
         )
         .await?;
         if let Err(e) = ensure_month_is_over(*month, settings, &crate::clock::SystemClock) {

@@ -402,10 +402,17 @@ impl EmbeddedPg {
             }
             if self.keeper.as_ref().is_some_and(|k| k.is_finished()) {
                 self.keeper = None;
-                return Err(EmbeddedError::Start(format!(
-                    "the server exited: {}",
-                    tail(log)
-                )));
+                let said = tail(log);
+                if said.contains("lock file \"postmaster.pid\" already exists") {
+                    // Another server runs on this data directory: a second settlementd with the
+                    // same `database.embedded_dir`. No restart fixes that (exit 2).
+                    return Err(EmbeddedError::Setup(format!(
+                        "the data directory {} is in use by another running server (a second \
+                         settlementd with the same database.embedded_dir?): {said}",
+                        self.data_dir.display()
+                    )));
+                }
+                return Err(EmbeddedError::Start(format!("the server exited: {said}")));
             }
             if Instant::now() > deadline {
                 self.shutdown();

@@ -204,6 +204,7 @@ pub async fn dry_run(settings: &Settings, request: &RangeRequest) -> Result<Vec<
         count,
         &shards,
         request.run.force,
+        None,
     )
     .await;
     database.close().await;

@@ -30,6 +30,7 @@ use crate::db;
 use crate::job_layer::{self, Owner};
 use replica::{Replica, TickOutcome};
 use sqlx::PgPool;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -42,6 +43,9 @@ use tokio_util::sync::CancellationToken;
 /// instead of exiting.
 pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
     jobs_cover_their_schedules(&settings, SystemClock.now())?;
+    // First, before the database is looked at: a port another process holds is a mistake of the
+    // configuration, found in a moment, and said before anything else.
+    let listener = listen(settings.http.listen).await?;
     let database = if embedded || settings.database.embedded {
         Database::open(&settings, embedded).await?
     } else {
@@ -61,16 +65,6 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
     if database.embedded.is_some() && !settings.database.migrate_on_start {
         db::migrate(&database.pool).await?;
     }
-    let listener = match TcpListener::bind(settings.http.listen).await {
-        Ok(listener) => listener,
-        Err(e) => {
-            database.close().await;
-            return Err(AppError::Failed(format!(
-                "cannot listen on {}: {e}",
-                settings.http.listen
-            )));
-        }
-    };
     let shutdown = app::shutdown_on_signals();
     let result = serve(
         settings,
@@ -87,6 +81,38 @@ pub async fn serve_command(settings: Settings, embedded: bool) -> Result<()> {
         tracing::warn!("database did not close in time");
     }
     result
+}
+
+/// Binds `http.listen` ([`listen_refused`] says what a failure means).
+pub async fn listen(addr: SocketAddr) -> Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| listen_refused(addr, &e))
+}
+
+/// Why `http.listen` cannot be bound, as `serve` exits with it. An address already in use (another
+/// process, another replica on the same host), one this host does not have, or a port this user
+/// may not bind is a mistake of the configuration that no restart fixes: exit 2, one line naming
+/// the address and the key (systemd's unit does not restart on 2). Anything else (out of file
+/// descriptors, say) may pass: exit 1.
+pub fn listen_refused(addr: SocketAddr, e: &std::io::Error) -> AppError {
+    const KEY: &str = "set http.listen (SETTLEMENTD__HTTP__LISTEN)";
+    let why = match e.kind() {
+        std::io::ErrorKind::AddrInUse => format!(
+            "another process already listens on it (a second settlementd on this host?); stop \
+             it, or {KEY} to a free address"
+        ),
+        std::io::ErrorKind::AddrNotAvailable => {
+            format!("this host has no such address; {KEY} to one of its own, or 0.0.0.0:PORT")
+        }
+        std::io::ErrorKind::PermissionDenied => format!(
+            "this user may not listen on port {} (below 1024 needs CAP_NET_BIND_SERVICE); {KEY} \
+             to a port from 1024 up",
+            addr.port()
+        ),
+        _ => return AppError::Failed(format!("cannot listen on http.listen {addr}: {e}")),
+    };
+    AppError::Invalid(format!("cannot listen on http.listen {addr}: {why} ({e})"))
 }
 
 /// Refuses a configuration that does not cover the months an enabled job's schedule runs now and
@@ -515,5 +541,29 @@ async fn start_wakeups(
             tracing::warn!(error = %e, crons = %crons.join(" | "), "cron scheduler did not start; relying on the tick timer");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Error, ErrorKind};
+
+    #[test]
+    fn a_port_taken_an_address_not_here_or_a_port_not_allowed_is_exit_2_naming_the_address() {
+        let addr: SocketAddr = "127.0.0.1:80".parse().unwrap();
+        for (kind, says) in [
+            (ErrorKind::AddrInUse, "already listens on it"),
+            (ErrorKind::AddrNotAvailable, "this host has no such address"),
+            (ErrorKind::PermissionDenied, "may not listen on port 80"),
+        ] {
+            let refused = listen_refused(addr, &Error::from(kind));
+            let line = refused.to_string();
+            assert!(matches!(refused, AppError::Invalid(_)), "{kind:?}: {line}");
+            assert!(line.contains("http.listen 127.0.0.1:80"), "{line}");
+            assert!(line.contains(says) && !line.contains('\n'), "{line}");
+        }
+        let other = listen_refused(addr, &Error::from(ErrorKind::OutOfMemory));
+        assert!(matches!(other, AppError::Failed(_)), "{other}");
     }
 }

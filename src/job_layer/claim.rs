@@ -4,6 +4,16 @@
 //! start like `now()`), so replicas with skewed clocks agree on who holds a lease. Every claim,
 //! takeover, SUCCESS and FAILED is appended to `job_events` in the transaction that makes it, and
 //! moves the state of the run request it serves, if any (`job_runs.request_id`).
+//!
+//! **One lock order.** A transaction that writes both a key's `job_runs` row and a run request's
+//! row (`run_request_shards`) locks the request's row first: a claim made for a request, a
+//! takeover that keeps serving the row's request, and the final SUCCESS or FAILED. Progress and
+//! heartbeats lock the key's row alone. With two orders (the claim request-then-key, SUCCESS
+//! key-then-request), a peer's claim for the request being finished deadlocked with the SUCCESS
+//! write; PostgreSQL aborted one of them, and an aborted SUCCESS left the attempt RUNNING for a
+//! lease, after which a peer took it over as a second attempt for one request. A SUCCESS or FAILED
+//! aborted all the same (a deadlock with a release of another order during a rolling update, a
+//! serialization failure) is written again under the same attempt ([`FINISH_TRIES`]).
 
 use super::params::{self, Params, Pin};
 use super::{events, requests, Batch, BusinessDate, Cursor, JobKey, Owner, Reopen, Result};
@@ -212,6 +222,16 @@ pub async fn claim_for(
     // The row exists. Take it over only if its holder is gone (or it is done and we force).
     // A forced re-run starts from the beginning and serves only its own request (none from the
     // CLI); a takeover resumes after committed progress and keeps serving the request it served.
+    // One lock order (module header): a takeover made for no request keeps serving the row's, so
+    // that request's row is locked before the key's, and the takeover happens only while the row
+    // still serves it (else another claim took it meanwhile: held).
+    let served = match request {
+        Some(_) => None,
+        None => existing(&mut tx, key).await?.and_then(|row| row.request_id),
+    };
+    if let Some(served) = &served {
+        requests::lock_open(&mut tx, served, key.shard).await?;
+    }
     let takeover = lease_now(
         "WITH prior AS (
              SELECT status FROM job_runs
@@ -236,6 +256,7 @@ pub async fn claim_for(
                  OR (j.status = 'RUNNING'
                      AND j.heartbeat_at < clock_timestamp() - make_interval(secs => $6))
                  OR (j.status = 'SUCCESS' AND $7))
+            AND ($8::uuid IS NOT NULL OR j.request_id IS NOT DISTINCT FROM $11::uuid)
          RETURNING j.attempt, j.last_id, j.last_id_desc, prior.status AS prior,
                    j.request_id::text AS lineage",
     );
@@ -249,7 +270,8 @@ pub async fn claim_for(
         .bind(opts.force || opts.reopen.is_some())
         .bind(request)
         .bind(opts.reopen.is_some())
-        .bind(crate::version::VERSION);
+        .bind(crate::version::VERSION)
+        .bind(served.as_deref());
     let takeover = if mutant::planted(Mutant::LeaseLocalClock) {
         takeover.bind(chrono::Utc::now())
     } else {
@@ -297,7 +319,11 @@ pub async fn claim_for(
     } = existing(&mut tx, key)
         .await?
         .ok_or(sqlx::Error::RowNotFound)?;
-    let outcome = if status == "SUCCESS" {
+    // A forced claim for a request finds SUCCESS here only when another run took the key and
+    // finished it between the takeover and this read: that run served another request, so this
+    // one is held, not done, and runs once that one is over (one new attempt per request).
+    let raced = opts.force && request.is_some();
+    let outcome = if status == "SUCCESS" && !raced {
         ClaimOutcome::AlreadyDone { attempt }
     } else {
         ClaimOutcome::Held {
@@ -377,10 +403,10 @@ pub async fn close_abandoned(
 }
 
 /// The takeover statement `sql` judging leases on the database's clock, as written; or, with the
-/// campaign's planted bug, on the claimer's own clock (bound as `$10`).
+/// campaign's planted bug, on the claimer's own clock (bound as `$12`).
 fn lease_now(sql: &str) -> std::borrow::Cow<'_, str> {
     if mutant::planted(Mutant::LeaseLocalClock) {
-        let local = "$11::timestamptz - make_interval(secs => $6)";
+        let local = "$12::timestamptz - make_interval(secs => $6)";
         sql.replace("clock_timestamp() - make_interval(secs => $6)", local)
             .into()
     } else {
@@ -521,38 +547,65 @@ pub async fn heartbeat(db: impl PgExecutor<'_>, claim: &Claim) -> Result<Option<
 /// An audit event a run's final write appends with it: `(event, message)`.
 pub type Note = (&'static str, String);
 
+/// How often a SUCCESS or FAILED that PostgreSQL aborted for a deadlock or a serialization failure
+/// (SQLSTATE 40P01, 40001: the whole transaction rolled back, nothing of it written) is written
+/// again under the same attempt. Fenced by the attempt, a write that lost its claim meanwhile
+/// writes nothing; given up, the error is the caller's as before.
+pub const FINISH_TRIES: u32 = 3;
+
 /// Marks the run SUCCESS, records it in `job_events` with `notes` (what the run leaves for an
-/// operator: held items) and closes the request it served, in one transaction. `false` means the
-/// claim was lost and nothing was written.
-pub async fn mark_success<'c>(
-    db: impl sqlx::Acquire<'c, Database = sqlx::Postgres>,
-    claim: &Claim,
-    notes: &[Note],
-) -> Result<bool> {
-    let mut tx = db.begin().await?;
-    if !finish(&mut *tx, claim, None).await? {
-        tx.rollback().await?;
-        return Ok(false);
-    }
-    for (event, message) in notes {
-        events::append(&mut *tx, claim, event, None, Some(message)).await?;
-    }
-    tx.commit().await?;
-    Ok(true)
+/// operator: held items) and closes the request it served, in one transaction on `conn`. `false`
+/// means the claim was lost and nothing was written.
+pub async fn mark_success(conn: &mut PgConnection, claim: &Claim, notes: &[Note]) -> Result<bool> {
+    finish_again_if_aborted(conn, claim, None, notes).await
 }
 
 /// Marks the run FAILED so a peer can take it over at once, with the same records as
 /// [`mark_success`]. `false`: the claim was already lost.
-pub async fn mark_failed(db: impl PgExecutor<'_>, claim: &Claim, error: &str) -> Result<bool> {
-    finish(db, claim, Some(error)).await
+pub async fn mark_failed(conn: &mut PgConnection, claim: &Claim, error: &str) -> Result<bool> {
+    finish_again_if_aborted(conn, claim, Some(error), &[]).await
 }
 
-/// SUCCESS without `error`, FAILED with it.
-async fn finish(db: impl PgExecutor<'_>, claim: &Claim, error: Option<&str>) -> Result<bool> {
+/// [`finish`], again while PostgreSQL aborts it for a deadlock or a serialization failure, at most
+/// [`FINISH_TRIES`] times.
+async fn finish_again_if_aborted(
+    conn: &mut PgConnection,
+    claim: &Claim,
+    error: Option<&str>,
+    notes: &[Note],
+) -> Result<bool> {
+    let mut tries = 1;
+    loop {
+        match finish(conn, claim, error, notes).await {
+            Err(e) if tries < FINISH_TRIES && aborted_by_a_conflict(&e) => {
+                tracing::warn!(error = %e, tries, attempt = claim.attempt, "the run's final write was aborted; writing it again under the same attempt");
+                tries += 1;
+            }
+            finished => return finished,
+        }
+    }
+}
+
+/// A transaction PostgreSQL rolled back whole to break a deadlock or a serialization conflict.
+fn aborted_by_a_conflict(e: &super::JobError) -> bool {
+    matches!(e, super::JobError::Db(sqlx::Error::Database(db))
+        if matches!(db.code().as_deref(), Some("40P01" | "40001")))
+}
+
+/// SUCCESS without `error`, FAILED with it, with `notes`, in one transaction on `conn`: the
+/// request's row locked first, then the key's (one lock order, the module header).
+async fn finish(
+    conn: &mut PgConnection,
+    claim: &Claim,
+    error: Option<&str>,
+    notes: &[Note],
+) -> Result<bool> {
     let (status, event, state) = match error {
         None => ("SUCCESS", "succeeded", "succeeded"),
         Some(_) => ("FAILED", "failed", "failed"),
     };
+    let mut tx = conn.begin().await?;
+    requests::lock_served(&mut tx, &claim.key, claim.attempt).await?;
     let done: i64 = sqlx::query_scalar(
         "WITH done AS (
              UPDATE job_runs
@@ -585,9 +638,17 @@ async fn finish(db: impl PgExecutor<'_>, claim: &Claim, error: Option<&str>) -> 
     .bind(state)
     .bind(error)
     .bind(&claim.owner.0)
-    .fetch_one(db)
+    .fetch_one(&mut *tx)
     .await?;
-    Ok(done == 1)
+    if done != 1 {
+        tx.rollback().await?;
+        return Ok(false);
+    }
+    for (event, message) in notes {
+        events::append(&mut *tx, claim, event, None, Some(message)).await?;
+    }
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// One `job_runs` row as `status` shows it.

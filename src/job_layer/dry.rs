@@ -6,6 +6,12 @@
 //! by a live run, already SUCCESS with nothing left; or run), from the same rows the claim reads;
 //! the job says what its batches would write ([`Job::preview`]). The transaction is `READ ONLY`,
 //! so the server itself refuses any write a dry run would attempt.
+//!
+//! A dry run asked with a deadline (`POST /v1/runs/dry-run`, within the HTTP request's timeout)
+//! gives its snapshot a `statement_timeout` of the time left: when the deadline passes, the server
+//! cancels the statement in flight. Dropping the caller's future alone would not: sqlx returns the
+//! connection to its pool, which waits for the statement to end before it reuses it, and the
+//! server would go on reading a month of loans for nobody.
 
 use super::registry::Registered;
 use super::{params, pause, BusinessDate, JobKey, Preview, Result};
@@ -58,7 +64,8 @@ pub struct DryRun {
 }
 
 /// The dry run of `month` for `shards` of `count`: see the module. `force`: as `run
-/// --force` (a SUCCESS key is run again).
+/// --force` (a SUCCESS key is run again). `deadline`: when the server stops its statements.
+#[allow(clippy::too_many_arguments)]
 pub async fn dry_run(
     pool: &PgPool,
     job: &dyn Registered,
@@ -67,9 +74,14 @@ pub async fn dry_run(
     shards: &[u32],
     force: bool,
     lease_ttl: Duration,
+    deadline: Option<tokio::time::Instant>,
 ) -> Result<DryRun> {
     let business_date = month.date();
     let mut tx = pool.begin_with(BEGIN_DRY_RUN).await?;
+    if let Some(deadline) = deadline {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        stop_statements_after(&mut tx, left).await?;
+    }
     let key = |shard: u32| JobKey {
         job_name: job.name().to_string(),
         business_date,
@@ -176,6 +188,17 @@ pub async fn dry_run(
         by_shard,
         preview,
     })
+}
+
+/// Sets the transaction's `statement_timeout` to `left` (at least 1 ms: `0` would turn it off):
+/// each statement after it is cancelled by the server once it has run that long.
+async fn stop_statements_after(tx: &mut sqlx::PgConnection, left: Duration) -> Result<()> {
+    let millis = left.as_millis().clamp(1, i32::MAX as u128);
+    sqlx::query("SELECT set_config('statement_timeout', $1, true)")
+        .bind(millis.to_string())
+        .execute(tx)
+        .await?;
+    Ok(())
 }
 
 impl DryRun {

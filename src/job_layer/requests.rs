@@ -10,7 +10,10 @@
 //!
 //! Exactly one new attempt per accepted request and shard: the claim made for a request locks the
 //! request's row and requires it to be open, so two replicas that both see it pending cannot both
-//! force a run; the second finds it served.
+//! force a run; the second finds it served. Every transaction that writes a request's row and a
+//! key's locks the request's first ([`super::claim`], "One lock order"), so a claim for a request
+//! never deadlocks with the SUCCESS of the attempt serving it (which would leave that attempt
+//! RUNNING for a lease, then taken over as a second attempt).
 
 use super::{JobKey, Result};
 use chrono::{DateTime, NaiveDate, Utc};
@@ -395,6 +398,29 @@ pub(super) async fn lock_open(tx: &mut PgConnection, request: &str, shard: u32) 
     .fetch_optional(tx)
     .await?;
     Ok(matches!(state.as_deref(), Some(s) if s != "succeeded"))
+}
+
+/// Locks the row of the request that `attempt` of `key` serves, if it serves one, inside the
+/// transaction of its SUCCESS or FAILED, before that writes the key's row: the order every claim
+/// locks them in ([`super::claim`], "One lock order"). The attempt's request is read without a
+/// lock: it is set by the claim that made the attempt and never changes under the same attempt.
+pub(super) async fn lock_served(tx: &mut PgConnection, key: &JobKey, attempt: i32) -> Result<()> {
+    sqlx::query(
+        "SELECT 1 FROM run_request_shards r
+          WHERE r.shard = $4
+            AND r.request_id = (SELECT j.request_id FROM job_runs j
+                                 WHERE j.job_name = $1 AND j.business_date = $2
+                                   AND j.shards = $3 AND j.shard = $4 AND j.attempt = $5)
+            FOR UPDATE OF r",
+    )
+    .bind(&key.job_name)
+    .bind(key.business_date)
+    .bind(key.shards as i32)
+    .bind(key.shard as i32)
+    .bind(attempt)
+    .execute(tx)
+    .await?;
+    Ok(())
 }
 
 /// The request's shard is served by `attempt` from now on.

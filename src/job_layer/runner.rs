@@ -362,7 +362,8 @@ async fn mark_failed(
         _ => failure.to_string(),
     };
     if !matches!(failure, JobError::Unanswered { .. }) {
-        return claim::mark_failed(pool, claim, &error).await;
+        let mut conn = super::acquire(pool).await?;
+        return claim::mark_failed(&mut conn, claim, &error).await;
     }
     let fresh = async {
         let mut conn = PgConnection::connect_with(&pool.connect_options()).await?;

@@ -108,7 +108,11 @@ async fn concurrent_claims_of_one_key_have_exactly_one_winner() {
 async fn a_failed_claim_is_taken_over_with_the_next_attempt() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
-    assert!(claim::mark_failed(&db.pool, &first, "boom").await.unwrap());
+    assert!(
+        claim::mark_failed(&mut db.pool.acquire().await.unwrap(), &first, "boom")
+            .await
+            .unwrap()
+    );
     let second = won(claim_as(&db, "b", false).await);
     assert_eq!(second.attempt, 2);
     assert!(second.took_over);
@@ -159,7 +163,11 @@ async fn success_blocks_a_rerun_unless_forced() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
     assert!(record(&db, &first, (Some(42), Some(900)), 5).await);
-    assert!(claim::mark_success(&db.pool, &first, &[]).await.unwrap());
+    assert!(
+        claim::mark_success(&mut db.pool.acquire().await.unwrap(), &first, &[])
+            .await
+            .unwrap()
+    );
     assert_eq!(
         claim_as(&db, "b", false).await,
         ClaimOutcome::AlreadyDone { attempt: 1 }
@@ -202,7 +210,11 @@ async fn a_rerun_claimed_by_an_older_binary_forgets_the_descending_cursor() {
     let db = test_db().await;
     let first = won(claim_as(&db, "a", false).await);
     assert!(record(&db, &first, (None, Some(900)), 5).await);
-    assert!(claim::mark_success(&db.pool, &first, &[]).await.unwrap());
+    assert!(
+        claim::mark_success(&mut db.pool.acquire().await.unwrap(), &first, &[])
+            .await
+            .unwrap()
+    );
     // The previous release's forced takeover, as it was written.
     sqlx::query(
         "UPDATE job_runs j
@@ -232,10 +244,18 @@ async fn a_zombie_whose_claim_was_taken_over_can_write_nothing() {
 
     assert!(!record(&db, &zombie, (Some(7), Some(9)), 1).await);
     assert_eq!(claim::heartbeat(&db.pool, &zombie).await.unwrap(), None);
-    assert!(!claim::mark_success(&db.pool, &zombie, &[]).await.unwrap());
-    assert!(!claim::mark_failed(&db.pool, &zombie, "zombie says hi")
-        .await
-        .unwrap());
+    assert!(
+        !claim::mark_success(&mut db.pool.acquire().await.unwrap(), &zombie, &[])
+            .await
+            .unwrap()
+    );
+    assert!(!claim::mark_failed(
+        &mut db.pool.acquire().await.unwrap(),
+        &zombie,
+        "zombie says hi"
+    )
+    .await
+    .unwrap());
 
     let (status, attempt, holder, last_id, err): (
         String,
@@ -264,7 +284,11 @@ async fn owners_of_two_processes_on_one_host_differ() {
 async fn the_shard_count_is_part_of_the_key() {
     let db = test_db().await;
     let three = won(claim_as(&db, "a", false).await);
-    assert!(claim::mark_success(&db.pool, &three, &[]).await.unwrap());
+    assert!(
+        claim::mark_success(&mut db.pool.acquire().await.unwrap(), &three, &[])
+            .await
+            .unwrap()
+    );
     let four = JobKey { shards: 4, ..key() };
     let mut conn = db.pool.acquire().await.unwrap();
     let outcome = claim::claim(&mut conn, &four, &owner("a"), TTL, false)

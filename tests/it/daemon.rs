@@ -550,6 +550,61 @@ fn serve_rejects_invalid_configuration_with_exit_2_before_touching_the_database(
     assert!(replica.child.try_wait().unwrap().is_none(), "{}", said());
 }
 
+/// A port another process holds is a mistake of the configuration: `serve` exits 2 at once with
+/// one line naming the address and the key, before it looks at the database (reachable or not),
+/// so systemd does not restart it for ever (`RestartPreventExitStatus=2`).
+#[tokio::test]
+async fn serve_on_a_port_already_taken_exits_2_with_one_line_naming_the_address() {
+    let db = test_db().await;
+    let addr = free_loopback_addr();
+    let _holder = std::net::TcpListener::bind(addr).unwrap();
+    for url in [db.url.as_str(), UNREACHABLE] {
+        let mut cmd = settlementd(Some(url));
+        cmd.arg("serve")
+            .env("SETTLEMENTD__HTTP__LISTEN", addr.to_string())
+            .env("SETTLEMENTD__DATABASE__ACQUIRE_TIMEOUT_SECS", "1");
+        let out = output_within(&mut cmd, Duration::from_secs(30));
+        let stderr = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(2), "{url}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{url}: {stderr}");
+        assert!(
+            stderr.contains(&addr.to_string()) && stderr.contains("http.listen"),
+            "{url}: {stderr}"
+        );
+        assert!(stderr.contains("already listens"), "{url}: {stderr}");
+    }
+    drop_db(db).await;
+}
+
+/// `serve --embedded-db` on a data directory another server runs on (a second settlementd with the
+/// same `database.embedded_dir`) is a mistake of the configuration too: exit 2 (`is_config`), one
+/// line naming the directory, not exit 1 and a restart for ever.
+#[tokio::test]
+async fn an_embedded_data_directory_another_server_runs_on_is_a_configuration_error() {
+    use settlementd::embedded_pg::{EmbeddedOptions, EmbeddedPg};
+    let running = PrivateCluster::start().await;
+    let dir = running.pg.data_dir().to_path_buf();
+    let options = EmbeddedOptions {
+        data_dir: Some(dir.clone()),
+        bindir: None,
+    };
+    let second = tokio::task::spawn_blocking(move || EmbeddedPg::start(options))
+        .await
+        .unwrap();
+    let error = second.err().expect("a second server on a directory in use");
+    let line = error.to_string();
+    assert!(error.is_config(), "{line}");
+    assert!(
+        line.contains("in use by another running server")
+            && line.contains(&dir.display().to_string())
+            && !line.contains('\n'),
+        "{line}"
+    );
+    let settlementd::app::AppError::Invalid(_) = settlementd::app::AppError::from(error) else {
+        panic!("not exit 2: {line}");
+    };
+}
+
 #[test]
 fn serve_without_a_database_is_a_configuration_error() {
     let (code, stderr) = exit_and_stderr(settlementd(None).arg("serve"));
@@ -763,9 +818,13 @@ async fn a_month_still_failed_when_the_next_fire_arrives_is_settled_before_the_n
     .unwrap() else {
         panic!("claim February")
     };
-    assert!(claim::mark_failed(&db.pool, &c, "database restarted")
-        .await
-        .unwrap());
+    assert!(claim::mark_failed(
+        &mut db.pool.acquire().await.unwrap(),
+        &c,
+        "database restarted"
+    )
+    .await
+    .unwrap());
     drop(conn);
 
     let clock = ManualClock::new(shanghai(2027, 4, 1, 2, 30, 5));

@@ -4,6 +4,7 @@
 //! Kubernetes probe timeouts, close what is held within its timeouts, and count refused tokens.
 
 use crate::helpers::*;
+use settlementd::calendar::BusinessDate;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -252,4 +253,226 @@ async fn refused_tokens_are_counted_on_metrics_and_an_accepted_one_is_not() {
     .unwrap();
     assert_eq!(answer.status, 404, "{}", answer.body);
     assert_eq!(server.metric("settlementd_auth_refused_total").await, 3.0);
+}
+
+const DRY_TOKEN: &str = "a-dry-run-token-0123456789";
+
+/// POST /v1/runs/dry-run with the token, `body` and, when given, `content_type`.
+async fn dry(addr: SocketAddr, body: &str, content_type: Option<&str>) -> Answer {
+    let bearer = format!("Bearer {DRY_TOKEN}");
+    let mut headers = vec![("Authorization", bearer.as_str())];
+    if let Some(content_type) = content_type {
+        headers.push(("Content-Type", content_type));
+    }
+    http(addr, "POST", "/v1/runs/dry-run", &headers, body)
+        .await
+        .unwrap()
+}
+
+/// `from`–`to` of 2024 (outside a replica's lookback: nothing settles it meanwhile) under `shards`.
+fn dry_body(from: &str, to: &str, shards: u32) -> String {
+    format!(r#"{{"from":"{from}","to":"{to}","shards":{shards}}}"#)
+}
+
+/// The dry run's bounds: the issue's request (every month since 2000 of 1,024 shards, which took a
+/// minute and gigabytes) is refused at once with a 400 naming both caps, as is one month or one
+/// shard too many; at the caps it answers; a body declared as anything but JSON is 415.
+#[tokio::test]
+async fn a_dry_run_over_its_caps_is_400_naming_them_and_a_body_not_declared_json_is_415() {
+    let db = test_db().await;
+    let settings = settings(&[("HTTP__ADMIN_TOKEN", DRY_TOKEN)]);
+    let (addr, stop, task) = serve_http(&db.pool, settings).await;
+
+    let asked = Instant::now();
+    let refused = dry(addr, &dry_body("2000-01", "2024-12", 1024), None).await;
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    assert!(
+        asked.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        asked.elapsed()
+    );
+    let why = refused.json()["error"].as_str().unwrap().to_string();
+    assert!(
+        why.contains("at most 12 months and 1024 shards × months")
+            && why.contains("300 months × 1024 shards"),
+        "{why}"
+    );
+    for (body, asks) in [
+        (dry_body("2023-12", "2024-12", 1), "13 months × 1 shard"),
+        (dry_body("2024-01", "2024-12", 86), "12 months × 86 shards"),
+        (dry_body("2024-11", "2024-12", 513), "2 months × 513 shards"),
+    ] {
+        let refused = dry(addr, &body, None).await;
+        assert_eq!(refused.status, 400, "{body}: {}", refused.body);
+        assert!(refused.body.contains(asks), "{body}: {}", refused.body);
+    }
+    // One shard of many is one shard.
+    let one = r#"{"from":"2024-01","to":"2024-12","shards":1024,"shard":7}"#;
+    for body in [
+        dry_body("2024-01", "2024-12", 85),
+        r#"{"business_date":"2024-12-31","shards":1024}"#.to_string(),
+        one.to_string(),
+    ] {
+        let answer = dry(addr, &body, None).await;
+        assert_eq!(answer.status, 200, "{body}: {}", answer.body);
+    }
+
+    let body = r#"{"business_date":"2024-12-31","shards":2}"#;
+    for declared in [
+        "application/json",
+        "application/json; charset=utf-8",
+        "application/merge-patch+json",
+    ] {
+        let answer = dry(addr, body, Some(declared)).await;
+        assert_eq!(answer.status, 200, "{declared}: {}", answer.body);
+    }
+    for declared in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
+        let answer = dry(addr, body, Some(declared)).await;
+        assert_eq!(answer.status, 415, "{declared}: {}", answer.body);
+        let why = answer.json()["error"].as_str().unwrap().to_string();
+        assert!(why.contains("Content-Type: application/json"), "{why}");
+    }
+    let not_json = dry(addr, "business_date=2024-12-31", None).await;
+    assert_eq!(not_json.status, 400, "{}", not_json.body);
+    stop.cancel();
+    task.await.unwrap();
+    drop_db(db).await;
+}
+
+/// A process's resident memory now and its peak (`VmRSS`, `VmHWM` of /proc/PID/status), in KiB.
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let field = |name: &str| -> u64 {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("no {name} in /proc/{pid}/status"));
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// The largest dry runs the caps allow (12 months of 85 shards, one month of 1,024), on a year of
+/// loans, grow a real `serve` process by less than 64 MiB at their peak (its StatefulSet limit is
+/// 256 MiB): the peak is reset before each (`/proc/PID/clear_refs`), and the growth is its peak
+/// over its resident memory just before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_largest_dry_runs_allowed_grow_a_replica_by_less_than_64_mib() {
+    let db = test_db().await;
+    for (i, month) in (1..=12).enumerate() {
+        let month =
+            BusinessDate::of_month_of(chrono::NaiveDate::from_ymd_opt(2024, month, 1).unwrap())
+                .unwrap();
+        seed_month(&db.pool, month, 3000, 1 + i as i64 * 10_000).await;
+    }
+    let server = ServeProcess::start(&db.url, &[("SETTLEMENTD__HTTP__ADMIN_TOKEN", DRY_TOKEN)]);
+    server.wait_for("/readyz", 200).await;
+    let pid = server.child.id();
+    // Warm: the pool's connections, the code paths.
+    let warm = dry(server.addr, &dry_body("2024-12", "2024-12", 2), None).await;
+    assert_eq!(warm.status, 200, "{}", warm.body);
+
+    for body in [
+        dry_body("2024-01", "2024-12", 85),
+        r#"{"business_date":"2024-12-31","shards":1024}"#.to_string(),
+    ] {
+        let reset = std::fs::write(format!("/proc/{pid}/clear_refs"), "5").is_ok();
+        let (before, _) = memory_kib(pid);
+        let asked = Instant::now();
+        let answer = dry(server.addr, &body, None).await;
+        let took = asked.elapsed();
+        assert_eq!(answer.status, 200, "{body}: {}", answer.body);
+        let (after, peak) = memory_kib(pid);
+        let grew = peak.saturating_sub(before);
+        let shards: usize = answer.json()["dry_runs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["by_shard"].as_array().unwrap().len())
+            .sum();
+        eprintln!(
+            "dry run {body}: {shards} shard objects, {} bytes of JSON in {took:?}; resident \
+             {before} KiB before, peak {peak} KiB (+{grew} KiB), {after} KiB after{}",
+            answer.body.len(),
+            if reset {
+                ""
+            } else {
+                " (peak not reset: since start)"
+            }
+        );
+        assert!(shards >= 1020, "{body}: {shards} shard objects");
+        assert!(
+            grew < 64 * 1024,
+            "{body}: the replica grew by {grew} KiB (resident {before} KiB, peak {peak} KiB)"
+        );
+    }
+}
+
+/// A dry run that outlives the request timeout (its month's loans locked by another session, so
+/// its statement waits) answers 503 before the server's own timeout, and the database is no
+/// longer working for it: its statement is cancelled, not left to run for nobody. The replica
+/// answers the next dry run once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dry_run_past_the_request_timeout_is_503_and_its_statement_stops_with_it() {
+    use sqlx::Connection;
+    let db = test_db().await;
+    seed_month(&db.pool, bd("2024-06-30"), 500, 1).await;
+    let server = ServeProcess::start(
+        &db.url,
+        &[
+            ("SETTLEMENTD__HTTP__ADMIN_TOKEN", DRY_TOKEN),
+            ("SETTLEMENTD__HTTP__REQUEST_TIMEOUT_SECS", "2"),
+            // The sessions' own guards are far longer than the request: only the dry run's
+            // deadline can stop its statement in time.
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "10"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "60"),
+        ],
+    );
+    server.wait_for("/readyz", 200).await;
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("LOCK TABLE loans IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let body = r#"{"business_date":"2024-06-30","shards":4}"#;
+    let asked = Instant::now();
+    let answer = dry(server.addr, body, None).await;
+    let took = asked.elapsed();
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(
+        answer.body.contains("did not finish within 1.8 s"),
+        "its own answer, not the server's timeout: {}",
+        answer.body
+    );
+    assert!(
+        took < Duration::from_millis(2500),
+        "answered after {took:?}"
+    );
+    // Still holding the lock: nothing of the dry run waits for it any more.
+    let waiting = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity
+              WHERE datname = current_database() AND query LIKE '/* preview.run */%'
+                AND state = 'active'",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let stopped = eventually(1, || async { waiting().await == 0 }).await;
+    assert!(
+        stopped,
+        "the dry run's statement still runs {:?} after its 503",
+        asked.elapsed() - took
+    );
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let answer = dry(server.addr, body, None).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    drop_db(db).await;
 }

@@ -7,6 +7,7 @@ mod helpers;
 // The paths a job's module uses in `src/jobs/`, for the guide's worked example (`guide`).
 use settlementd::{config, job_layer};
 
+mod build_script;
 mod claim;
 mod cli;
 mod corrections;

@@ -370,6 +370,125 @@ async fn ten_identical_concurrent_requests_to_two_replicas_start_one_new_attempt
     );
 }
 
+/// Five `serve` processes of the one shard, and thirty forced requests, each under its own key,
+/// sent at once to the replicas in turn: every request's shard is served by exactly one new
+/// attempt, and PostgreSQL detected no deadlock. With two lock orders (a claim for a request
+/// locking the request's row then `job_runs`, the SUCCESS write `job_runs` then the request's
+/// row), a replica's claim for the request being finished deadlocked with its SUCCESS; an aborted
+/// SUCCESS left the attempt RUNNING for a lease, and a peer took it over as a second attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn thirty_forced_requests_to_five_replicas_of_a_shard_start_one_new_attempt_each_and_no_deadlock(
+) {
+    const REPLICAS: usize = 5;
+    const REQUESTS: usize = 30;
+    let db = test_db().await;
+    let oct = bd(OCT);
+    seed_month_alone(&db.pool, oct, 300, 1).await;
+    settle_shards(&db.pool, oct, 1, 500).await;
+    let logs = tempfile::tempdir().unwrap();
+    let env = replica_env(1, 0);
+    let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let replicas: Vec<ServeProcess> = (0..REPLICAS)
+        .map(|i| {
+            ServeProcess::start_logged(&db.url, &env, &logs.path().join(format!("replica-{i}")))
+        })
+        .collect();
+    for r in &replicas {
+        r.wait_for("/readyz", 200).await;
+    }
+
+    let body = format!(r#"{{"business_date":"{OCT}","force":true}}"#);
+    let sends: Vec<_> = (0..REQUESTS)
+        .map(|i| {
+            let addr = replicas[i % REPLICAS].addr;
+            let body = body.clone();
+            tokio::spawn(async move { accepted(addr, &format!("rerun-2026-10-{i}"), &body).await })
+        })
+        .collect();
+    let mut ids = Vec::new();
+    for send in sends {
+        ids.push(send.await.unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for id in &ids {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let served = eventually(left.as_secs().max(1), || async {
+            let targets = requests::targets(&db.pool, id).await.unwrap();
+            targets.iter().all(|t| t.state == "succeeded")
+        })
+        .await;
+        assert!(served, "request {id} not served within 120 s");
+    }
+    drop(replicas); // SIGTERM, waited for: their sessions end, and with them their statistics
+    let mut log = String::new();
+    for i in 0..REPLICAS {
+        log.push_str(&std::fs::read_to_string(logs.path().join(format!("replica-{i}"))).unwrap());
+    }
+
+    // Per request: its claims (a new attempt each) and the attempt its shard row names.
+    let claims: Vec<(String, i64, Option<i32>, Option<i32>)> = sqlx::query_as(
+        "SELECT r.request_id::text,
+                (SELECT count(*) FROM job_events e
+                  WHERE e.request_id = r.request_id
+                    AND e.event IN ('claimed', 'forced', 'took_over')),
+                (SELECT max(e.attempt) FROM job_events e
+                  WHERE e.request_id = r.request_id
+                    AND e.event IN ('claimed', 'forced', 'took_over')),
+                s.attempt
+           FROM run_requests r JOIN run_request_shards s USING (request_id)
+          ORDER BY r.created_at",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(claims.len(), REQUESTS);
+    let twice: Vec<_> = claims.iter().filter(|c| c.1 != 1).collect();
+    assert!(
+        twice.is_empty(),
+        "{} of {REQUESTS} requests did not start exactly one new attempt (request, attempts \
+         started, last attempt, attempt that served it): {twice:?}",
+        twice.len()
+    );
+    for (id, _, started, served) in &claims {
+        assert_eq!(
+            started, served,
+            "request {id}: served by the attempt it started"
+        );
+    }
+    let attempt: i32 =
+        sqlx::query_scalar("SELECT attempt FROM job_runs WHERE job_name = 'fine-settlement'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        attempt as usize,
+        1 + REQUESTS,
+        "the first run, then one attempt per request"
+    );
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let deadlocks: i64 = sqlx::query_scalar(
+        "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let logged = log.lines().filter(|l| l.contains("deadlock")).count();
+    assert_eq!(
+        (deadlocks, logged),
+        (0, 0),
+        "deadlocks PostgreSQL detected, lines of the replicas' logs naming one: {}",
+        log.lines()
+            .filter(|l| l.contains("deadlock"))
+            .take(3)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    drop_db(db).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_outlives_the_replica_that_accepted_it_and_runs_when_its_shard_is_served() {
     let db = test_db().await;
@@ -488,22 +607,36 @@ async fn claims_takeovers_fencing_rejections_successes_and_failures_are_in_the_a
             .await
             .unwrap(),
     );
-    assert!(claim::mark_failed(&db.pool, &first, "disk full")
-        .await
-        .unwrap());
+    assert!(
+        claim::mark_failed(&mut db.pool.acquire().await.unwrap(), &first, "disk full")
+            .await
+            .unwrap()
+    );
     let second = won(
         claim::claim(&mut conn, &key, &Owner("b".into()), ttl, false)
             .await
             .unwrap(),
     );
     // The first owner, back from the dead, tries to finish: refused, and recorded.
-    assert!(!claim::mark_success(&db.pool, &first, &[]).await.unwrap());
+    assert!(
+        !claim::mark_success(&mut db.pool.acquire().await.unwrap(), &first, &[])
+            .await
+            .unwrap()
+    );
     events::fencing_rejected(&db.pool, &first, "SUCCESS").await;
-    assert!(claim::mark_success(&db.pool, &second, &[]).await.unwrap());
+    assert!(
+        claim::mark_success(&mut db.pool.acquire().await.unwrap(), &second, &[])
+            .await
+            .unwrap()
+    );
     let third = won(claim::claim(&mut conn, &key, &Owner("c".into()), ttl, true)
         .await
         .unwrap());
-    assert!(claim::mark_success(&db.pool, &third, &[]).await.unwrap());
+    assert!(
+        claim::mark_success(&mut db.pool.acquire().await.unwrap(), &third, &[])
+            .await
+            .unwrap()
+    );
 
     let trail: Vec<(String, Option<i32>, String)> = events::for_key(&db.pool, &key)
         .await

@@ -353,9 +353,11 @@ async fn a_zombie_batch_in_flight_during_a_takeover_is_rolled_back() {
     );
 
     // The heir dies too; the next run takes over and settles everything exactly once.
-    assert!(claim::mark_failed(&db.pool, &heir, "heir crashed")
-        .await
-        .unwrap());
+    assert!(
+        claim::mark_failed(&mut db.pool.acquire().await.unwrap(), &heir, "heir crashed")
+            .await
+            .unwrap()
+    );
     let last = run(&db.pool, oct, shard(0, 1), false).await;
     assert_eq!(last.attempt, Some(3));
     assert_eq!(last.updated as i64, eligible(&db.pool, oct).await);

@@ -360,7 +360,11 @@ impl FourMonths {
             settle_as(pool, running, 3, shard, &owner(shard)).await;
         }
         let claim = claim_with_one_batch(pool, failed, 3, 1, &owner(1), 100).await;
-        assert!(claim::mark_failed(pool, &claim, FAILURE).await.unwrap());
+        assert!(
+            claim::mark_failed(&mut pool.acquire().await.unwrap(), &claim, FAILURE)
+                .await
+                .unwrap()
+        );
         let rerun_key = format!("rerun-{failed}-shard-1");
         let request = NewRequest {
             to: None,

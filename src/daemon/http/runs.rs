@@ -12,7 +12,8 @@
 //!
 //! Errors are `{"error": "…"}`: `403` when no token is configured, `401` for a missing or wrong
 //! token, `400` for a bad key or body (nothing stored), `404` for an unknown request, `503` when
-//! the database does not answer.
+//! the database does not answer. The dry run is bounded ([`dry_run`]): `400` past its caps, `415`
+//! for a body declared as anything but JSON, `503` past its share of the request timeout.
 
 use super::HttpState;
 use crate::app::ensure_month_is_over;
@@ -26,6 +27,7 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use chrono::SecondsFormat;
 use secrecy::ExposeSecret;
+use std::time::Duration;
 use subtle::ConstantTimeEq;
 
 /// The most shards a request may name (a guard against typos like 30000).
@@ -91,12 +93,28 @@ pub async fn create(State(state): State<HttpState>, headers: HeaderMap, body: By
     }
 }
 
+/// The most months one dry run answers.
+pub const MAX_DRY_MONTHS: usize = 12;
+/// The most shard objects one dry run answers: months × shards (one month of 1,024 shards, or 12
+/// months of 85). Each is a few kilobytes in memory while the answer is built: the cap keeps a
+/// replica's growth for any request far below its 256 MiB limit (`tests/it/http_limits.rs`
+/// measures it), and its time within the request timeout on a big library.
+pub const MAX_DRY_SHARD_MONTHS: usize = 1024;
+
 /// `POST /v1/runs/dry-run`: the body of `POST /v1/runs`, checked the same way, answered `200`
 /// with `{"dry_runs": [...]}`, one `run --dry-run --json` object per month (every shard of the
 /// count, or `shard`): what the run would write, written nowhere ([`crate::job_layer::dry`]). Stores
 /// nothing, so it needs no `Idempotency-Key`.
+///
+/// Bounded: a JSON body only (another declared `Content-Type` is `415`); at most
+/// [`MAX_DRY_MONTHS`] months and [`MAX_DRY_SHARD_MONTHS`] shards × months (`400` naming both); and
+/// done within the request timeout, less a margin to answer ([`dry_budget`]): past it the server
+/// cancels the statement in flight and the answer is `503` saying so.
 pub async fn dry_run(State(state): State<HttpState>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(refused) = authorize(&state, &headers) {
+        return refused;
+    }
+    if let Err(refused) = json_only(&headers) {
         return refused;
     }
     let request = match parse(&state, "dry-run".into(), &body) {
@@ -106,6 +124,17 @@ pub async fn dry_run(State(state): State<HttpState>, headers: HeaderMap, body: B
     let Ok(job) = state.registry.get(&request.job_name) else {
         return error(StatusCode::BAD_REQUEST, "job: unknown".into());
     };
+    let asked_months = request
+        .to
+        .map_or(1, |to| months_from_to(request.business_date, to));
+    let asked_shards = if request.shard.is_some() {
+        1
+    } else {
+        request.shards as usize
+    };
+    if let Err(why) = within_dry_caps(asked_months, asked_shards) {
+        return error(StatusCode::BAD_REQUEST, why);
+    }
     let months = || -> Result<Vec<BusinessDate>, crate::calendar::CalendarError> {
         let first = BusinessDate::new(request.business_date)?;
         let dates = match request.to {
@@ -122,26 +151,111 @@ pub async fn dry_run(State(state): State<HttpState>, headers: HeaderMap, body: B
         Some(shard) => vec![shard],
         None => (0..request.shards).collect(),
     };
-    let found = crate::app::dry_months(
-        &state.settings,
-        &state.pool,
-        job.as_ref(),
-        &months,
-        request.shards,
-        &shards,
-        request.force,
+    let budget = dry_budget(Duration::from_secs(
+        state.settings.http.request_timeout_secs,
+    ));
+    let deadline = tokio::time::Instant::now() + budget;
+    let found = tokio::time::timeout_at(
+        deadline,
+        crate::app::dry_months(
+            &state.settings,
+            &state.pool,
+            job.as_ref(),
+            &months,
+            request.shards,
+            &shards,
+            request.force,
+            Some(deadline),
+        ),
     )
     .await;
     match found {
-        Ok(dry) => {
-            let body: Vec<serde_json::Value> = dry.iter().map(|d| d.to_json()).collect();
-            json(
-                StatusCode::OK,
-                serde_json::json!({ "dry_runs": body }).to_string(),
-            )
+        Ok(Ok(dry)) => {
+            // Written month by month: one month's JSON tree at a time, never the whole answer's.
+            let mut body = String::from(r#"{"dry_runs":["#);
+            for (i, month) in dry.iter().enumerate() {
+                if i > 0 {
+                    body.push(',');
+                }
+                body.push_str(&month.to_json().to_string());
+            }
+            body.push_str("]}");
+            json(StatusCode::OK, body)
         }
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        Err(_) => out_of_time(budget),
+        Ok(Err(_)) if tokio::time::Instant::now() >= deadline => out_of_time(budget),
+        Ok(Err(e)) => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
     }
+}
+
+/// `Ok` when a dry run of `months` months of `shards` shards is within the caps; else the `400`'s
+/// words, naming both caps and what was asked.
+pub fn within_dry_caps(months: usize, shards: usize) -> Result<(), String> {
+    if months <= MAX_DRY_MONTHS && months.saturating_mul(shards) <= MAX_DRY_SHARD_MONTHS {
+        return Ok(());
+    }
+    Err(format!(
+        "a dry run answers at most {MAX_DRY_MONTHS} months and {MAX_DRY_SHARD_MONTHS} shards × \
+         months per request; this one asks {months} month{} × {shards} shard{} = {}: ask for fewer \
+         months (from, to) or one shard (shard), and send the rest as further requests",
+        if months == 1 { "" } else { "s" },
+        if shards == 1 { "" } else { "s" },
+        months.saturating_mul(shards)
+    ))
+}
+
+/// How many months from `from`'s to `to`'s, both counted.
+fn months_from_to(from: chrono::NaiveDate, to: chrono::NaiveDate) -> usize {
+    use chrono::Datelike;
+    let index = |d: chrono::NaiveDate| i64::from(d.year()) * 12 + i64::from(d.month0());
+    usize::try_from(index(to) - index(from) + 1).unwrap_or(0)
+}
+
+/// How long a dry run may take: the request timeout less a tenth of it (at most 1 s), so that its
+/// own `503` answers before the server's timeout drops the request without a word.
+pub fn dry_budget(request_timeout: Duration) -> Duration {
+    request_timeout - (request_timeout / 10).min(Duration::from_secs(1))
+}
+
+fn out_of_time(budget: Duration) -> Response {
+    error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!(
+            "the dry run did not finish within {:.1} s (http.request_timeout_secs, less a margin to \
+             answer): the database cancelled its statement and nothing of it is left running; ask \
+             for fewer months or one shard",
+            budget.as_secs_f64()
+        ),
+    )
+}
+
+/// `Ok` unless the request declares a body that is not JSON: a `Content-Type` other than
+/// `application/json` (or an `application/…+json` type) is `415`. A body without one is read as
+/// JSON, and is `400` when it is not.
+#[allow(clippy::result_large_err)]
+pub(super) fn json_only(headers: &HeaderMap) -> Result<(), Response> {
+    let Some(declared) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(());
+    };
+    let text = declared.to_str().unwrap_or("(not text)");
+    let essence = text
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
+    let json = essence == "application/json"
+        || (essence.starts_with("application/") && essence.ends_with("+json"));
+    if json {
+        return Ok(());
+    }
+    Err(error(
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        format!(
+            "the body must be JSON, sent as Content-Type: application/json (got {text:?}); with \
+             curl: --json '{{…}}', or -H 'Content-Type: application/json' with -d"
+        ),
+    ))
 }
 
 pub async fn show(
@@ -361,4 +475,39 @@ pub(super) fn json(status: StatusCode, body: String) -> Response {
         body,
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dry_run_is_capped_at_twelve_months_and_1024_shard_months_and_answers_within_the_timeout() {
+        for (months, shards) in [(1, 1), (12, 1), (12, 85), (1, 1024), (2, 512)] {
+            assert!(
+                within_dry_caps(months, shards).is_ok(),
+                "{months} x {shards}"
+            );
+        }
+        for (months, shards) in [(13, 1), (12, 86), (1, 1025), (322, 1024), (usize::MAX, 2)] {
+            let why = within_dry_caps(months, shards).unwrap_err();
+            assert!(
+                why.contains("at most 12 months and 1024 shards × months"),
+                "{why}"
+            );
+        }
+        let why = within_dry_caps(1, 1025).unwrap_err();
+        assert!(why.contains("asks 1 month × 1025 shards = 1025"), "{why}");
+        assert_eq!(dry_budget(Duration::from_secs(30)), Duration::from_secs(29));
+        assert_eq!(
+            dry_budget(Duration::from_secs(1)),
+            Duration::from_millis(900)
+        );
+        assert_eq!(months_from_to(date(2000, 1, 31), date(2026, 10, 31)), 322);
+        assert_eq!(months_from_to(date(2024, 12, 31), date(2024, 12, 31)), 1);
+    }
+
+    fn date(y: i32, m: u32, d: u32) -> chrono::NaiveDate {
+        chrono::NaiveDate::from_ymd_opt(y, m, d).unwrap()
+    }
 }
