@@ -42,6 +42,10 @@ pub enum AppError {
     /// that has not expired): they are not done, and `--wait` waits for them.
     #[error("{0}")]
     Held(String),
+    /// Exit 6 (`verify`): the month's money is right, and it is not right only because of items
+    /// its job holds (the settlement's rows the rule cannot price): data to fix, not money.
+    #[error("{0}")]
+    RowsHeld(String),
 }
 
 impl AppError {
@@ -52,6 +56,7 @@ impl AppError {
             AppError::Refused(_) => ExitCode::from(3),
             AppError::Paused { .. } => ExitCode::from(4),
             AppError::Held(_) => ExitCode::from(5),
+            AppError::RowsHeld(_) => ExitCode::from(6),
         }
     }
 }
@@ -152,6 +157,8 @@ fn quiet(default_level: &str) -> String {
 ///
 /// sqlx's slow-statement warnings carry the whole statement, over many lines; they are replaced by
 /// one line of [`slow::Statements`] naming the statement, and never reach the formatter themselves.
+/// Nor do its lines for each connection a writer's pool turns away from a read-only server: the
+/// pool says that once per change ([`db::is_sqlx_hook_failure`]).
 pub fn init_logging(format: LogFormat, default_level: &str) {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
@@ -163,7 +170,11 @@ pub fn init_logging(format: LogFormat, default_level: &str) {
         LogFormat::Text => false,
         LogFormat::Auto => !std::io::stdout().is_terminal(),
     };
-    let shown = || filter_fn(|meta| !slow::is_sqlx_slow_statement(meta));
+    // sqlx's line for each connection a writer's pool turns away is said once per change by the
+    // pool itself ([`db::is_sqlx_hook_failure`]).
+    let shown = || {
+        filter_fn(|meta| !slow::is_sqlx_slow_statement(meta) && !db::is_sqlx_hook_failure(meta))
+    };
     let json_layer = json.then(|| {
         tracing_subscriber::fmt::layer()
             .json()
@@ -317,7 +328,20 @@ pub struct Database {
 }
 
 impl Database {
+    /// The database of a command that writes ([`db::Access::Write`]): a read-only server is
+    /// refused in one line ([`DbError::ReadOnly`], exit 1).
     pub async fn open(settings: &Settings, embedded: bool) -> Result<Self> {
+        Self::open_for(db::Access::Write, settings, embedded).await
+    }
+
+    /// The database of a command that only reads (`status`, `verify`, `jobs`, the dry runs): a
+    /// read-only server (a standby) is accepted, and the server refuses any write through it
+    /// ([`db::Access::Read`]).
+    pub async fn open_to_read(settings: &Settings, embedded: bool) -> Result<Self> {
+        Self::open_for(db::Access::Read, settings, embedded).await
+    }
+
+    async fn open_for(access: db::Access, settings: &Settings, embedded: bool) -> Result<Self> {
         if embedded || settings.database.embedded {
             let opts = EmbeddedOptions {
                 data_dir: Some(settings.database.embedded_dir.clone()),
@@ -326,7 +350,8 @@ impl Database {
             let pg = tokio::task::spawn_blocking(move || EmbeddedPg::start(opts))
                 .await
                 .map_err(|e| AppError::Failed(format!("embedded PostgreSQL: {e}")))??;
-            let pool = db::connect(
+            let pool = db::connect_for(
+                access,
                 &pg.url("postgres"),
                 &settings.database,
                 settings.lease.guards(),
@@ -338,7 +363,8 @@ impl Database {
                 embedded: Some(pg),
             });
         }
-        let pool = db::connect(
+        let pool = db::connect_for(
+            access,
             settings.database_url()?,
             &settings.database,
             settings.lease.guards(),

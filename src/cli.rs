@@ -46,7 +46,8 @@ pub enum Command {
     Resume(ResumeArgs),
     /// Delete job_events, run_requests and job_runs of months closed more than DAYS ago.
     Prune(PruneArgs),
-    /// Check a month's fines against its rule (read-only): exit 0 right, 1 not right.
+    /// Check a month's fines against its rule (read-only): exit 0 right, 1 not right, 6 the money
+    /// right but rows held.
     Verify(VerifyArgs),
     /// Recompute a settled month under the configured rule, recording every changed fine.
     Correct(CorrectArgs),

@@ -22,7 +22,13 @@
 //! hands it out ([`crate::job_layer::server`]); one to a read-only server is closed instead. A pool whose
 //! endpoint leads only to a read-only server hands out nothing: [`connect`] says
 //! [`DbError::ReadOnly`] (not a configuration error: a failover passes, and `serve` waits as for a
-//! server that is down), and readiness asks [`writable`].
+//! server that is down), and readiness asks [`writable`]. The pool says so once per change (the
+//! server became read-only, it takes writes again), never at each connection it turns away.
+//!
+//! A command that only reads (`status`, `verify`, `jobs`, the dry runs) opens a pool of
+//! [`Access::Read`] instead: it accepts a read-only server (a standby, where an operator looks
+//! during an incident), and every one of its sessions is `default_transaction_read_only`, so the
+//! server itself refuses any write through it.
 
 pub mod migrations;
 pub mod options;
@@ -36,7 +42,9 @@ pub use migrations::{
 use crate::config::{redact_url, DatabaseSettings, SessionGuards};
 use sqlx::postgres::{PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, Executor, PgConnection, PgPool, Row};
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, thiserror::Error)]
@@ -174,17 +182,57 @@ pub fn idle_timeout(heartbeat: Duration) -> Duration {
     (heartbeat / 2).clamp(Duration::from_millis(500), Duration::from_secs(30))
 }
 
+/// What a pool's connections are for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// Reads and writes: nothing goes through a connection to a read-only server (module header).
+    Write,
+    /// Reads only: a read-only server is accepted, and every session is
+    /// `default_transaction_read_only`, so the server refuses any write through it (SQLSTATE
+    /// 25006). For the commands that only read: `status`, `verify`, `jobs`, the dry runs.
+    Read,
+}
+
 /// A pool on `url` that fails within `acquire_timeout_secs` when the database is unreachable, whose
 /// sessions carry `guards` (see the module header), after [`check`]: refuses a
-/// transaction-pooling pooler, wrong credentials and TLS that does not verify.
+/// transaction-pooling pooler, wrong credentials and TLS that does not verify. A pool for writing
+/// ([`Access::Write`]): a read-only server is [`DbError::ReadOnly`], said as soon as the first
+/// connection finds it.
 pub async fn connect(
     url: &str,
     settings: &DatabaseSettings,
     guards: SessionGuards,
     heartbeat: Duration,
 ) -> Result<PgPool> {
-    let pool = pool(url, settings, guards, heartbeat)?;
-    match check(&pool, url).await {
+    connect_for(Access::Write, url, settings, guards, heartbeat).await
+}
+
+/// [`connect`] for `access`: with [`Access::Read`], a read-only server is connected to.
+pub async fn connect_for(
+    access: Access,
+    url: &str,
+    settings: &DatabaseSettings,
+    guards: SessionGuards,
+    heartbeat: Duration,
+) -> Result<PgPool> {
+    let (pool, server) = build(access, url, settings, guards, heartbeat)?;
+    let mut read_only = server.subscribe();
+    // A writer's pool turns away every connection to a read-only server and tries again until its
+    // acquire timeout; the first one it turns away says enough.
+    let turned_away = async {
+        match read_only.wait_for(|seen| *seen == Seen::ReadOnly).await {
+            Ok(_) => DbError::ReadOnly {
+                url: redact_url(url),
+            },
+            // The pool is gone: never, while `check` runs on it.
+            Err(_) => std::future::pending().await,
+        }
+    };
+    let checked = tokio::select! {
+        checked = check(&pool, url) => checked,
+        e = turned_away => Err(e),
+    };
+    match checked {
         Ok(()) => Ok(pool),
         Err(e) => {
             pool.close().await;
@@ -202,6 +250,17 @@ pub fn pool(
     guards: SessionGuards,
     heartbeat: Duration,
 ) -> Result<PgPool> {
+    Ok(build(Access::Write, url, settings, guards, heartbeat)?.0)
+}
+
+/// The pool of [`pool`] for `access`, and what its hooks find of the server ([`Server`]).
+fn build(
+    access: Access,
+    url: &str,
+    settings: &DatabaseSettings,
+    guards: SessionGuards,
+    heartbeat: Duration,
+) -> Result<(PgPool, Arc<Server>)> {
     let connect = options::connect_options(url).map_err(|reason| DbError::BadUrl {
         url: redact_url(url),
         reason,
@@ -217,45 +276,141 @@ pub fn pool(
             log::LevelFilter::Warn,
             Duration::from_millis(settings.slow_statement_ms),
         );
-    // The schema path, the session guards and the read-only check in one round trip; a plain
-    // string runs as a simple query, so no prepared statement is left behind.
-    let session = format!(
-        "{SEARCH_PATH_SQL}; {}; {}",
-        session_guards_sql(guards),
-        server::READ_ONLY_SQL
-    );
-    Ok(PgPoolOptions::new()
+    let server = Arc::new(Server::new(shown(&connect)));
+    let options = PgPoolOptions::new()
         .max_connections(settings.max_connections)
         .min_connections(0)
         .idle_timeout(Some(idle_timeout(heartbeat)))
-        .acquire_timeout(Duration::from_secs(settings.acquire_timeout_secs))
-        .after_connect(move |conn, _meta| {
-            let sql = session.clone();
-            Box::pin(async move {
-                // The guards' rows, then the check's one row.
-                let rows = conn.fetch_all(sql.as_str()).await?;
-                match rows
-                    .last()
-                    .map(|row| row.try_get::<bool, _>(0))
-                    .transpose()?
-                {
-                    Some(false) => Ok(()),
-                    _ => Err(read_only_refused()),
-                }
-            })
-        })
-        // The check at hand-out replaces sqlx's ping (it is one round trip as well): a connection
-        // whose server became read-only since (a reload of default_transaction_read_only, a
-        // demoted primary) is closed, and the pool opens another through the endpoint.
-        .test_before_acquire(false)
-        .before_acquire(|conn, _meta| {
-            Box::pin(async move { Ok(!server::is_read_only(conn).await?) })
-        })
-        .connect_lazy_with(connect))
+        .acquire_timeout(Duration::from_secs(settings.acquire_timeout_secs));
+    let guards = session_guards_sql(guards);
+    let pool = match access {
+        Access::Read => {
+            // The schema path, the session guards, and no write: one round trip, a simple query.
+            let session = format!("{SEARCH_PATH_SQL}; {guards}; {READ_ONLY_SESSION_SQL}");
+            options
+                .after_connect(move |conn, _meta| {
+                    let sql = session.clone();
+                    Box::pin(async move {
+                        conn.execute(sql.as_str()).await?;
+                        Ok(())
+                    })
+                })
+                .connect_lazy_with(connect)
+        }
+        Access::Write => {
+            // The schema path, the session guards and the read-only check in one round trip; a
+            // plain string runs as a simple query, so no prepared statement is left behind.
+            let session = format!("{SEARCH_PATH_SQL}; {guards}; {}", server::READ_ONLY_SQL);
+            let (at_connect, at_hand_out) = (server.clone(), server.clone());
+            options
+                .after_connect(move |conn, _meta| {
+                    let sql = session.clone();
+                    let server = at_connect.clone();
+                    Box::pin(async move {
+                        // The guards' rows, then the check's one row.
+                        let rows = conn.fetch_all(sql.as_str()).await?;
+                        let read_only = rows
+                            .last()
+                            .map(|row| row.try_get::<bool, _>(0))
+                            .transpose()?;
+                        server.found(read_only != Some(false));
+                        match read_only {
+                            Some(false) => Ok(()),
+                            _ => Err(read_only_refused()),
+                        }
+                    })
+                })
+                // The check at hand-out replaces sqlx's ping (it is one round trip as well): a
+                // connection whose server became read-only since (a reload of
+                // default_transaction_read_only, a demoted primary) is closed, and the pool opens
+                // another through the endpoint.
+                .test_before_acquire(false)
+                .before_acquire(move |conn, _meta| {
+                    let server = at_hand_out.clone();
+                    Box::pin(async move {
+                        let read_only = server::is_read_only(conn).await?;
+                        server.found(read_only);
+                        Ok(!read_only)
+                    })
+                })
+                .connect_lazy_with(connect)
+        }
+    };
+    Ok((pool, server))
+}
+
+/// What every session of an [`Access::Read`] pool starts with: no transaction of it writes.
+const READ_ONLY_SESSION_SQL: &str =
+    "SELECT set_config('default_transaction_read_only', 'on', false)";
+
+/// What the hooks of a writer's pool last found behind its endpoint. A change is logged once (the
+/// server became read-only; it takes writes again), where sqlx would log each connection the pool
+/// turns away, up to hundreds a minute while it tries again until its acquire timeout (its own
+/// line is hidden: [`is_sqlx_hook_failure`]). The first finding is not logged: what it means is
+/// the caller's to say ([`connect`]: one error; `serve`: not ready, with the reason).
+struct Server {
+    /// Where the endpoint leads, for the log: host, port and database, never the password.
+    at: String,
+    seen: watch::Sender<Seen>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seen {
+    Nothing,
+    Writable,
+    ReadOnly,
+}
+
+impl Server {
+    fn new(at: String) -> Self {
+        Self {
+            at,
+            seen: watch::Sender::new(Seen::Nothing),
+        }
+    }
+
+    fn subscribe(&self) -> watch::Receiver<Seen> {
+        self.seen.subscribe()
+    }
+
+    /// A connection found the server `read_only` or not.
+    fn found(&self, read_only: bool) {
+        let now = if read_only {
+            Seen::ReadOnly
+        } else {
+            Seen::Writable
+        };
+        let mut was = Seen::Nothing;
+        self.seen.send_if_modified(|seen| {
+            was = std::mem::replace(seen, now);
+            was != now
+        });
+        match (was, now) {
+            (Seen::Writable, Seen::ReadOnly) => tracing::warn!(
+                database = %self.at,
+                "the database became read-only ({READ_ONLY}): settlementd writes nothing through \
+                 it, and turns its connections away until it takes writes again (said once, not \
+                 at each connection)"
+            ),
+            (Seen::ReadOnly, Seen::Writable) => {
+                tracing::info!(database = %self.at, "the database takes writes again")
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Whether `meta` is sqlx's line for an `after_connect` hook that failed: for a writer's pool,
+/// one per connection it turns away from a read-only server (each attempt until its acquire
+/// timeout). [`Server`] says the same once per change; the logging of the app hides these.
+pub fn is_sqlx_hook_failure(meta: &tracing::Metadata<'_>) -> bool {
+    meta.target().starts_with("sqlx_core::pool")
+        && *meta.level() == tracing::Level::ERROR
+        && meta.fields().field("error").is_some()
 }
 
 /// The error `after_connect` returns for a connection to a read-only server: the pool closes the
-/// connection, logs this, and tries again until its acquire timeout.
+/// connection and tries again until its acquire timeout.
 fn read_only_refused() -> sqlx::Error {
     sqlx::Error::InvalidArgument(format!(
         "the server is read-only ({READ_ONLY}): settlementd closed the connection"

@@ -171,7 +171,7 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
         .rule_of(business_date.date())
         .map_err(|why| AppError::Invalid(format!("{business_date}: {why}")))?
         .rule;
-    let database = Database::open(settings, request.embedded_db).await?;
+    let database = Database::open_to_read(settings, request.embedded_db).await?;
     let result = async {
         check_schema(&database.pool, settings).await?;
         let pool = &database.pool;

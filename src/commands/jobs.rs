@@ -30,7 +30,7 @@ pub async fn jobs(
     embedded_db: bool,
 ) -> Result<Vec<JobLine>> {
     let registry = crate::jobs::build(settings);
-    let database = Database::open(settings, embedded_db).await?;
+    let database = Database::open_to_read(settings, embedded_db).await?;
     let result = async {
         let mut lines = Vec::new();
         for job in registry.iter() {

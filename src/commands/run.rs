@@ -195,7 +195,7 @@ pub async fn dry_run(settings: &Settings, request: &RangeRequest) -> Result<Vec<
     } else {
         vec![ShardSpec::new(request.run.shard.unwrap_or(settings.shard.index), count)?.index]
     };
-    let database = open(settings, request.run.embedded_db).await?;
+    let database = open_to_read(settings, request.run.embedded_db).await?;
     let result = crate::app::dry_months(
         settings,
         &database.pool,
@@ -273,6 +273,7 @@ fn stopped(e: AppError, month: BusinessDate, from: &str, to: &str) -> AppError {
         AppError::Refused(_) => AppError::Refused(how),
         AppError::Paused { json, .. } => AppError::Paused { message: how, json },
         AppError::Held(_) => AppError::Held(how),
+        AppError::RowsHeld(_) => AppError::RowsHeld(how),
     }
 }
 
@@ -297,7 +298,20 @@ fn checked_key(
 
 /// The database, its `loans` checked (and migrated when private).
 async fn open(settings: &Settings, embedded_db: bool) -> Result<Database> {
-    let database = Database::open(settings, embedded_db).await?;
+    checked(Database::open(settings, embedded_db).await?, settings).await
+}
+
+/// [`open`] for a dry run, which writes nothing: a read-only server (a standby) will do. A private
+/// database is migrated first, so it is opened as a writer's.
+async fn open_to_read(settings: &Settings, embedded_db: bool) -> Result<Database> {
+    if embedded_db || settings.database.embedded {
+        return open(settings, embedded_db).await;
+    }
+    checked(Database::open_to_read(settings, false).await?, settings).await
+}
+
+/// `database`, once its `loans` are checked (and migrated when private).
+async fn checked(database: Database, settings: &Settings) -> Result<Database> {
     if let Err(e) = check_schema(&database.pool, settings).await {
         database.close().await;
         return Err(e);

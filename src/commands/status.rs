@@ -62,7 +62,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
             "--shards must be between 1 and {MAX_SHARDS}, got {shards}"
         )));
     }
-    let database = Database::open(settings, request.embedded_db).await?;
+    let database = Database::open_to_read(settings, request.embedded_db).await?;
     let reader = overview::Reader::with_budget(&database.pool, BUDGET);
     let read = reader
         .read_with_history(

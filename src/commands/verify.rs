@@ -32,7 +32,7 @@ pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Proo
     let business_date =
         business_date_or_default(request.business_date.as_deref(), settings, &SystemClock)?;
     ensure_month_is_over(business_date, settings, &SystemClock)?;
-    let database = Database::open(settings, request.embedded_db).await?;
+    let database = Database::open_to_read(settings, request.embedded_db).await?;
     let proved = async {
         check_schema(&database.pool, settings).await?;
         match job.prove(&database.pool, business_date).await {
@@ -52,14 +52,24 @@ pub async fn verify(settings: &Settings, request: &VerifyRequest) -> Result<Proo
     proved
 }
 
-/// Why `verify` exits 1, in one line; `None` when the month is right.
+/// Why `verify` does not exit 0, in one line; `None` when the month is right. Exit 1 when it is
+/// not right; exit 6 when its money is right and it is not right only because of items its job
+/// holds ([`Proof::held_only`]: the settlement's rows the rule cannot price), so a nightly check
+/// tells data to fix from wrong money.
 pub fn failure(proof: &Proof) -> Option<AppError> {
     proof.problems.as_ref().map(|why| {
         let (job, date) = (&proof.json["job"], &proof.json["business_date"]);
-        AppError::Failed(format!(
-            "{} {} is not right: {why}",
+        let (job, date) = (
             job.as_str().unwrap_or_default(),
-            date.as_str().unwrap_or_default()
-        ))
+            date.as_str().unwrap_or_default(),
+        );
+        if proof.held_only {
+            AppError::RowsHeld(format!(
+                "{job} {date}: the money is right; the month is not right only for what is \
+                 held: {why}"
+            ))
+        } else {
+            AppError::Failed(format!("{job} {date} is not right: {why}"))
+        }
     })
 }

@@ -395,8 +395,12 @@ async fn ticks(
             let _in_span = replica.span().enter();
             match &outcome {
                 TickOutcome::Interrupted { .. } | TickOutcome::ShuttingDown => return,
-                TickOutcome::Settled { slot, .. } => {
-                    tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month run to SUCCESS");
+                TickOutcome::Settled { slot, report } => {
+                    replica
+                        .month_span(slot.business_date, report.attempt)
+                        .in_scope(|| {
+                            tracing::info!(business_date = %slot.business_date, fire_at = %slot.fire_at, "month run to SUCCESS")
+                        });
                     again = true;
                 }
                 // Another request, the schedule or another month may be due: look again at once.

@@ -201,6 +201,9 @@ pub struct Replica {
     deadline_day: Option<u32>,
     /// Months whose rule conflict has been logged: once per month is enough.
     conflicts_logged: HashSet<BusinessDate>,
+    /// Why each month was last found not ready (the job it follows has not closed it), as logged:
+    /// said again only when it changes, not at every tick.
+    not_ready_logged: HashMap<BusinessDate, String>,
     /// Where each look at what is due leaves the rule conflict it found, for readiness.
     health: Arc<Health>,
     /// What each job of the process last found not closed, shared by its replicas.
@@ -258,6 +261,7 @@ impl Replica {
             lookback_months: settings.settle.lookback_months,
             deadline_day: settings.settle.deadline_day,
             conflicts_logged: HashSet::new(),
+            not_ready_logged: HashMap::new(),
             health: Arc::new(Health::default()),
             open: Arc::new(OpenMonths::default()),
             span,
@@ -311,6 +315,30 @@ impl Replica {
 
     pub fn span(&self) -> &tracing::Span {
         &self.span
+    }
+
+    /// The span of this replica's lines about `month`'s run, with the fields of the run's own
+    /// ([`job_layer::run_once`]): `job`, `business_date`, `shard`, `shards`, `attempt` (when one
+    /// was claimed) and `owner`, so every line about a run can be found by them.
+    pub fn month_span(&self, month: BusinessDate, attempt: Option<i32>) -> tracing::Span {
+        self.run_span(&self.key(month), attempt)
+    }
+
+    /// [`Replica::month_span`] of `key` (a run request's may have another shard count).
+    fn run_span(&self, key: &JobKey, attempt: Option<i32>) -> tracing::Span {
+        let span = tracing::info_span!(
+            "run",
+            job = %key.job_name,
+            business_date = %key.business_date,
+            shard = key.shard,
+            shards = key.shards,
+            attempt = tracing::field::Empty,
+            owner = %self.opts.owner,
+        );
+        if let Some(attempt) = attempt {
+            span.record("attempt", attempt);
+        }
+        span
     }
 
     /// Decides what is due now and does it (at most one run), then publishes the latest month's
@@ -674,6 +702,11 @@ impl Replica {
             .run(&self.pool, key, &self.opts, &self.shutdown, &|_| {})
             .await;
         let job = self.job.name();
+        let attempt = result.as_ref().ok().and_then(|r| r.attempt);
+        let _in_month = self.month_span(month, attempt).entered();
+        if !matches!(&result, Err(JobError::NotReady { .. })) {
+            self.not_ready_logged.remove(&month);
+        }
         let waiting = matches!(due.why, Why::Waiting(_));
         let claimed = !matches!(&result, Ok(r) if r.skipped.is_some());
         if claimed {
@@ -699,7 +732,7 @@ impl Replica {
                             metrics::counter!(late.name, "job_name" => job)
                                 .increment(report.updated);
                         }
-                        tracing::info!(business_date = %month, late = report.late, updated = report.updated, what = self.job.words().waiting.many, "items that arrived after the month was done are done");
+                        tracing::info!(late = report.late, updated = report.updated, what = self.job.words().waiting.many, "items that arrived after the month was done are done");
                         return Some(TickOutcome::LateReturns {
                             business_date: month,
                             report,
@@ -715,7 +748,7 @@ impl Replica {
                 Some(SkipReason::Held | SkipReason::RequestServed) => {
                     metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "skipped")
                         .increment(1);
-                    tracing::info!(business_date = %month, "a live peer holds the claim; watching it");
+                    tracing::info!("a live peer holds the claim; watching it");
                     None
                 }
             },
@@ -727,7 +760,10 @@ impl Replica {
             // The job it follows has not closed the month: nothing claimed, nothing to retry but
             // at the next tick.
             Err(JobError::NotReady { why, .. }) => {
-                tracing::debug!(business_date = %month, why = %why, "not ready");
+                if self.not_ready_logged.get(&month) != Some(&why) {
+                    tracing::info!(after = self.job.after(), "not ready: {why}");
+                    self.not_ready_logged.insert(month, why.clone());
+                }
                 Some(TickOutcome::NotReady { slot, why })
             }
             // Paused meanwhile (a run stopped after its batch is FAILED `interrupted: paused`,
@@ -736,7 +772,7 @@ impl Replica {
             Err(e @ JobError::LeaseLost { .. }) => {
                 metrics::counter!(m::RUNS_TOTAL, "job_name" => job, "outcome" => "lease_lost")
                     .increment(1);
-                tracing::warn!(business_date = %month, error = %e, "lost the claim to a peer; watching it");
+                tracing::warn!(error = %e, "lost the claim to a peer; watching it");
                 None
             }
             Err(e) => {
@@ -845,15 +881,17 @@ impl Replica {
             };
             let result = self
                 .job
-                .run(&self.pool, key, &opts, &self.shutdown, &|_| {})
+                .run(&self.pool, key.clone(), &opts, &self.shutdown, &|_| {})
                 .await;
+            let attempt = result.as_ref().ok().and_then(|r| r.attempt);
+            let _in_run = self.run_span(&key, attempt).entered();
             let id = request.request_id;
             match result {
                 Ok(report) if report.skipped.is_none() => {
                     metrics::counter!(m::REQUEST_RUNS_TOTAL, "job_name" => self.job.name(), "outcome" => self.job.metrics().succeeded)
                         .increment(1);
                     self.request_retries.remove(&retry_key);
-                    tracing::info!(request_id = %id, business_date = %request.business_date, "run request served");
+                    tracing::info!(request_id = %id, "run request served");
                     return Some(TickOutcome::Served {
                         request_id: id,
                         report,

@@ -87,6 +87,10 @@ pub struct ClaimOptions<'a> {
     /// The correction this claim runs for: the only claims of a period held by a correction
     /// ([`params::hold`]) that are not refused.
     pub correction: Option<&'a str>,
+    /// An attempt of the claimer's own (same owner) that is over though its lease has not
+    /// expired: no run of it goes on in this process ([`super::run_once`] knows). Taken over like
+    /// a stale one, at once, and only while the row is still that attempt's, RUNNING.
+    pub own_dead: Option<i32>,
 }
 
 /// Claims `key` in one short transaction on `conn`, stating no parameters.
@@ -255,6 +259,7 @@ pub async fn claim_for(
             AND (j.status = 'FAILED'
                  OR (j.status = 'RUNNING'
                      AND j.heartbeat_at < clock_timestamp() - make_interval(secs => $6))
+                 OR (j.status = 'RUNNING' AND j.owner = $5 AND j.attempt = $12)
                  OR (j.status = 'SUCCESS' AND $7))
             AND ($8::uuid IS NOT NULL OR j.request_id IS NOT DISTINCT FROM $11::uuid)
          RETURNING j.attempt, j.last_id, j.last_id_desc, prior.status AS prior,
@@ -271,7 +276,8 @@ pub async fn claim_for(
         .bind(request)
         .bind(opts.reopen.is_some())
         .bind(crate::version::VERSION)
-        .bind(served.as_deref());
+        .bind(served.as_deref())
+        .bind(opts.own_dead);
     let takeover = if mutant::planted(Mutant::LeaseLocalClock) {
         takeover.bind(chrono::Utc::now())
     } else {
@@ -403,10 +409,10 @@ pub async fn close_abandoned(
 }
 
 /// The takeover statement `sql` judging leases on the database's clock, as written; or, with the
-/// campaign's planted bug, on the claimer's own clock (bound as `$12`).
+/// campaign's planted bug, on the claimer's own clock (bound as `$13`).
 fn lease_now(sql: &str) -> std::borrow::Cow<'_, str> {
     if mutant::planted(Mutant::LeaseLocalClock) {
-        let local = "$12::timestamptz - make_interval(secs => $6)";
+        let local = "$13::timestamptz - make_interval(secs => $6)";
         sql.replace("clock_timestamp() - make_interval(secs => $6)", local)
             .into()
     } else {
@@ -466,8 +472,11 @@ async fn won(
     };
     let resumes = (event == "took_over" && !claim.resume.is_start())
         .then(|| format!("resumes {}", claim.resume));
+    let own = opts.own_dead.filter(|_| event == "took_over").map(|attempt| {
+        format!("attempt {attempt} was this owner's own, over though its lease was not")
+    });
     let rule = rule.map(|r| format!("rule: {r}"));
-    let parts: Vec<&str> = [why, resumes.as_deref(), rule.as_deref()]
+    let parts: Vec<&str> = [why, own.as_deref(), resumes.as_deref(), rule.as_deref()]
         .into_iter()
         .flatten()
         .collect();

@@ -72,47 +72,90 @@ pub async fn periods(
 }
 
 /// Whether `job_name`'s period of `business_date` is closed under `shards`: SUCCESS on every shard
-/// and held by no correction. `None` when it is; else why not, in words. What a job that follows
-/// it waits for ([`super::Job::after`]).
+/// and held by no correction. `None` when it is; else why not, in words: how many of its shards
+/// are RUNNING, FAILED or never claimed under the count, and what closes it. What a job that
+/// follows it waits for ([`super::Job::after`]).
 pub async fn closed(
     db: impl PgExecutor<'_>,
     job_name: &str,
     business_date: NaiveDate,
     shards: u32,
 ) -> Result<Option<String>> {
-    let (success, correction): (i64, Option<String>) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM job_runs
-                  WHERE job_name = $1 AND business_date = $2 AND shards = $3
-                    AND status = 'SUCCESS'),
-                (SELECT correction_key FROM job_params
-                  WHERE job_name = $1 AND business_date = $2)",
-    )
-    .bind(job_name)
-    .bind(business_date)
-    .bind(shards as i32)
-    .fetch_one(db)
-    .await?;
+    let (success, running, failed, correction): (i64, i64, i64, Option<String>) =
+        sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE r.status = 'SUCCESS'),
+                    count(*) FILTER (WHERE r.status = 'RUNNING'),
+                    count(*) FILTER (WHERE r.status = 'FAILED'),
+                    (SELECT correction_key FROM job_params
+                      WHERE job_name = $1 AND business_date = $2)
+               FROM job_runs r
+              WHERE r.job_name = $1 AND r.business_date = $2 AND r.shards = $3",
+        )
+        .bind(job_name)
+        .bind(business_date)
+        .bind(shards as i32)
+        .fetch_one(db)
+        .await?;
     Ok(if let Some(key) = correction {
         Some(format!(
             "{job_name} {business_date} is being corrected under key {key:?}"
         ))
-    } else if success == 0 {
-        // Never run under this count, or its claims were pruned (retention): running it again is
-        // safe (it settles only what is due) and closes it.
-        let month = business_date.format("%Y-%m");
-        Some(format!(
-            "{job_name} {business_date} has no SUCCESS claim under {} (never run, or pruned by \
-             retention): run it first, `settlementd run --job {job_name} --from {month} --to \
-             {month} --all-shards --shards {shards}`",
-            crate::numbers::things(shards, "shard", "shards")
-        ))
-    } else if success < i64::from(shards) {
-        Some(format!(
-            "{job_name} {business_date} is SUCCESS on {success} of its {shards} shards"
-        ))
-    } else {
+    } else if success >= i64::from(shards) {
         None
+    } else {
+        Some(why_not_closed(
+            job_name,
+            business_date,
+            shards,
+            [success, running, failed],
+        ))
     })
+}
+
+/// Why a period whose shards under `shards` are `[success, running, failed]` (the others never
+/// claimed under the count) is not closed, and what closes it.
+fn why_not_closed(
+    job_name: &str,
+    business_date: NaiveDate,
+    shards: u32,
+    [success, running, failed]: [i64; 3],
+) -> String {
+    let missing = (i64::from(shards) - success - running - failed).max(0);
+    let of = |n: i64| match n {
+        1 => "1 shard".to_string(),
+        n => format!("{n} shards"),
+    };
+    let mut found = vec![format!("SUCCESS on {success} of its {}", of(shards.into()))];
+    if running > 0 {
+        found.push(format!("{} RUNNING", of(running)));
+    }
+    if failed > 0 {
+        found.push(format!("{} FAILED", of(failed)));
+    }
+    if missing > 0 {
+        // Never run under this count, or its claims were pruned (retention): running it is safe
+        // (it settles only what is due) and closes it.
+        found.push(format!(
+            "{} never claimed under this shard count (or pruned by retention)",
+            of(missing)
+        ));
+    }
+    let month = business_date.format("%Y-%m");
+    let next = if missing > 0 && running == 0 && failed == 0 {
+        format!(
+            "run it, `settlementd run --job {job_name} --from {month} --to {month} --all-shards \
+             --shards {shards}`"
+        )
+    } else if running > 0 && missing == 0 && failed == 0 {
+        "it closes when they finish".to_string()
+    } else {
+        "its replicas run what is not SUCCESS (a FAILED shard is retried, a stale one taken over)"
+            .to_string()
+    };
+    format!(
+        "{job_name} {business_date} is not closed: {}; {next}",
+        found.join(", ")
+    )
 }
 
 /// The latest period of `job_name` that is SUCCESS on every shard of `shards` and held by no

@@ -13,6 +13,7 @@ use sqlx::PgPool;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Server-side limits of every batch transaction, derived from the lease (`SET LOCAL`, so they end
 /// with the transaction, also through a pooler): a writer frozen inside a batch has its session
@@ -52,16 +53,20 @@ impl Heartbeat {
         let lost = CancellationToken::new();
         let paused = CancellationToken::new();
         let stop = CancellationToken::new();
-        let task = tokio::spawn(renew(
-            pool,
-            claim,
-            every,
-            Tokens {
-                lost: lost.clone(),
-                paused: paused.clone(),
-                stop: stop.clone(),
-            },
-        ));
+        // In the run's span: its lines carry the run's job, business date, shard and attempt.
+        let task = tokio::spawn(
+            renew(
+                pool,
+                claim,
+                every,
+                Tokens {
+                    lost: lost.clone(),
+                    paused: paused.clone(),
+                    stop: stop.clone(),
+                },
+            )
+            .instrument(tracing::Span::current()),
+        );
         Self {
             lost,
             paused,

@@ -291,8 +291,14 @@ pub struct Proof {
     pub right: bool,
     /// What is wrong, in one line; `None` when right.
     pub problems: Option<String>,
-    /// The `verify --json` object: `job`, `business_date`, `right`, then the job's own counts
-    /// (each `{count, ids}` or `{count, first}`, as the settlement's).
+    /// Not right only because of items the job holds (it cannot process them as they are: the
+    /// settlement's loans its rule cannot price, left unsettled): everything it wrote, the money,
+    /// is right. `verify` exits 6 for it rather than 1, so a nightly check tells data to fix from
+    /// wrong money ([`Report::into_proof_holding`]).
+    pub held_only: bool,
+    /// The `verify --json` object: `job`, `business_date`, `right`, `money_right` (right, or not
+    /// right only because of held items), then the job's own counts (each `{count, ids}` or
+    /// `{count, first}`, as the settlement's).
     pub json: serde_json::Value,
     /// What `verify` prints without `--json` (lines end with a newline).
     pub text: String,
@@ -311,12 +317,14 @@ pub trait Report: Sized {
     /// The proof as `verify` shows it.
     fn into_proof(self) -> Proof {
         let problems = self.problems();
-        Proof {
-            right: problems.is_none(),
-            problems,
-            json: self.to_json(),
-            text: self.to_text(),
-        }
+        Proof::new(problems, false, self.to_json(), self.to_text())
+    }
+
+    /// The proof, the items the job holds set apart by `without_held` (this report, none held):
+    /// when that one is right, what is wrong is only what is held ([`Proof::held_only`]).
+    fn into_proof_holding(self, without_held: impl FnOnce(&Self) -> Self) -> Proof {
+        let held_only = without_held(&self).problems().is_none();
+        Proof::new(self.problems(), held_only, self.to_json(), self.to_text())
     }
 }
 
@@ -331,6 +339,27 @@ pub struct Finding {
 }
 
 impl Proof {
+    /// The proof of what `problems` says (`None`: right), with `money_right` in `json`.
+    fn new(
+        problems: Option<String>,
+        held_only: bool,
+        mut json: serde_json::Value,
+        text: String,
+    ) -> Self {
+        let right = problems.is_none();
+        let held_only = held_only && !right;
+        if let Some(object) = json.as_object_mut() {
+            object.insert("money_right".into(), (right || held_only).into());
+        }
+        Proof {
+            right,
+            problems,
+            held_only,
+            json,
+            text,
+        }
+    }
+
     /// The proof of `job`'s period `business_date` from what it looked for: right when nothing
     /// was found; its problems one line of what was found, its JSON `job`, `business_date`,
     /// `right` and each finding's `{count, ids}` under its key, its text the verdict and each
@@ -358,12 +387,7 @@ impl Proof {
                 text.push_str(&format!("  ids {:?}\n", f.found.ids));
             }
         }
-        Proof {
-            right,
-            problems: (!right).then(|| problems.join("; ")),
-            json,
-            text,
-        }
+        Proof::new((!right).then(|| problems.join("; ")), false, json, text)
     }
 }
 

@@ -166,12 +166,16 @@ async fn run_in_span<J: Job>(
                 Ok::<_, JobError>(why)
             })
             .await?;
-            tracing::info!(after = before, "not ready: {why}");
+            // Said by the caller: a replica once per change, `run` in its one line.
+            tracing::debug!(after = before, "not ready: {why}");
             return Err(JobError::NotReady { key, why });
         }
     }
     let describe = |p: &Params| job.describe(p);
     let stated: Stated = (&params, &describe);
+    // From here to the end, a run of this key is in flight in this process under this owner.
+    let _in_flight = InFlight::enter(&opts.owner, &key);
+    let mut own_dead: Option<i32> = None;
     // One connection carries the run: the claim, every batch, SUCCESS. (The heartbeat takes its own
     // from the pool, and FAILED is written on a fresh one, in case this one is what broke.)
     let mut conn = super::acquire(pool).await?;
@@ -191,6 +195,7 @@ async fn run_in_span<J: Job>(
                     request: opts.request.as_deref(),
                     params: (!params.is_empty()).then_some(stated),
                     correction: opts.correction.as_deref(),
+                    own_dead,
                 },
             ),
         )
@@ -198,10 +203,28 @@ async fn run_in_span<J: Job>(
         let outcome = claimed.inspect_err(|e| abandon_if_broken(&mut conn, e))?;
         let skip = match outcome {
             ClaimOutcome::Won(claim) => break claim,
+            // This process's own attempt, and no run of the key goes on here besides this one:
+            // it is over (its final write went unanswered, or its FAILED could not be written),
+            // whatever its lease says. Nobody else may hold this owner: take it over at once.
+            ClaimOutcome::Held { owner, attempt }
+                if owner == opts.owner.0 && own_dead.is_none() && InFlight::alone(&opts.owner, &key) =>
+            {
+                tracing::warn!(
+                    holder_attempt = attempt,
+                    "the claim is held by this process's own attempt {attempt}, which no run here \
+                     carries on: taking it over now instead of waiting out its lease"
+                );
+                own_dead = Some(attempt);
+                continue;
+            }
             ClaimOutcome::Held { owner, attempt } => {
                 metrics::counter!("settlementd_claims_total", "job_name" => J::NAME, "result" => "lost")
                     .increment(1);
-                tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: claim held by a live run");
+                if owner == opts.owner.0 {
+                    tracing::info!(holder_attempt = attempt, "skipped: the claim is held by another run of this process");
+                } else {
+                    tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: the claim is held under a lease that has not expired (a live run, or one gone whose lease has not run out)");
+                }
                 SkipReason::Held
             }
             ClaimOutcome::AlreadyDone { attempt } if reopen.is_none() => {
@@ -345,6 +368,50 @@ async fn run_in_span<J: Job>(
         }
     }
     Err(failure)
+}
+
+/// The runs of this process in flight, by owner and key: each from before its claim to its end.
+/// A claim held by this process's owner whose key has no run here but the one asking is an attempt
+/// of this process that is over though its lease is not ([`ClaimOptions::own_dead`]). The owner
+/// names one process (host, pid and a random nonce: [`Owner::for_process`]), so no other process
+/// can hold a claim under it.
+struct InFlight(Owner, JobKey);
+
+type Runs = std::collections::HashMap<(String, JobKey), usize>;
+
+fn in_flight() -> std::sync::MutexGuard<'static, Runs> {
+    static RUNS: std::sync::OnceLock<std::sync::Mutex<Runs>> = std::sync::OnceLock::new();
+    RUNS.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl InFlight {
+    /// Counts a run of `key` under `owner` until the guard is dropped.
+    fn enter(owner: &Owner, key: &JobKey) -> Self {
+        *in_flight()
+            .entry((owner.0.clone(), key.clone()))
+            .or_default() += 1;
+        Self(owner.clone(), key.clone())
+    }
+
+    /// True when the one run of `key` under `owner` in this process is the caller's.
+    fn alone(owner: &Owner, key: &JobKey) -> bool {
+        in_flight().get(&(owner.0.clone(), key.clone())).copied() == Some(1)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut runs = in_flight();
+        let at = (self.0 .0.clone(), self.1.clone());
+        if let Some(n) = runs.get_mut(&at) {
+            *n -= 1;
+            if *n == 0 {
+                runs.remove(&at);
+            }
+        }
+    }
 }
 
 /// Writes FAILED with `failure`. After a connection stopped answering, on a new connection given

@@ -1134,3 +1134,137 @@ async fn the_fleet_on_metrics_shows_a_shard_owned_twice_one_owned_by_none_its_ex
     );
     assert_eq!(counted, cents as f64, "the cents the two replicas counted");
 }
+
+/// The fine settlement, whose batches wait at `gate` until the test lets them through.
+struct Gated {
+    inner: fine_settlement::FineSettlement,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl job_layer::Job for Gated {
+    type Plan = fine_settlement::MonthPlan;
+    const NAME: &'static str = fine_settlement::JOB_NAME;
+    fn params(&self, key: &JobKey) -> Result<job_layer::Params, String> {
+        self.inner.params(key)
+    }
+    async fn plan(
+        &self,
+        pool: &PgPool,
+        claim: &job_layer::Claim,
+        estimate: bool,
+    ) -> sqlx::Result<(fine_settlement::MonthPlan, Option<u64>)> {
+        self.inner.plan(pool, claim, estimate).await
+    }
+    fn batch_settings(&self) -> std::borrow::Cow<'static, str> {
+        self.inner.batch_settings()
+    }
+    async fn run_batch(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        plan: &fine_settlement::MonthPlan,
+        cursor: job_layer::Cursor,
+    ) -> sqlx::Result<job_layer::Batch> {
+        let _pass = self.gate.acquire().await.expect("the gate stays open");
+        self.inner.run_batch(tx, plan, cursor).await
+    }
+}
+
+/// Issue 48: a replica found a claim left RUNNING by its own process — an attempt whose final
+/// write went unanswered, or whose FAILED could not be written — logged "a live peer holds the
+/// claim; watching it" and waited a lease. The owner names this process alone, and no run of the
+/// key goes on in it: it takes the attempt over at once. A claim of another process of the same
+/// host (a restart: another pid or nonce) it cannot know dead, and watches.
+#[tokio::test]
+async fn a_replica_takes_over_its_own_processs_attempt_that_no_run_carries_on_at_once() {
+    let db = test_db().await;
+    let month = "2027-02-28";
+    seed_month_alone(&db.pool, bd(month), 200, 1).await;
+    let s = settings(&[]);
+    let clock = ManualClock::new(shanghai(2027, 3, 1, 2, 30, 0));
+    let mut replica = replica(&db.pool, &s, &clock);
+    let ttl = Duration::from_secs(s.lease.ttl_secs);
+
+    // Another process of this host holds a live lease: watched, never taken.
+    let mut conn = db.pool.acquire().await.unwrap();
+    let other = Owner::for_process();
+    assert_ne!(other, *replica.owner());
+    let claimed = claim::claim(&mut conn, &key_of(month, &s), &other, ttl, false)
+        .await
+        .unwrap();
+    assert!(matches!(claimed, ClaimOutcome::Won(_)));
+    assert!(matches!(replica.tick().await, TickOutcome::Watching { .. }));
+    assert_eq!(settled_in(&db.pool, month).await, 0);
+
+    // This process's own attempt, its lease as live, and nothing of it running here.
+    sqlx::query("UPDATE job_runs SET owner = $1, heartbeat_at = clock_timestamp()")
+        .bind(&replica.owner().0)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    drop(conn);
+    let (_, report) = settled(replica.tick().await);
+    assert!(report.took_over);
+    assert_eq!(report.attempt, Some(2));
+    assert_fully_settled(&db.pool, &[month]).await;
+    let event: (String, Option<String>) = sqlx::query_as(
+        "SELECT event, message FROM job_events WHERE attempt = 2 ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(event.0, "took_over");
+    assert!(
+        event.1.as_deref().unwrap_or_default().contains("attempt 1 was this owner's own"),
+        "{event:?}"
+    );
+}
+
+/// The other side of the takeover above: while a run of the key goes on in this process, a claim
+/// under the same owner is that run's, live, and a second run of the key skips it as held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_never_takes_over_its_own_processs_attempt_while_that_run_goes_on() {
+    let db = test_db().await;
+    let month = bd("2027-02-28");
+    seed_month_alone(&db.pool, month, 200, 1).await;
+    let key = fine_settlement::key(month, ShardSpec::new(0, 1).unwrap());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let job = Arc::new(Gated {
+        inner: fine_settlement::FineSettlement {
+            rules: Default::default(),
+            batch_size: 50,
+            guards: Default::default(),
+        },
+        gate: gate.clone(),
+    });
+    let opts = run_options(false, false);
+    let first = {
+        let (pool, job, key, opts) = (db.pool.clone(), job.clone(), key.clone(), opts.clone());
+        tokio::spawn(async move {
+            job_layer::run_once(&pool, job.as_ref(), key, &opts, &CancellationToken::new(), &|_| {})
+                .await
+        })
+    };
+    assert!(
+        eventually(10, || async {
+            !runs(&db.pool).await.is_empty()
+        })
+        .await,
+        "the first run claimed"
+    );
+    let second = job_layer::run_once(
+        &db.pool,
+        job.as_ref(),
+        key.clone(),
+        &opts,
+        &CancellationToken::new(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(second.skipped, Some(job_layer::SkipReason::Held));
+    gate.add_permits(1000);
+    let first = first.await.unwrap().unwrap();
+    assert_eq!((first.attempt, first.took_over), (Some(1), false));
+    assert_eq!(runs(&db.pool).await[0].2, 1, "one attempt");
+    assert_fully_settled(&db.pool, &["2027-02-28"]).await;
+}

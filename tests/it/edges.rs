@@ -126,10 +126,43 @@ async fn held_rows_between_ordinary_ones_are_named_and_left_while_every_other_ro
         ),
         "{text}"
     );
+    // Every fine is right, rows are held: exit 6, distinct from wrong money (issue 48), `right`
+    // false as before and `money_right` true.
     let out = cli(&db.url, &[], &["verify", "--business-date", &m, "--json"]);
-    assert_eq!(out.status.code(), Some(1));
-    assert_eq!(json_of(&out)["held"]["ids"], serde_json::json!(held));
-    assert!(stderr_of(&out).contains("4 rows held (bad dates), ids [5, 12, 17, 26]"));
+    assert_eq!(out.status.code(), Some(6), "{}", stderr_of(&out));
+    let report = json_of(&out);
+    assert_eq!(report["held"]["ids"], serde_json::json!(held));
+    assert_eq!(
+        (&report["right"], &report["money_right"]),
+        (&false.into(), &true.into()),
+        "{report}"
+    );
+    let line = stderr_of(&out);
+    assert_eq!(line.trim_end().lines().count(), 1, "{line}");
+    assert!(
+        line.contains("the money is right")
+            && line.contains("4 rows held (bad dates), ids [5, 12, 17, 26]"),
+        "{line}"
+    );
+    // A fine edited by hand besides: the money is wrong, exit 1, whatever is held.
+    let edited: i64 = sqlx::query_scalar(
+        "UPDATE loans SET fine_cents = fine_cents + 1
+          WHERE id = (SELECT min(id) FROM loans WHERE fine_settled_at IS NOT NULL) RETURNING id",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let out = cli(&db.url, &[], &["verify", "--business-date", &m, "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
+    assert_eq!(json_of(&out)["money_right"], serde_json::json!(false));
+    assert!(stderr_of(&out).contains("is not right"), "{}", stderr_of(&out));
+    sqlx::query("UPDATE loans SET fine_cents = fine_cents - 1 WHERE id = $1")
+        .bind(edited)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let out = cli(&db.url, &[], &["verify", "--business-date", &m, "--json"]);
+    assert_eq!(out.status.code(), Some(6), "{}", stderr_of(&out));
     let replica = ServeProcess::start(
         &db.url,
         &[

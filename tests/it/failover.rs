@@ -35,7 +35,7 @@ const READ_ONLY_REASON: &str =
     "read-only (a standby, or default_transaction_read_only): settlementd writes nothing through it";
 
 /// `default_transaction_read_only` of `database` for new sessions: on, or back to the server's.
-async fn set_read_only(pool: &PgPool, database: &str, on: bool) {
+pub async fn set_read_only(pool: &PgPool, database: &str, on: bool) {
     let sql = match on {
         true => format!("ALTER DATABASE {database} SET default_transaction_read_only = on"),
         false => format!("ALTER DATABASE {database} RESET default_transaction_read_only"),

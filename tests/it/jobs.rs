@@ -2736,7 +2736,8 @@ async fn a_refused_run_names_every_refusal_that_applies_both_pauses_included() {
     assert_eq!(line.trim().lines().count(), 1, "{line}");
     for needle in [
         "is not ready",
-        "fine-settlement 2026-10-31 has no SUCCESS claim",
+        "fine-settlement 2026-10-31 is not closed: SUCCESS on 0 of its 1 shard, 1 shard never \
+         claimed under this shard count",
         "fine-settlement is paused since",
         "libraryd is being reloaded",
         "member-statements itself is paused since",
@@ -2749,5 +2750,109 @@ async fn a_refused_run_names_every_refusal_that_applies_both_pauses_included() {
         count(&db.pool, "SELECT count(*) FROM job_runs").await,
         0,
         "nothing claimed"
+    );
+}
+
+/// Adds the settlement's claim of `month`'s `shard` of `shards` with `status`, held by a live
+/// owner that is not this test's.
+async fn leader_claim(pool: &PgPool, month: BusinessDate, shards: i32, shard: i32, status: &str) {
+    sqlx::query(
+        "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt, owner,
+                               started_at, heartbeat_at)
+         VALUES ($1, $2, $3, $4, $5, 1, 'peer-0/1-0000abcd', clock_timestamp(), clock_timestamp())",
+    )
+    .bind(SETTLEMENT)
+    .bind(month.date())
+    .bind(shards)
+    .bind(shard)
+    .bind(status)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Issue 48: member-statements said "has no SUCCESS claim … (never run, or pruned by retention):
+/// run it first" of a month whose settlement shards were claimed and RUNNING (re-opened for late
+/// returns) or FAILED. What it says now is what the claims are, and what closes the month.
+#[tokio::test]
+async fn a_month_the_leader_has_not_closed_is_said_as_its_shards_are_running_failed_or_missing() {
+    let db = test_db().await;
+    let month = bd("2026-10-31");
+    let closed = || async {
+        settlementd::job_layer::due::closed(&db.pool, SETTLEMENT, month.date(), 3)
+            .await
+            .unwrap()
+            .expect("not closed")
+    };
+    let why = closed().await;
+    assert!(
+        why.contains("SUCCESS on 0 of its 3 shards, 3 shards never claimed under this shard count")
+            && why.contains("run it, `settlementd run --job fine-settlement --from 2026-10"),
+        "{why}"
+    );
+    for shard in 0..3 {
+        leader_claim(&db.pool, month, 3, shard, "RUNNING").await;
+    }
+    let why = closed().await;
+    assert!(
+        why.contains("SUCCESS on 0 of its 3 shards, 3 shards RUNNING; it closes when they finish"),
+        "{why}"
+    );
+    for wrong in ["never", "run it", "no SUCCESS claim"] {
+        assert!(!why.contains(wrong), "{wrong}: {why}");
+    }
+    sqlx::query(
+        "UPDATE job_runs SET status = CASE shard WHEN 0 THEN 'SUCCESS' ELSE 'FAILED' END
+          WHERE shard < 2",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let why = closed().await;
+    assert!(
+        why.contains("SUCCESS on 1 of its 3 shards, 1 shard RUNNING, 1 shard FAILED; its replicas run"),
+        "{why}"
+    );
+    sqlx::query("UPDATE job_runs SET status = 'SUCCESS'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        settlementd::job_layer::due::closed(&db.pool, SETTLEMENT, month.date(), 3)
+            .await
+            .unwrap(),
+        None
+    );
+}
+
+/// Issue 48: a replica of the statements logged why a month was not ready at every tick (9 times
+/// in the issue's run). It says it once, and again only when it changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_says_once_why_a_followed_month_is_not_ready_not_at_every_tick() {
+    let db = test_db().await;
+    let month = due_month();
+    // The settlement's one shard is claimed by a live peer: the statements' month is not ready.
+    leader_claim(&db.pool, month, 1, 0, "RUNNING").await;
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("replica.log");
+    let replica = ServeProcess::start_logged(
+        &db.url,
+        &[
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "60"),
+            ("SETTLEMENTD__SCHEDULE__CATCH_UP", "true"),
+        ],
+        &log,
+    );
+    replica.wait_for("/readyz", 200).await;
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    let said: Vec<&str> = text.lines().filter(|l| l.contains("not ready: ")).collect();
+    assert_eq!(said.len(), 1, "{said:#?}");
+    assert!(said[0].contains("1 shard RUNNING"), "{}", said[0]);
+    assert!(said[0].contains(&format!("\"business_date\":\"{month}\"")), "{}", said[0]);
+    assert!(
+        runs_of(&db.pool, STATEMENTS).await.is_empty(),
+        "the statements claimed nothing"
     );
 }

@@ -39,6 +39,7 @@ mod schema;
 mod secrets;
 mod server_fetch;
 mod settle;
+mod standby;
 mod statements;
 mod status;
 mod tls;

@@ -690,8 +690,8 @@ pub fn check_world(world: &World, facts: &Facts, played: &crate::faults::Played)
 }
 
 /// Why `verify --json` of `month` (its exit code and output) is not right, or disagrees with the
-/// facts; `None` when it is right. Held rows make it exit 1 by design: then it must name exactly
-/// the held rows the checker finds, and nothing else wrong.
+/// facts; `None` when it is right. Held rows make it exit 6 by design (the money right, rows
+/// held): then it must name exactly the held rows the checker finds, and nothing else wrong.
 fn verify_disagrees(f: &Facts, month: NaiveDate, code: i32, stdout: &str) -> Option<String> {
     let Some(json) = stdout
         .lines()
@@ -755,9 +755,15 @@ fn verify_disagrees(f: &Facts, month: NaiveDate, code: i32, stdout: &str) -> Opt
     if total.as_deref() != Some(sum.to_string().as_str()) {
         wrong.push(format!("fine sum {total:?} where the checker finds {sum}"));
     }
-    let expected_code = if held > 0 { 1 } else { 0 };
+    let expected_code = if held > 0 { 6 } else { 0 };
     if code != expected_code {
         wrong.push(format!("exit {code}, expected {expected_code}"));
+    }
+    if json.get("money_right") != Some(&serde_json::Value::Bool(true)) {
+        wrong.push(format!(
+            "money_right {:?}, where every fine is right",
+            json.get("money_right")
+        ));
     }
     (!wrong.is_empty()).then(|| wrong.join(", "))
 }

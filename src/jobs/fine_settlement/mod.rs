@@ -658,7 +658,7 @@ impl Job for FineSettlement {
     ) -> Result<Option<Proof>, ProveError> {
         let (mut conn, mut helper) = tokio::try_join!(pool.acquire(), pool.acquire())?;
         let verification = verify::verify(&mut conn, Some(&mut helper), month, &self.rules).await?;
-        Ok(Some(verification.into_proof()))
+        Ok(Some(verification.into_proof_holding(|v| verify::Verification { held: Default::default(), ..v.clone() })))
     }
 
     /// The month's settled rows, fine sum and digest on the record, from its journal and the
