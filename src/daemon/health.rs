@@ -10,8 +10,9 @@
 //! Until every job has looked once the replica is not ready ("starting"): a rolling update waits
 //! for the first look, not just for a database that answers.
 //!
-//! Evaluated after every round of ticks by the process itself ([`Reporter`]), which logs each
-//! change once and reports it in `replicas`, and again at every `/readyz` and `/metrics` request.
+//! Evaluated on the heartbeat by the process's liveness task ([`Reporter`], whatever its runs do),
+//! which logs each change once and reports it in `replicas`, and again at every `/readyz` and
+//! `/metrics` request.
 
 use crate::job_layer::fleet;
 use crate::job_layer::Owner;
@@ -194,9 +195,9 @@ fn publish(result: &Result<(), NotReady>) {
     }
 }
 
-/// Reports this process in `replicas` after each round of ticks ([`crate::job_layer::fleet`]), on
-/// the pool the ticks just used (no connection of its own), and logs each change of readiness
-/// once.
+/// Reports this process in `replicas` ([`crate::job_layer::fleet`]) and publishes the shard-owner
+/// gauges, once a heartbeat from the process's liveness task (`crate::daemon`), on the process's
+/// pool (no connection of its own), and logs each change of readiness once.
 pub struct Reporter {
     pool: PgPool,
     health: Arc<Health>,

@@ -18,6 +18,7 @@
 //! progress lets its batch commit, is marked FAILED `interrupted: shutdown` so a peer takes over
 //! at once, and `serve` returns within `shutdown.grace_secs` even if the run does not stop.
 
+pub mod gauges;
 pub mod health;
 pub mod http;
 pub mod metrics;
@@ -279,10 +280,19 @@ async fn run_replica(
         shutdown: shutdown.clone(),
         done: None,
     });
+    let looked = Arc::new(Notify::new());
+    let stop_liveness = CancellationToken::new();
+    let mut liveness = tokio::spawn(liveness(
+        reporter,
+        replicas.iter().map(Replica::gauges).collect(),
+        Duration::from_secs(settings.lease.heartbeat_secs),
+        looked.clone(),
+        stop_liveness.clone(),
+    ));
     let mut worker = tokio::spawn(tick_loop(
         replicas,
         retention,
-        reporter,
+        looked,
         wake,
         shutdown.clone(),
     ));
@@ -299,6 +309,16 @@ async fn run_replica(
         }
     }
     listener.abort();
+    // The process leaves the fleet once its work has stopped (the run in progress marked FAILED
+    // for a peer to take over): until then it is live, and says so.
+    stop_liveness.cancel();
+    if tokio::time::timeout(LEAVE_WITHIN, &mut liveness)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the liveness task did not stop in time");
+        liveness.abort();
+    }
     if let Some(scheduler) = scheduler.as_mut() {
         if tokio::time::timeout(Duration::from_secs(1), scheduler.shutdown())
             .await
@@ -358,33 +378,61 @@ async fn wait_for_database(
     }
 }
 
-/// Tick every job at start-up (catch-up), then on every wake-up, until shutdown; and the day's
-/// retention run, when it is enabled.
-/// The replicas' ticks until shutdown; after each round, the process reports its readiness in
-/// `replicas` ([`health::Reporter`]) on the connections the ticks just used, and leaves the fleet
-/// when it stops.
-async fn tick_loop(
-    replicas: Vec<Replica>,
-    retention: Option<RetentionTicker>,
+/// How long a stopping process waits for its liveness task's last report and leave.
+const LEAVE_WITHIN: Duration = Duration::from_secs(3);
+
+/// The process's liveness, apart from its work: on the heartbeat it reports itself in `replicas`
+/// (release, readiness; what it runs is its claims in `job_runs`), publishes the shard-owner gauges
+/// ([`health::Reporter`]) and refreshes each job's gauges ([`gauges::Gauges::refresh`]), whatever
+/// the ticks are doing: a tick awaits its whole run, which lasts hours at a large month's end, and
+/// a replica that reported only between ticks looked gone, its shard ownerless, its gauges frozen.
+/// The first report waits for every job's first look at what is due (`looked`, so it says ready
+/// at once) or a heartbeat; the process leaves the fleet when `stop` is cancelled.
+///
+/// On the process's pool, one connection at a time; each job's own look at what is not closed
+/// stops after its share of half a heartbeat, so the next report is on time.
+async fn liveness(
     mut reporter: health::Reporter,
-    wake: Arc<Notify>,
-    shutdown: CancellationToken,
+    gauges: Vec<Arc<gauges::Gauges>>,
+    heartbeat: Duration,
+    looked: Arc<Notify>,
+    stop: CancellationToken,
 ) {
-    ticks(replicas, retention, &mut reporter, wake, shutdown).await;
+    tokio::select! {
+        _ = stop.cancelled() => {}
+        _ = looked.notified() => {}
+        _ = tokio::time::sleep(heartbeat) => {}
+    }
+    let budget = heartbeat / (2 * gauges.len().max(1) as u32);
+    let mut every = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while !stop.is_cancelled() {
+        reporter.report().await;
+        for job in &gauges {
+            job.refresh(heartbeat, budget).await;
+        }
+        tokio::select! {
+            _ = stop.cancelled() => {}
+            _ = every.tick() => {}
+        }
+    }
     reporter.leave().await;
 }
 
-async fn ticks(
+/// The replicas' ticks until shutdown: every job at start-up (catch-up), then on every wake-up,
+/// and the day's retention run, when it is enabled. `looked` is told once every job has looked
+/// at what is due.
+async fn tick_loop(
     mut replicas: Vec<Replica>,
     mut retention: Option<RetentionTicker>,
-    reporter: &mut health::Reporter,
+    looked: Arc<Notify>,
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
     for replica in replicas.iter_mut() {
         replica.look().await;
     }
-    reporter.report().await;
+    looked.notify_one();
     loop {
         if let Some(retention) = retention.as_mut() {
             retention.tick().await;
@@ -412,7 +460,6 @@ async fn ticks(
         if again {
             continue;
         }
-        reporter.report().await;
         let wait = replicas
             .iter()
             .map(Replica::next_wake)
