@@ -138,10 +138,7 @@ impl Gauges {
         .await?;
         let corrections = due::corrections_unfinished(&mut *tx).await?;
         // Last: a job's count may set plan settings for the rest of the transaction.
-        let mut pending = self
-            .job
-            .pending(&mut tx, self.shard.count, &window)
-            .await?;
+        let mut pending = self.job.pending(&mut tx, self.shard.count, &window).await?;
         tx.rollback().await?;
         pending
             .by_period
@@ -260,7 +257,10 @@ impl Gauges {
         let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
             return;
         };
-        match self.look(Slot::new(fire_at).business_date, Some(budget)).await {
+        match self
+            .look(Slot::new(fire_at).business_date, Some(budget))
+            .await
+        {
             Ok(looked) => self.publish_not_closed(&looked),
             Err(e) => tracing::debug!(error = %e, "cannot look at what is not closed"),
         }

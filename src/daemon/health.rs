@@ -231,18 +231,17 @@ impl Reporter {
         }
     }
 
-    /// Evaluates readiness on the pool alone, logs it when it changed, and upserts the row.
-    pub async fn report(&mut self) {
-        let now = evaluate_with(&self.pool, &self.health, false).await;
-        if self.last.as_ref() != Some(&now) {
-            match &now {
-                Ok(()) => tracing::info!("ready"),
-                Err(why @ NotReady::Starting(_)) => {
-                    tracing::info!(reason = why.label(), "not ready: {why}")
-                }
-                Err(why) => tracing::error!(reason = why.label(), "not ready: {why}"),
-            }
-        }
+    /// Upserts the row with the readiness last evaluated (one statement), and publishes the
+    /// shard-owner gauges: the liveness task's report between two full ones ([`Reporter::report`]).
+    pub async fn report_seen(&mut self) {
+        let Some(last) = self.last.clone() else {
+            return self.report().await;
+        };
+        self.upsert(&last).await;
+        self.publish_owners().await;
+    }
+
+    async fn upsert(&self, now: &Result<(), NotReady>) {
         let reason = now.as_ref().err().map(ToString::to_string);
         let report = fleet::Report {
             owner: &self.owner,
@@ -257,6 +256,21 @@ impl Reporter {
         if !matches!(reported, Ok(Ok(()))) {
             tracing::debug!("cannot report this replica in replicas");
         }
+    }
+
+    /// Evaluates readiness on the pool alone, logs it when it changed, and upserts the row.
+    pub async fn report(&mut self) {
+        let now = evaluate_with(&self.pool, &self.health, false).await;
+        if self.last.as_ref() != Some(&now) {
+            match &now {
+                Ok(()) => tracing::info!("ready"),
+                Err(why @ NotReady::Starting(_)) => {
+                    tracing::info!(reason = why.label(), "not ready: {why}")
+                }
+                Err(why) => tracing::error!(reason = why.label(), "not ready: {why}"),
+            }
+        }
+        self.upsert(&now).await;
         self.last = Some(now);
         self.publish_owners().await;
     }

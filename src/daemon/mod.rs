@@ -378,6 +378,10 @@ async fn wait_for_database(
     }
 }
 
+/// Every how many heartbeats the liveness task evaluates readiness and looks at what is not closed
+/// (in between, it says it is there and refreshes the latest month's gauges).
+const FULL_EVERY: u64 = 3;
+
 /// How long a stopping process waits for its liveness task's last report and leave.
 const LEAVE_WITHIN: Duration = Duration::from_secs(3);
 
@@ -406,11 +410,21 @@ async fn liveness(
     let budget = heartbeat / (2 * gauges.len().max(1) as u32);
     let mut every = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beats: u64 = 0;
     while !stop.is_cancelled() {
-        reporter.report().await;
-        for job in &gauges {
-            job.refresh(heartbeat, budget).await;
+        // Every heartbeat: the row, the owners and the latest month's gauges (short statements);
+        // readiness evaluated again and what is not closed looked at every FULL_EVERY: on a
+        // server whose connections are all taken, each statement more per heartbeat is one more
+        // wait for the runs' own acquires.
+        if beats % FULL_EVERY == 0 {
+            reporter.report().await;
+        } else {
+            reporter.report_seen().await;
         }
+        for job in &gauges {
+            job.refresh(heartbeat * FULL_EVERY as u32, budget).await;
+        }
+        beats += 1;
         tokio::select! {
             _ = stop.cancelled() => {}
             _ = every.tick() => {}

@@ -14,8 +14,12 @@ use std::time::{Duration, Instant};
 /// (`settlementd_shards_by_owners{owners="0"}`); `None` when absent.
 async fn series(replica: &ServeProcess, name_and_labels: &str) -> Option<f64> {
     let (_, body) = get(replica.addr, "/metrics").await.ok()?;
-    body.lines()
-        .find_map(|l| l.strip_prefix(name_and_labels)?.strip_prefix(' ')?.parse().ok())
+    body.lines().find_map(|l| {
+        l.strip_prefix(name_and_labels)?
+            .strip_prefix(' ')?
+            .parse()
+            .ok()
+    })
 }
 
 /// Seconds since each shard's replica last wrote its row in `replicas` (database clock), and what
@@ -119,8 +123,8 @@ async fn a_replica_reports_and_refreshes_its_gauges_every_heartbeat_through_a_ru
     let run_started = Instant::now();
     let mut samples: Vec<Sample> = Vec::new();
     let mut dead_peer = false;
-    // Five heartbeats of the run, twice a heartbeat.
-    while run_started.elapsed() < Duration::from_secs(5) {
+    // Seven heartbeats of the run, twice a heartbeat: what is not closed is looked at every three.
+    while run_started.elapsed() < Duration::from_secs(7) {
         if !dead_peer && run_started.elapsed() >= Duration::from_millis(1500) {
             sqlx::query(
                 "INSERT INTO job_runs (job_name, business_date, shards, shard, status, attempt,
@@ -174,8 +178,9 @@ async fn a_replica_reports_and_refreshes_its_gauges_every_heartbeat_through_a_ru
         "settlementd_shards_by_owners{{owners=\"0\"}} on the running and the idle replica through \
          the run:\n{timeline}"
     );
-    // The running replica's other gauges follow the database during the run: within about two
-    // heartbeats of the dead peer's claim, one expired lease and one more month not closed.
+    // The running replica's other gauges follow the database during the run: within about four
+    // heartbeats of the dead peer's claim (a look every three), one expired lease and one more
+    // month not closed.
     let before = samples
         .iter()
         .filter(|s| !s.dead_peer)
