@@ -241,6 +241,33 @@ impl Reporter {
         self.publish_owners().await;
     }
 
+    /// [`Reporter::report_seen`] on `listener`'s connection (the one the process keeps for
+    /// LISTEN): an idle replica opens no other connection to say it is there.
+    pub async fn report_seen_on(&mut self, listener: &mut sqlx::postgres::PgListener) {
+        let Some(last) = self.last.clone() else {
+            return self.report().await;
+        };
+        let reason = last.as_ref().err().map(ToString::to_string);
+        let report = fleet::Report {
+            owner: &self.owner,
+            jobs: &self.jobs,
+            shards: self.shard.count,
+            shard: self.shard.index,
+            started_at: self.started_at,
+            not_ready: reason.as_deref(),
+        };
+        let reported =
+            tokio::time::timeout(ANSWER_WITHIN, fleet::report(&mut *listener, &report)).await;
+        if !matches!(reported, Ok(Ok(()))) {
+            tracing::debug!("cannot report this replica in replicas");
+        }
+        let listed = tokio::time::timeout(ANSWER_WITHIN, fleet::list(&mut *listener)).await;
+        match listed {
+            Ok(Ok(Some(members))) => self.publish_owners_of(&members),
+            _ => tracing::debug!("cannot read replicas for the shard owners"),
+        }
+    }
+
     async fn upsert(&self, now: &Result<(), NotReady>) {
         let reason = now.as_ref().err().map(ToString::to_string);
         let report = fleet::Report {
@@ -277,14 +304,18 @@ impl Reporter {
 
     /// The shard-owner gauges, from `replicas` as every replica last reported.
     async fn publish_owners(&self) {
-        use super::metrics as m;
         let listed = tokio::time::timeout(ANSWER_WITHIN, fleet::list(&self.pool)).await;
         let Ok(Ok(Some(members))) = listed else {
             tracing::debug!("cannot read replicas for the shard owners");
             return;
         };
+        self.publish_owners_of(&members);
+    }
+
+    fn publish_owners_of(&self, members: &[fleet::Member]) {
+        use super::metrics as m;
         let owners = fleet::owners(
-            &members,
+            members,
             self.shard.count,
             3.0 * self.heartbeat.as_secs_f64(),
         );

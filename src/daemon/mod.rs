@@ -245,7 +245,6 @@ async fn run_replica(
     let wake = Arc::new(Notify::new());
     let registry = crate::jobs::build(settings);
     let mut scheduler = start_wakeups(settings, &registry, wake.clone()).await;
-    let listener = tokio::spawn(wake_on_requests(pool.clone(), wake.clone()));
     let open = Arc::new(replica::OpenMonths::default());
     let replicas: Vec<Replica> = registry
         .enabled()
@@ -283,6 +282,8 @@ async fn run_replica(
     let looked = Arc::new(Notify::new());
     let stop_liveness = CancellationToken::new();
     let mut liveness = tokio::spawn(liveness(
+        pool.clone(),
+        wake.clone(),
         reporter,
         replicas.iter().map(Replica::gauges).collect(),
         Duration::from_secs(settings.lease.heartbeat_secs),
@@ -308,7 +309,6 @@ async fn run_replica(
             }
         }
     }
-    listener.abort();
     // The process leaves the fleet once its work has stopped (the run in progress marked FAILED
     // for a peer to take over): until then it is live, and says so.
     stop_liveness.cancel();
@@ -396,41 +396,139 @@ const LEAVE_WITHIN: Duration = Duration::from_secs(3);
 /// On the process's pool, one connection at a time; each job's own look at what is not closed
 /// stops after its share of half a heartbeat, so the next report is on time.
 async fn liveness(
+    pool: PgPool,
+    wake: Arc<Notify>,
     mut reporter: health::Reporter,
     gauges: Vec<Arc<gauges::Gauges>>,
     heartbeat: Duration,
     looked: Arc<Notify>,
     stop: CancellationToken,
 ) {
-    tokio::select! {
-        _ = stop.cancelled() => {}
-        _ = looked.notified() => {}
-        _ = tokio::time::sleep(heartbeat) => {}
+    let mut requests = Requests::new(&pool);
+    requests.connect().await;
+    let first = tokio::time::sleep(heartbeat);
+    tokio::pin!(first);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = looked.notified() => break,
+            _ = &mut first => break,
+            woken = requests.recv() => if woken { wake.notify_one() },
+        }
     }
     let budget = heartbeat / (2 * gauges.len().max(1) as u32);
     let mut every = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
     every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut beats: u64 = 0;
     while !stop.is_cancelled() {
-        // Every heartbeat: the row, the owners and the latest month's gauges (short statements);
-        // readiness evaluated again and what is not closed looked at every FULL_EVERY: on a
-        // server whose connections are all taken, each statement more per heartbeat is one more
-        // wait for the runs' own acquires.
+        // Every FULL_EVERY heartbeats, readiness evaluated again, the gauges refreshed and what is
+        // not closed looked at, on the pool; in between only the row and the owners, on the LISTEN
+        // connection when there is one: on a server whose connections are all taken, each
+        // statement more per heartbeat is one more wait for the runs' own acquires, and an idle
+        // replica keeps that one connection alone.
         if beats % FULL_EVERY == 0 {
             reporter.report().await;
+            for job in &gauges {
+                job.refresh(heartbeat * FULL_EVERY as u32, budget).await;
+            }
         } else {
-            reporter.report_seen().await;
-        }
-        for job in &gauges {
-            job.refresh(heartbeat * FULL_EVERY as u32, budget).await;
+            match requests.listener.as_mut() {
+                Some(listener) => reporter.report_seen_on(listener).await,
+                None => reporter.report_seen().await,
+            }
         }
         beats += 1;
-        tokio::select! {
-            _ = stop.cancelled() => {}
-            _ = every.tick() => {}
+        if requests.listener.is_none() {
+            requests.connect().await;
+        }
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = every.tick() => break,
+                woken = requests.recv() => if woken { wake.notify_one() },
+            }
         }
     }
     reporter.leave().await;
+}
+
+/// The process's `LISTEN` for run requests ([`crate::job_layer::requests::CHANNEL`]), on a small
+/// pool of its own (one connection held for good), which the liveness task also reports on. If
+/// LISTEN is unavailable or the connection drops, the tick loop's timer (at most one heartbeat)
+/// still finds stored requests; this only makes them prompt. Tried again at most every 5 s.
+struct Requests {
+    own: PgPool,
+    listener: Option<sqlx::postgres::PgListener>,
+    retry_at: Option<tokio::time::Instant>,
+    warned: bool,
+}
+
+impl Requests {
+    fn new(pool: &PgPool) -> Self {
+        let options = (*pool.connect_options()).clone();
+        let own = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(options);
+        Self {
+            own,
+            listener: None,
+            retry_at: None,
+            warned: false,
+        }
+    }
+
+    async fn connect(&mut self) {
+        if self
+            .retry_at
+            .is_some_and(|at| tokio::time::Instant::now() < at)
+        {
+            return;
+        }
+        let listened = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&self.own).await?;
+            listener.listen(crate::job_layer::requests::CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        match tokio::time::timeout(Duration::from_secs(5), listened).await {
+            Ok(Ok(listener)) => {
+                tracing::debug!("listening for run requests");
+                self.listener = Some(listener);
+                self.retry_at = None;
+            }
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "the database did not answer in time".to_string(),
+                };
+                self.lost(&error);
+            }
+        }
+    }
+
+    fn lost(&mut self, error: &str) {
+        if !self.warned {
+            tracing::warn!(error = %error, "cannot LISTEN for run requests; polling for them every heartbeat instead");
+            self.warned = true;
+        }
+        self.listener = None;
+        self.retry_at = Some(tokio::time::Instant::now() + Duration::from_secs(5));
+    }
+
+    /// Waits for a notification: true when one came; false when the connection broke (then
+    /// [`Requests::connect`] tries again). Pending for ever without a listener. Cancel-safe
+    /// (`PgListener::recv` is).
+    async fn recv(&mut self) -> bool {
+        let Some(listener) = self.listener.as_mut() else {
+            return std::future::pending().await;
+        };
+        match listener.recv().await {
+            Ok(_) => true,
+            Err(e) => {
+                self.lost(&e.to_string());
+                false
+            }
+        }
+    }
 }
 
 /// The replicas' ticks until shutdown: every job at start-up (catch-up), then on every wake-up,
@@ -539,36 +637,6 @@ impl RetentionTicker {
                 tracing::warn!(error = %e, "retention run failed; trying again at the next tick")
             }
         }
-    }
-}
-
-/// Wakes the tick loop whenever a run request is stored (`LISTEN`), so a replica serving its shard
-/// runs it within moments. On its own small pool (one connection held for good). If LISTEN is
-/// unavailable or the connection drops, the tick
-/// loop's timer (at most one heartbeat) still finds stored requests; this only makes it prompt.
-async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
-    let options = (*pool.connect_options()).clone();
-    let own = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_lazy_with(options);
-    let mut warned = false;
-    loop {
-        let listened: std::result::Result<std::convert::Infallible, sqlx::Error> = async {
-            let mut listener = sqlx::postgres::PgListener::connect_with(&own).await?;
-            listener.listen(crate::job_layer::requests::CHANNEL).await?;
-            tracing::debug!("listening for run requests");
-            loop {
-                listener.recv().await?;
-                wake.notify_one();
-            }
-        }
-        .await;
-        let Err(e) = listened;
-        if !warned {
-            tracing::warn!(error = %e, "cannot LISTEN for run requests; polling for them every heartbeat instead");
-            warned = true;
-        }
-        tokio::time::sleep(Duration::from_secs(5)).await;
     }
 }
 
