@@ -183,8 +183,8 @@ async fn a_replica_reports_and_refreshes_its_gauges_every_heartbeat_through_a_ru
     // month not closed.
     let before = samples
         .iter()
-        .filter(|s| !s.dead_peer)
-        .last()
+        .rev()
+        .find(|s| !s.dead_peer)
         .and_then(|s| s.months_not_closed);
     let after = samples.last().unwrap();
     assert!(
