@@ -754,11 +754,26 @@ async fn reset(db: &mut PgConnection, analyzed: bool, pristine: &str) -> Result<
             sqlx::query("VACUUM loans").execute(&mut *db).await?;
         }
     } else {
+        // LIKE copies no triggers: settlementd's triggers on loans (which `verify` checks) are
+        // made again from their definitions, ENABLE ALWAYS as `migrate` leaves them.
+        let triggers: Vec<(String, String)> = sqlx::query_as(
+            "SELECT pg_catalog.pg_get_triggerdef(oid),
+                    'ALTER TABLE public.loans ENABLE '
+                    || CASE tgenabled WHEN 'A' THEN 'ALWAYS ' WHEN 'R' THEN 'REPLICA ' ELSE '' END
+                    || 'TRIGGER ' || quote_ident(tgname::text)
+               FROM pg_catalog.pg_trigger
+              WHERE tgrelid = 'public.loans'::regclass AND NOT tgisinternal ORDER BY tgname",
+        )
+        .fetch_all(&mut *db)
+        .await?;
         for sql in [
-            "DROP TABLE loans",
-            "CREATE TABLE loans (LIKE loans_definition INCLUDING ALL)",
-            &refill,
-        ] {
+            "DROP TABLE public.loans",
+            "CREATE TABLE public.loans (LIKE loans_definition INCLUDING ALL)",
+        ]
+        .into_iter()
+        .chain(triggers.iter().flat_map(|(c, e)| [c.as_str(), e.as_str()]))
+        .chain([refill.as_str()])
+        {
             sqlx::query(sql).execute(&mut *db).await?;
         }
     }

@@ -50,6 +50,8 @@ pub struct MonthStatus {
     /// Every replica that reported in `replicas` ([`crate::job_layer::fleet`]); `None` when the
     /// schema predates it or it could not be read.
     pub fleet: Option<Vec<Member>>,
+    /// `lease.heartbeat_secs`: a replica not reported for three is "gone?".
+    pub heartbeat_secs: u64,
 }
 
 pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<MonthStatus> {
@@ -95,6 +97,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
         history: view.history,
         watch: view.watch,
         fleet,
+        heartbeat_secs: settings.lease.heartbeat_secs,
     })
 }
 
@@ -162,6 +165,7 @@ impl MonthStatus {
             })),
             "watch": watch,
             "replicas": self.fleet,
+            "heartbeat_secs": self.heartbeat_secs,
             "runs": runs,
             "totals": totals,
             "history": self.history.iter().map(|e| serde_json::json!({
@@ -345,21 +349,34 @@ impl MonthStatus {
                 ),
             }
         );
+        let live_within = 3.0 * self.heartbeat_secs as f64;
         for m in fleet {
             let _ = writeln!(
                 out,
-                "  {:<28} {:<8} {:<10} shard {} of {}  last report {:.0}s ago  {}",
+                "  {:<28} {:<8} {:<10} shard {} of {}  last report {:.0}s ago{}  {}",
                 m.owner,
                 m.version,
                 m.commit,
                 m.shard,
                 m.shards,
                 m.seen_age_secs,
+                if m.is_live(live_within) {
+                    ""
+                } else {
+                    " (gone? no report for 3 heartbeats)"
+                },
                 match (&m.ready, &m.reason) {
                     (true, _) => "ready".to_string(),
                     (false, reason) => format!("NOT READY: {}", reason.as_deref().unwrap_or("")),
                 }
             );
+            let doing: Vec<String> = m.doing.iter().map(ToString::to_string).collect();
+            let _ = match (doing.is_empty(), m.is_live(live_within)) {
+                (true, true) => writeln!(out, "    idle: no claim held"),
+                (true, false) => Ok(()),
+                (false, true) => writeln!(out, "    running {}", doing.join("; ")),
+                (false, false) => writeln!(out, "    held, when last seen: {}", doing.join("; ")),
+            };
         }
     }
 }

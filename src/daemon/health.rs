@@ -10,8 +10,9 @@
 //! Until every job has looked once the replica is not ready ("starting"): a rolling update waits
 //! for the first look, not just for a database that answers.
 //!
-//! Evaluated after every round of ticks by the process itself ([`Reporter`]), which logs each
-//! change once and reports it in `replicas`, and again at every `/readyz` and `/metrics` request.
+//! Evaluated on the heartbeat by the process's liveness task ([`Reporter`], whatever its runs do),
+//! which logs each change once and reports it in `replicas`, and again at every `/readyz` and
+//! `/metrics` request.
 
 use crate::job_layer::fleet;
 use crate::job_layer::Owner;
@@ -194,9 +195,9 @@ fn publish(result: &Result<(), NotReady>) {
     }
 }
 
-/// Reports this process in `replicas` after each round of ticks ([`crate::job_layer::fleet`]), on
-/// the pool the ticks just used (no connection of its own), and logs each change of readiness
-/// once.
+/// Reports this process in `replicas` ([`crate::job_layer::fleet`]) and publishes the shard-owner
+/// gauges, once a heartbeat from the process's liveness task (`crate::daemon`), on the process's
+/// pool (no connection of its own), and logs each change of readiness once.
 pub struct Reporter {
     pool: PgPool,
     health: Arc<Health>,
@@ -230,18 +231,44 @@ impl Reporter {
         }
     }
 
-    /// Evaluates readiness on the pool alone, logs it when it changed, and upserts the row.
-    pub async fn report(&mut self) {
-        let now = evaluate_with(&self.pool, &self.health, false).await;
-        if self.last.as_ref() != Some(&now) {
-            match &now {
-                Ok(()) => tracing::info!("ready"),
-                Err(why @ NotReady::Starting(_)) => {
-                    tracing::info!(reason = why.label(), "not ready: {why}")
-                }
-                Err(why) => tracing::error!(reason = why.label(), "not ready: {why}"),
-            }
+    /// Upserts the row with the readiness last evaluated (one statement), and publishes the
+    /// shard-owner gauges: the liveness task's report between two full ones ([`Reporter::report`]).
+    pub async fn report_seen(&mut self) {
+        let Some(last) = self.last.clone() else {
+            return self.report().await;
+        };
+        self.upsert(&last).await;
+        self.publish_owners().await;
+    }
+
+    /// [`Reporter::report_seen`] on `listener`'s connection (the one the process keeps for
+    /// LISTEN): an idle replica opens no other connection to say it is there.
+    pub async fn report_seen_on(&mut self, listener: &mut sqlx::postgres::PgListener) {
+        let Some(last) = self.last.clone() else {
+            return self.report().await;
+        };
+        let reason = last.as_ref().err().map(ToString::to_string);
+        let report = fleet::Report {
+            owner: &self.owner,
+            jobs: &self.jobs,
+            shards: self.shard.count,
+            shard: self.shard.index,
+            started_at: self.started_at,
+            not_ready: reason.as_deref(),
+        };
+        let reported =
+            tokio::time::timeout(ANSWER_WITHIN, fleet::report(&mut *listener, &report)).await;
+        if !matches!(reported, Ok(Ok(()))) {
+            tracing::debug!("cannot report this replica in replicas");
         }
+        let listed = tokio::time::timeout(ANSWER_WITHIN, fleet::list(&mut *listener)).await;
+        match listed {
+            Ok(Ok(Some(members))) => self.publish_owners_of(&members),
+            _ => tracing::debug!("cannot read replicas for the shard owners"),
+        }
+    }
+
+    async fn upsert(&self, now: &Result<(), NotReady>) {
         let reason = now.as_ref().err().map(ToString::to_string);
         let report = fleet::Report {
             owner: &self.owner,
@@ -256,20 +283,39 @@ impl Reporter {
         if !matches!(reported, Ok(Ok(()))) {
             tracing::debug!("cannot report this replica in replicas");
         }
+    }
+
+    /// Evaluates readiness on the pool alone, logs it when it changed, and upserts the row.
+    pub async fn report(&mut self) {
+        let now = evaluate_with(&self.pool, &self.health, false).await;
+        if self.last.as_ref() != Some(&now) {
+            match &now {
+                Ok(()) => tracing::info!("ready"),
+                Err(why @ NotReady::Starting(_)) => {
+                    tracing::info!(reason = why.label(), "not ready: {why}")
+                }
+                Err(why) => tracing::error!(reason = why.label(), "not ready: {why}"),
+            }
+        }
+        self.upsert(&now).await;
         self.last = Some(now);
         self.publish_owners().await;
     }
 
     /// The shard-owner gauges, from `replicas` as every replica last reported.
     async fn publish_owners(&self) {
-        use super::metrics as m;
         let listed = tokio::time::timeout(ANSWER_WITHIN, fleet::list(&self.pool)).await;
         let Ok(Ok(Some(members))) = listed else {
             tracing::debug!("cannot read replicas for the shard owners");
             return;
         };
+        self.publish_owners_of(&members);
+    }
+
+    fn publish_owners_of(&self, members: &[fleet::Member]) {
+        use super::metrics as m;
         let owners = fleet::owners(
-            &members,
+            members,
             self.shard.count,
             3.0 * self.heartbeat.as_secs_f64(),
         );

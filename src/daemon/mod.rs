@@ -18,6 +18,7 @@
 //! progress lets its batch commit, is marked FAILED `interrupted: shutdown` so a peer takes over
 //! at once, and `serve` returns within `shutdown.grace_secs` even if the run does not stop.
 
+pub mod gauges;
 pub mod health;
 pub mod http;
 pub mod metrics;
@@ -244,7 +245,6 @@ async fn run_replica(
     let wake = Arc::new(Notify::new());
     let registry = crate::jobs::build(settings);
     let mut scheduler = start_wakeups(settings, &registry, wake.clone()).await;
-    let listener = tokio::spawn(wake_on_requests(pool.clone(), wake.clone()));
     let open = Arc::new(replica::OpenMonths::default());
     let replicas: Vec<Replica> = registry
         .enabled()
@@ -279,10 +279,21 @@ async fn run_replica(
         shutdown: shutdown.clone(),
         done: None,
     });
+    let looked = Arc::new(Notify::new());
+    let stop_liveness = CancellationToken::new();
+    let mut liveness = tokio::spawn(liveness(
+        pool.clone(),
+        wake.clone(),
+        reporter,
+        replicas.iter().map(Replica::gauges).collect(),
+        Duration::from_secs(settings.lease.heartbeat_secs),
+        looked.clone(),
+        stop_liveness.clone(),
+    ));
     let mut worker = tokio::spawn(tick_loop(
         replicas,
         retention,
-        reporter,
+        looked,
         wake,
         shutdown.clone(),
     ));
@@ -298,7 +309,16 @@ async fn run_replica(
             }
         }
     }
-    listener.abort();
+    // The process leaves the fleet once its work has stopped (the run in progress marked FAILED
+    // for a peer to take over): until then it is live, and says so.
+    stop_liveness.cancel();
+    if tokio::time::timeout(LEAVE_WITHIN, &mut liveness)
+        .await
+        .is_err()
+    {
+        tracing::warn!("the liveness task did not stop in time");
+        liveness.abort();
+    }
     if let Some(scheduler) = scheduler.as_mut() {
         if tokio::time::timeout(Duration::from_secs(1), scheduler.shutdown())
             .await
@@ -358,33 +378,173 @@ async fn wait_for_database(
     }
 }
 
-/// Tick every job at start-up (catch-up), then on every wake-up, until shutdown; and the day's
-/// retention run, when it is enabled.
-/// The replicas' ticks until shutdown; after each round, the process reports its readiness in
-/// `replicas` ([`health::Reporter`]) on the connections the ticks just used, and leaves the fleet
-/// when it stops.
-async fn tick_loop(
-    replicas: Vec<Replica>,
-    retention: Option<RetentionTicker>,
-    mut reporter: health::Reporter,
+/// Every how many heartbeats the liveness task evaluates readiness and looks at what is not closed
+/// (in between, it says it is there and refreshes the latest month's gauges).
+const FULL_EVERY: u64 = 3;
+
+/// How long a stopping process waits for its liveness task's last report and leave.
+const LEAVE_WITHIN: Duration = Duration::from_secs(3);
+
+/// The process's liveness, apart from its work: on the heartbeat it reports itself in `replicas`
+/// (release, readiness; what it runs is its claims in `job_runs`), publishes the shard-owner gauges
+/// ([`health::Reporter`]) and refreshes each job's gauges ([`gauges::Gauges::refresh`]), whatever
+/// the ticks are doing: a tick awaits its whole run, which lasts hours at a large month's end, and
+/// a replica that reported only between ticks looked gone, its shard ownerless, its gauges frozen.
+/// The first report waits for every job's first look at what is due (`looked`, so it says ready
+/// at once) or a heartbeat; the process leaves the fleet when `stop` is cancelled.
+///
+/// On the process's pool, one connection at a time; each job's own look at what is not closed
+/// stops after its share of half a heartbeat, so the next report is on time.
+async fn liveness(
+    pool: PgPool,
     wake: Arc<Notify>,
-    shutdown: CancellationToken,
+    mut reporter: health::Reporter,
+    gauges: Vec<Arc<gauges::Gauges>>,
+    heartbeat: Duration,
+    looked: Arc<Notify>,
+    stop: CancellationToken,
 ) {
-    ticks(replicas, retention, &mut reporter, wake, shutdown).await;
+    let mut requests = Requests::new(&pool);
+    requests.connect().await;
+    let first = tokio::time::sleep(heartbeat);
+    tokio::pin!(first);
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = looked.notified() => break,
+            _ = &mut first => break,
+            woken = requests.recv() => if woken { wake.notify_one() },
+        }
+    }
+    let budget = heartbeat / (2 * gauges.len().max(1) as u32);
+    let mut every = tokio::time::interval_at(tokio::time::Instant::now() + heartbeat, heartbeat);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut beats: u64 = 0;
+    while !stop.is_cancelled() {
+        // Every FULL_EVERY heartbeats, readiness evaluated again, the gauges refreshed and what is
+        // not closed looked at, on the pool; in between only the row and the owners, on the LISTEN
+        // connection when there is one: on a server whose connections are all taken, each
+        // statement more per heartbeat is one more wait for the runs' own acquires, and an idle
+        // replica keeps that one connection alone.
+        if beats % FULL_EVERY == 0 {
+            reporter.report().await;
+            for job in &gauges {
+                job.refresh(heartbeat * FULL_EVERY as u32, budget).await;
+            }
+        } else {
+            match requests.listener.as_mut() {
+                Some(listener) => reporter.report_seen_on(listener).await,
+                None => reporter.report_seen().await,
+            }
+        }
+        beats += 1;
+        if requests.listener.is_none() {
+            requests.connect().await;
+        }
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = every.tick() => break,
+                woken = requests.recv() => if woken { wake.notify_one() },
+            }
+        }
+    }
     reporter.leave().await;
 }
 
-async fn ticks(
+/// The process's `LISTEN` for run requests ([`crate::job_layer::requests::CHANNEL`]), on a small
+/// pool of its own (one connection held for good), which the liveness task also reports on. If
+/// LISTEN is unavailable or the connection drops, the tick loop's timer (at most one heartbeat)
+/// still finds stored requests; this only makes them prompt. Tried again at most every 5 s.
+struct Requests {
+    own: PgPool,
+    listener: Option<sqlx::postgres::PgListener>,
+    retry_at: Option<tokio::time::Instant>,
+    warned: bool,
+}
+
+impl Requests {
+    fn new(pool: &PgPool) -> Self {
+        let options = (*pool.connect_options()).clone();
+        let own = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(options);
+        Self {
+            own,
+            listener: None,
+            retry_at: None,
+            warned: false,
+        }
+    }
+
+    async fn connect(&mut self) {
+        if self
+            .retry_at
+            .is_some_and(|at| tokio::time::Instant::now() < at)
+        {
+            return;
+        }
+        let listened = async {
+            let mut listener = sqlx::postgres::PgListener::connect_with(&self.own).await?;
+            listener.listen(crate::job_layer::requests::CHANNEL).await?;
+            Ok::<_, sqlx::Error>(listener)
+        };
+        match tokio::time::timeout(Duration::from_secs(5), listened).await {
+            Ok(Ok(listener)) => {
+                tracing::debug!("listening for run requests");
+                self.listener = Some(listener);
+                self.retry_at = None;
+            }
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => "the database did not answer in time".to_string(),
+                };
+                self.lost(&error);
+            }
+        }
+    }
+
+    fn lost(&mut self, error: &str) {
+        if !self.warned {
+            tracing::warn!(error = %error, "cannot LISTEN for run requests; polling for them every heartbeat instead");
+            self.warned = true;
+        }
+        self.listener = None;
+        self.retry_at = Some(tokio::time::Instant::now() + Duration::from_secs(5));
+    }
+
+    /// Waits for a notification: true when one came; false when the connection broke (then
+    /// [`Requests::connect`] tries again). Pending for ever without a listener. Cancel-safe
+    /// (`PgListener::recv` is).
+    async fn recv(&mut self) -> bool {
+        let Some(listener) = self.listener.as_mut() else {
+            return std::future::pending().await;
+        };
+        match listener.recv().await {
+            Ok(_) => true,
+            Err(e) => {
+                self.lost(&e.to_string());
+                false
+            }
+        }
+    }
+}
+
+/// The replicas' ticks until shutdown: every job at start-up (catch-up), then on every wake-up,
+/// and the day's retention run, when it is enabled. `looked` is told once every job has looked
+/// at what is due.
+async fn tick_loop(
     mut replicas: Vec<Replica>,
     mut retention: Option<RetentionTicker>,
-    reporter: &mut health::Reporter,
+    looked: Arc<Notify>,
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
     for replica in replicas.iter_mut() {
         replica.look().await;
     }
-    reporter.report().await;
+    looked.notify_one();
     loop {
         if let Some(retention) = retention.as_mut() {
             retention.tick().await;
@@ -416,7 +576,6 @@ async fn ticks(
         if again {
             continue;
         }
-        reporter.report().await;
         let wait = replicas
             .iter()
             .map(Replica::next_wake)
@@ -482,36 +641,6 @@ impl RetentionTicker {
                 tracing::warn!(error = %e, "retention run failed; trying again at the next tick")
             }
         }
-    }
-}
-
-/// Wakes the tick loop whenever a run request is stored (`LISTEN`), so a replica serving its shard
-/// runs it within moments. On its own small pool (one connection held for good). If LISTEN is
-/// unavailable or the connection drops, the tick
-/// loop's timer (at most one heartbeat) still finds stored requests; this only makes it prompt.
-async fn wake_on_requests(pool: PgPool, wake: Arc<Notify>) {
-    let options = (*pool.connect_options()).clone();
-    let own = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect_lazy_with(options);
-    let mut warned = false;
-    loop {
-        let listened: std::result::Result<std::convert::Infallible, sqlx::Error> = async {
-            let mut listener = sqlx::postgres::PgListener::connect_with(&own).await?;
-            listener.listen(crate::job_layer::requests::CHANNEL).await?;
-            tracing::debug!("listening for run requests");
-            loop {
-                listener.recv().await?;
-                wake.notify_one();
-            }
-        }
-        .await;
-        let Err(e) = listened;
-        if !warned {
-            tracing::warn!(error = %e, "cannot LISTEN for run requests; polling for them every heartbeat instead");
-            warned = true;
-        }
-        tokio::time::sleep(Duration::from_secs(5)).await;
     }
 }
 

@@ -21,11 +21,13 @@
 //! - a month held by an unfinished correction is never run here (its correction runs it);
 //! - a claim refused because the month is pinned to another rule is logged once per month and
 //!   retried with the backoff, like a failure, so a fixed configuration finishes the month;
-//! - every tick publishes what is not closed: `settlementd_months_not_closed` (with the months the
-//!   job it follows has not closed, [`OpenMonths`]), `settlementd_corrections_unfinished`, and the
-//!   families the job declares ([`job_layer::Metrics`]: items before the lookback, this shard's
-//!   waiting and held items).
+//! - every tick publishes what is not closed from its own look at what is due ([`Gauges`]:
+//!   `settlementd_months_not_closed`, with the months the job it follows has not closed,
+//!   [`OpenMonths`]; `settlementd_corrections_unfinished`; the families the job declares,
+//!   [`job_layer::Metrics`]); while a run holds the ticks, the process's liveness task refreshes
+//!   the same gauges on the heartbeat ([`Replica::gauges`]).
 
+use super::gauges::{Gauges, Looked};
 use super::health::Health;
 use super::metrics as m;
 use crate::calendar::BusinessDate;
@@ -196,9 +198,6 @@ pub struct Replica {
     /// `settle.lookback_months`: how many months, ending at the latest slot's, are looked at (0:
     /// only that month is run, the others are only counted).
     lookback_months: u32,
-    /// `settle.deadline_day`: a month not closed by the end of this day of the next month is past
-    /// its deadline.
-    deadline_day: Option<u32>,
     /// Months whose rule conflict has been logged: once per month is enough.
     conflicts_logged: HashSet<BusinessDate>,
     /// Why each month was last found not ready (the job it follows has not closed it), as logged:
@@ -206,8 +205,9 @@ pub struct Replica {
     not_ready_logged: HashMap<BusinessDate, String>,
     /// Where each look at what is due leaves the rule conflict it found, for readiness.
     health: Arc<Health>,
-    /// What each job of the process last found not closed, shared by its replicas.
-    open: Arc<OpenMonths>,
+    /// The job's gauges: published by each tick from what it looks at, and refreshed by the
+    /// process's liveness task while a run holds the ticks ([`Gauges`]).
+    gauges: Arc<Gauges>,
     /// Every log line of this replica carries shard, shards and owner.
     span: tracing::Span,
 }
@@ -237,6 +237,7 @@ impl Replica {
         shutdown: CancellationToken,
     ) -> Self {
         let opts = crate::app::run_options(settings, false, false);
+        let gauges = Gauges::new(pool.clone(), settings, job.clone(), clock.clone());
         let span = tracing::info_span!(
             "replica",
             job = job.name(),
@@ -259,11 +260,10 @@ impl Replica {
             retries: HashMap::new(),
             request_retries: HashMap::new(),
             lookback_months: settings.settle.lookback_months,
-            deadline_day: settings.settle.deadline_day,
             conflicts_logged: HashSet::new(),
             not_ready_logged: HashMap::new(),
             health: Arc::new(Health::default()),
-            open: Arc::new(OpenMonths::default()),
+            gauges: Arc::new(gauges),
             span,
         }
     }
@@ -271,8 +271,13 @@ impl Replica {
     /// The same replica sharing `open` with the other jobs' replicas of the process, so that the
     /// months of a job that follows another are counted not closed while that one's are not.
     pub fn with_open_months(mut self, open: Arc<OpenMonths>) -> Self {
-        self.open = open;
+        self.gauges = Arc::new(self.gauges.with_open_months(open));
         self
+    }
+
+    /// The job's gauges, for the process's liveness task to refresh while this replica runs.
+    pub fn gauges(&self) -> Arc<Gauges> {
+        self.gauges.clone()
     }
 
     /// The same replica reporting what it finds to `health` (shared with the process's probes).
@@ -347,7 +352,7 @@ impl Replica {
         let span = self.span.clone();
         let outcome = self.tick_inner().instrument(span.clone()).await;
         if !self.shutdown.is_cancelled() {
-            self.publish_latest_month().instrument(span).await;
+            self.gauges.publish_latest_month().instrument(span).await;
         }
         outcome
     }
@@ -505,41 +510,19 @@ impl Replica {
                 .collect();
             (due, None)
         };
-        let window = crate::calendar::lookback(latest, self.lookback_months);
-        let earliest = window
-            .first()
-            .and_then(|d| BusinessDate::new(*d).ok())
-            .unwrap_or(latest);
-        let looked = async {
-            let periods = due::periods(
-                &self.pool,
-                self.job.name(),
-                self.shard.count,
-                self.shard.index,
-                earliest.date(),
-                latest.date(),
-            )
-            .await?;
-            let pending = self
-                .job
-                .pending(&mut *self.pool.acquire().await?, self.shard.count, &window)
-                .await?;
-            let corrections = due::corrections_unfinished(&self.pool).await?;
-            Ok::<_, JobError>((periods, pending, corrections))
-        }
-        .await;
-        let (periods, mut pending, corrections) = match looked {
+        let looked = match self.gauges.look(latest, None).await {
             Ok(looked) => looked,
             Err(e) => {
                 tracing::warn!(error = %e, "cannot look for what is due; running the schedule's month only");
                 return fallback();
             }
         };
-        // Edits queued for months after the latest slot's wait for it.
-        pending
-            .by_period
-            .retain(|p| p.business_date <= latest.date());
-        self.publish(&periods, &pending, &window, corrections);
+        self.gauges.publish_not_closed(&looked);
+        let Looked {
+            periods,
+            mut pending,
+            ..
+        } = looked;
         if self.lookback_months == 0 {
             // Only the schedule's month is run; the others are counted above.
             pending
@@ -639,50 +622,6 @@ impl Replica {
                 "claims of another shard count left RUNNING by a dead holder closed as FAILED"
             ),
             Err(e) => tracing::debug!(error = %e, "cannot close abandoned claims"),
-        }
-    }
-
-    /// The gauges of what is not closed and what waits.
-    fn publish(
-        &self,
-        periods: &[due::Period],
-        pending: &job_layer::PendingReport,
-        window: &[chrono::NaiveDate],
-        corrections: i64,
-    ) {
-        let job = self.job.name();
-        let names = self.job.metrics();
-        let open: Vec<_> = due::not_closed(periods, pending, self.shard.count, window)
-            .into_iter()
-            .map(|n| n.business_date)
-            .collect();
-        let open = self.open.publish(job, self.job.after(), open);
-        metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open.len() as f64);
-        // Without a deadline, no month is past it.
-        let now = self.clock.now();
-        let late = open
-            .iter()
-            .filter(|month| {
-                self.deadline_day
-                    .and_then(|day| deadline(**month, day, self.tz))
-                    .is_some_and(|at| at <= now)
-            })
-            .count();
-        metrics::gauge!(m::MONTHS_PAST_DEADLINE, "job_name" => job).set(late as f64);
-        metrics::gauge!(m::CORRECTIONS_UNFINISHED).set(corrections as f64);
-        let mine = pending
-            .by_period
-            .iter()
-            .filter(|p| p.shard == self.shard.index && window.contains(&p.business_date));
-        let (waiting, held) = mine.fold((0, 0), |(w, h), p| (w + p.late, h + p.held));
-        for (metric, value) in [
-            (names.beyond_lookback, pending.before),
-            (names.waiting, waiting),
-            (names.held, held),
-        ] {
-            if let Some(metric) = metric {
-                metrics::gauge!(metric.name, "job_name" => job).set(value as f64);
-            }
         }
     }
 
@@ -924,55 +863,6 @@ impl Replica {
             }
         }
         None
-    }
-
-    /// Sets the latest fire time and how many shards of this shard count have no SUCCESS row for
-    /// its month. Read from `job_runs`, not from this replica's memory, so a shard whose replica
-    /// is down still counts; a failed read leaves the gauges as they were.
-    async fn publish_latest_month(&self) {
-        metrics::gauge!(m::SHARDS).set(f64::from(self.shard.count));
-        let job = self.job.name();
-        match job_layer::pause::of(&self.pool, job).await {
-            Ok(Some(pause)) => {
-                metrics::gauge!(m::PAUSED, "job_name" => job).set(1.0);
-                metrics::gauge!(m::PAUSED_SINCE, "job_name" => job)
-                    .set(pause.paused_at.timestamp() as f64);
-            }
-            Ok(None) => {
-                metrics::gauge!(m::PAUSED, "job_name" => job).set(0.0);
-                metrics::gauge!(m::PAUSED_SINCE, "job_name" => job).set(0.0);
-            }
-            Err(e) => tracing::debug!(error = %e, "cannot read the job's pause"),
-        }
-        let Some(fire_at) = latest_slot_at_or_before(&self.cron, self.tz, self.clock.now()) else {
-            return;
-        };
-        match job_layer::claim::expired_leases(&self.pool, job, self.opts.lease_ttl).await {
-            Ok(n) => metrics::gauge!(m::EXPIRED_LEASES, "job_name" => job).set(n as f64),
-            Err(e) => tracing::debug!(error = %e, "cannot count the expired leases"),
-        }
-        let month = Slot::new(fire_at).business_date;
-        if let Some(day) = self.deadline_day {
-            if let Some(at) = deadline(month.date(), day, self.tz) {
-                metrics::gauge!(m::DEADLINE_TIMESTAMP, "job_name" => job)
-                    .set(at.timestamp() as f64);
-            }
-        }
-        match job_layer::claim::rows_for(&self.pool, job, month.date(), self.shard.count).await {
-            Ok(rows) => {
-                let settled = rows.iter().filter(|r| r.status == "SUCCESS").count() as f64;
-                metrics::gauge!(m::LATEST_FIRE_TIMESTAMP, "job_name" => job)
-                    .set(fire_at.timestamp() as f64);
-                let not_success = f64::from(self.shard.count) - settled;
-                metrics::gauge!(m::LATEST_FIRE_SHARDS_NOT_SUCCESS, "job_name" => job)
-                    .set(not_success);
-                if self.job.metrics().old_unsettled_shards {
-                    metrics::gauge!(m::LATEST_MONTH_UNSETTLED_SHARDS, "job_name" => job)
-                        .set(not_success);
-                }
-            }
-            Err(e) => tracing::debug!(error = %e, "cannot read the latest month's claims"),
-        }
     }
 
     /// The slot that settles `month`: the first fire at or after the start of the next month.

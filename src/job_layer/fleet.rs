@@ -1,8 +1,10 @@
 //! The fleet: which `serve` processes run, of which release, and whether each is ready (`replicas`).
 //!
-//! Every `serve` process upserts its row once a heartbeat ([`report`]): its owner name (the one its
-//! claims carry), its release and commit, the jobs it schedules, its shard, and its readiness with
-//! the reason. `status` and the page read them back ([`list`]) beside each claim's own release
+//! Every `serve` process upserts its row once a heartbeat ([`report`]), from a task of its own
+//! whatever its runs do (`crate::daemon`'s liveness task): its owner name (the one its claims
+//! carry), its release and commit, the jobs it schedules, its shard, and its readiness with the
+//! reason. `status` and the page read them back ([`list`]) with what each one is doing — the claims
+//! it holds RUNNING in `job_runs`, which its own heartbeats keep — beside each claim's own release
 //! (`job_runs.version`), so a rolling update's mixed fleet is seen as one. A release before 0.2.0
 //! writes no row: its claims show no version, and its owners appear only in `job_runs`.
 //!
@@ -69,7 +71,29 @@ pub async fn leave(db: impl PgExecutor<'_>, owner: &Owner) -> Result<()> {
     Ok(())
 }
 
-/// One row of `replicas`, with how long ago it reported (database clock).
+/// A claim a replica holds RUNNING in `job_runs`: what it is doing.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Running {
+    pub job_name: String,
+    pub business_date: chrono::NaiveDate,
+    pub shards: i32,
+    pub shard: i32,
+    pub attempt: i32,
+    /// Seconds since the claim's heartbeat (database clock).
+    pub heartbeat_age_secs: f64,
+}
+
+impl std::fmt::Display for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} {} shard {} of {} (attempt {})",
+            self.job_name, self.business_date, self.shard, self.shards, self.attempt
+        )
+    }
+}
+
+/// One row of `replicas`, with how long ago it reported (database clock), and what it runs.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
 pub struct Member {
     pub owner: String,
@@ -83,6 +107,10 @@ pub struct Member {
     pub seen_age_secs: f64,
     pub ready: bool,
     pub reason: Option<String>,
+    /// The claims it holds RUNNING, read from `job_runs` with its row (the claims are the
+    /// ground truth of what a replica runs: its own heartbeats keep them); empty: idle.
+    #[sqlx(json)]
+    pub doing: Vec<Running>,
 }
 
 impl Member {
@@ -109,15 +137,24 @@ pub fn owners(members: &[Member], shards: u32, live_within: f64) -> Vec<usize> {
     owners
 }
 
-/// Every replica's row, by shard count, shard and owner. `None` when the table is not there (the
-/// schema predates it): the fleet is unknown, which is not an error for a reader.
+/// Every replica's row, by shard count, shard and owner, with the claims it holds RUNNING. `None`
+/// when the table is not there (the schema predates it): the fleet is unknown, which is not an
+/// error for a reader.
 pub async fn list(db: impl PgExecutor<'_>) -> Result<Option<Vec<Member>>> {
     let rows = sqlx::query_as(
-        "SELECT owner, version, commit, jobs, shards, shard, started_at, seen_at,
-                extract(epoch FROM clock_timestamp() - seen_at)::float8 AS seen_age_secs,
-                ready, reason
-           FROM replicas
-          ORDER BY shards, shard, owner",
+        "SELECT r.owner, r.version, r.commit, r.jobs, r.shards, r.shard, r.started_at, r.seen_at,
+                extract(epoch FROM clock_timestamp() - r.seen_at)::float8 AS seen_age_secs,
+                r.ready, r.reason,
+                (SELECT coalesce(json_agg(json_build_object(
+                            'job_name', j.job_name, 'business_date', j.business_date,
+                            'shards', j.shards, 'shard', j.shard, 'attempt', j.attempt,
+                            'heartbeat_age_secs',
+                            extract(epoch FROM clock_timestamp() - j.heartbeat_at)::float8)
+                          ORDER BY j.job_name, j.business_date, j.shards, j.shard), '[]')
+                   FROM job_runs j
+                  WHERE j.owner = r.owner AND j.status = 'RUNNING') AS doing
+           FROM replicas r
+          ORDER BY r.shards, r.shard, r.owner",
     )
     .fetch_all(db)
     .await;

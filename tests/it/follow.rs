@@ -53,6 +53,22 @@ fn settle(url: &str, month: &str) -> Value {
     json_of(&out)
 }
 
+/// September and October settled in the order asked (October first or not), then their member
+/// statements in the same order.
+fn settle_and_state_both(url: &str, october_first: bool) {
+    let months = if october_first {
+        [OCTOBER, SEPTEMBER]
+    } else {
+        [SEPTEMBER, OCTOBER]
+    };
+    for month in months {
+        settle(url, month);
+    }
+    for month in months {
+        state(url, month);
+    }
+}
+
 /// The member statements of `month`, which must exit 0.
 fn state(url: &str, month: &str) {
     let out = cli(
@@ -217,17 +233,7 @@ async fn a_reload_that_moves_a_return_to_another_month_bills_it_once_in_either_o
              COMMIT",
         )
         .await;
-        let months = if october_first {
-            [OCTOBER, SEPTEMBER]
-        } else {
-            [SEPTEMBER, OCTOBER]
-        };
-        for month in months {
-            settle(&db.url, month);
-        }
-        for month in months {
-            state(&db.url, month);
-        }
+        settle_and_state_both(&db.url, october_first);
         // 35 days late: 1,750 cents, in October alone.
         assert_eq!(
             stated(&db.pool).await,
@@ -256,17 +262,7 @@ async fn a_loan_unsettled_by_hand_and_moved_balances_both_months_in_either_order
             "UPDATE loans SET fine_settled_at = NULL, returned_on = '2026-10-06' WHERE id = 1",
         )
         .await;
-        let months = if october_first {
-            [OCTOBER, SEPTEMBER]
-        } else {
-            [SEPTEMBER, OCTOBER]
-        };
-        for month in months {
-            settle(&db.url, month);
-        }
-        for month in months {
-            state(&db.url, month);
-        }
+        settle_and_state_both(&db.url, october_first);
         let (journal, _) = nets(&db.pool).await;
         assert_eq!(
             journal,

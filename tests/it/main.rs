@@ -25,6 +25,7 @@ mod http_limits;
 mod jobs;
 mod journal;
 mod layers;
+mod liveness;
 mod load;
 mod page;
 mod pgbouncer;
