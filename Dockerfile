@@ -29,6 +29,10 @@ RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --no-create-home settlementd
 COPY --from=build /src/target/release/settlementd /usr/local/bin/settlementd
+# The roles this release's migrations and grants expect, shipped with the binary: a rollback (or a
+# new database) takes roles.sql from the image it runs, not from a clone of the repository.
+#   podman run --rm --entrypoint cat settlementd:0.3.0 /usr/share/settlementd/sql/roles.sql
+COPY deploy/sql/roles.sql /usr/share/settlementd/sql/roles.sql
 USER 10001
 EXPOSE 9464
 ENV SETTLEMENTD__LOG__FORMAT=json

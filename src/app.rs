@@ -172,9 +172,8 @@ pub fn init_logging(format: LogFormat, default_level: &str) {
     };
     // sqlx's line for each connection a writer's pool turns away is said once per change by the
     // pool itself ([`db::is_sqlx_hook_failure`]).
-    let shown = || {
-        filter_fn(|meta| !slow::is_sqlx_slow_statement(meta) && !db::is_sqlx_hook_failure(meta))
-    };
+    let shown =
+        || filter_fn(|meta| !slow::is_sqlx_slow_statement(meta) && !db::is_sqlx_hook_failure(meta));
     let json_layer = json.then(|| {
         tracing_subscriber::fmt::layer()
             .json()

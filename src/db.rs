@@ -647,14 +647,24 @@ async fn backend_pid(conn: &mut PgConnection) -> sqlx::Result<i32> {
 /// Closes `pool` until it is really empty (at most 2 s). `PgPool::close` can return while a
 /// connection released a moment earlier is still on its way back (sqlx pings it first); stopping an
 /// embedded server right then turns that ping into a logged warning.
+///
+/// Bounded: sqlx's `close` waits until every permit of the pool is back, and a permit lost on
+/// the way (an acquire cancelled while it connected to a server refusing connections, "remaining
+/// connection slots are reserved") made `status` wait for ever with no connection left open. A
+/// process that closes its pool is ending: after [`CLOSE_WITHIN`] it goes on, and its sockets
+/// close with it.
 pub async fn close(pool: &PgPool) {
     let start = std::time::Instant::now();
-    pool.close().await;
-    while pool.size() > 0 && start.elapsed() < Duration::from_secs(2) {
+    let left = || CLOSE_WITHIN.saturating_sub(start.elapsed());
+    let _ = tokio::time::timeout(left(), pool.close()).await;
+    while pool.size() > 0 && start.elapsed() < CLOSE_WITHIN {
         pause(start).await;
-        pool.close().await;
+        let _ = tokio::time::timeout(left(), pool.close()).await;
     }
 }
+
+/// How long [`close`] waits for a pool's connections to close.
+pub const CLOSE_WITHIN: Duration = Duration::from_secs(2);
 
 /// One step of a short wait that began at `start`. What is waited for (a connection on its way
 /// back to the pool: one round trip) takes a fraction of a millisecond, less than the timer's

@@ -610,7 +610,7 @@ impl Reader {
 
     /// Closes the reader's own pool (a command that is done with it).
     pub async fn close(&self) {
-        self.pool.close().await;
+        crate::db::close(&self.pool).await;
     }
 
     /// Reads what `scope` shows of `job` under `shards`, with the schedule as of `now`.

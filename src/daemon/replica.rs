@@ -671,7 +671,12 @@ impl Replica {
                             metrics::counter!(late.name, "job_name" => job)
                                 .increment(report.updated);
                         }
-                        tracing::info!(late = report.late, updated = report.updated, what = self.job.words().waiting.many, "items that arrived after the month was done are done");
+                        tracing::info!(
+                            late = report.late,
+                            updated = report.updated,
+                            what = self.job.words().waiting.many,
+                            "items that arrived after the month was done are done"
+                        );
                         return Some(TickOutcome::LateReturns {
                             business_date: month,
                             report,

@@ -472,9 +472,12 @@ async fn won(
     };
     let resumes = (event == "took_over" && !claim.resume.is_start())
         .then(|| format!("resumes {}", claim.resume));
-    let own = opts.own_dead.filter(|_| event == "took_over").map(|attempt| {
-        format!("attempt {attempt} was this owner's own, over though its lease was not")
-    });
+    let own = opts
+        .own_dead
+        .filter(|_| event == "took_over")
+        .map(|attempt| {
+            format!("attempt {attempt} was this owner's own, over though its lease was not")
+        });
     let rule = rule.map(|r| format!("rule: {r}"));
     let parts: Vec<&str> = [why, own.as_deref(), resumes.as_deref(), rule.as_deref()]
         .into_iter()

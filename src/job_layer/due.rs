@@ -81,21 +81,20 @@ pub async fn closed(
     business_date: NaiveDate,
     shards: u32,
 ) -> Result<Option<String>> {
-    let (success, running, failed, correction): (i64, i64, i64, Option<String>) =
-        sqlx::query_as(
-            "SELECT count(*) FILTER (WHERE r.status = 'SUCCESS'),
+    let (success, running, failed, correction): (i64, i64, i64, Option<String>) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE r.status = 'SUCCESS'),
                     count(*) FILTER (WHERE r.status = 'RUNNING'),
                     count(*) FILTER (WHERE r.status = 'FAILED'),
                     (SELECT correction_key FROM job_params
                       WHERE job_name = $1 AND business_date = $2)
                FROM job_runs r
               WHERE r.job_name = $1 AND r.business_date = $2 AND r.shards = $3",
-        )
-        .bind(job_name)
-        .bind(business_date)
-        .bind(shards as i32)
-        .fetch_one(db)
-        .await?;
+    )
+    .bind(job_name)
+    .bind(business_date)
+    .bind(shards as i32)
+    .fetch_one(db)
+    .await?;
     Ok(if let Some(key) = correction {
         Some(format!(
             "{job_name} {business_date} is being corrected under key {key:?}"

@@ -207,7 +207,9 @@ async fn run_in_span<J: Job>(
             // it is over (its final write went unanswered, or its FAILED could not be written),
             // whatever its lease says. Nobody else may hold this owner: take it over at once.
             ClaimOutcome::Held { owner, attempt }
-                if owner == opts.owner.0 && own_dead.is_none() && InFlight::alone(&opts.owner, &key) =>
+                if owner == opts.owner.0
+                    && own_dead.is_none()
+                    && InFlight::alone(&opts.owner, &key) =>
             {
                 tracing::warn!(
                     holder_attempt = attempt,
@@ -221,7 +223,10 @@ async fn run_in_span<J: Job>(
                 metrics::counter!("settlementd_claims_total", "job_name" => J::NAME, "result" => "lost")
                     .increment(1);
                 if owner == opts.owner.0 {
-                    tracing::info!(holder_attempt = attempt, "skipped: the claim is held by another run of this process");
+                    tracing::info!(
+                        holder_attempt = attempt,
+                        "skipped: the claim is held by another run of this process"
+                    );
                 } else {
                     tracing::info!(holder = %owner, holder_attempt = attempt, "skipped: the claim is held under a lease that has not expired (a live run, or one gone whose lease has not run out)");
                 }

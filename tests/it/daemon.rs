@@ -1214,7 +1214,11 @@ async fn a_replica_takes_over_its_own_processs_attempt_that_no_run_carries_on_at
     .unwrap();
     assert_eq!(event.0, "took_over");
     assert!(
-        event.1.as_deref().unwrap_or_default().contains("attempt 1 was this owner's own"),
+        event
+            .1
+            .as_deref()
+            .unwrap_or_default()
+            .contains("attempt 1 was this owner's own"),
         "{event:?}"
     );
 }
@@ -1240,15 +1244,19 @@ async fn a_run_never_takes_over_its_own_processs_attempt_while_that_run_goes_on(
     let first = {
         let (pool, job, key, opts) = (db.pool.clone(), job.clone(), key.clone(), opts.clone());
         tokio::spawn(async move {
-            job_layer::run_once(&pool, job.as_ref(), key, &opts, &CancellationToken::new(), &|_| {})
-                .await
+            job_layer::run_once(
+                &pool,
+                job.as_ref(),
+                key,
+                &opts,
+                &CancellationToken::new(),
+                &|_| {},
+            )
+            .await
         })
     };
     assert!(
-        eventually(10, || async {
-            !runs(&db.pool).await.is_empty()
-        })
-        .await,
+        eventually(10, || async { !runs(&db.pool).await.is_empty() }).await,
         "the first run claimed"
     );
     let second = job_layer::run_once(

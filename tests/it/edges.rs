@@ -155,7 +155,11 @@ async fn held_rows_between_ordinary_ones_are_named_and_left_while_every_other_ro
     let out = cli(&db.url, &[], &["verify", "--business-date", &m, "--json"]);
     assert_eq!(out.status.code(), Some(1), "{}", stderr_of(&out));
     assert_eq!(json_of(&out)["money_right"], serde_json::json!(false));
-    assert!(stderr_of(&out).contains("is not right"), "{}", stderr_of(&out));
+    assert!(
+        stderr_of(&out).contains("is not right"),
+        "{}",
+        stderr_of(&out)
+    );
     sqlx::query("UPDATE loans SET fine_cents = fine_cents - 1 WHERE id = $1")
         .bind(edited)
         .execute(&db.pool)

@@ -2810,7 +2810,9 @@ async fn a_month_the_leader_has_not_closed_is_said_as_its_shards_are_running_fai
     .unwrap();
     let why = closed().await;
     assert!(
-        why.contains("SUCCESS on 1 of its 3 shards, 1 shard RUNNING, 1 shard FAILED; its replicas run"),
+        why.contains(
+            "SUCCESS on 1 of its 3 shards, 1 shard RUNNING, 1 shard FAILED; its replicas run"
+        ),
         "{why}"
     );
     sqlx::query("UPDATE job_runs SET status = 'SUCCESS'")
@@ -2850,7 +2852,11 @@ async fn a_replica_says_once_why_a_followed_month_is_not_ready_not_at_every_tick
     let said: Vec<&str> = text.lines().filter(|l| l.contains("not ready: ")).collect();
     assert_eq!(said.len(), 1, "{said:#?}");
     assert!(said[0].contains("1 shard RUNNING"), "{}", said[0]);
-    assert!(said[0].contains(&format!("\"business_date\":\"{month}\"")), "{}", said[0]);
+    assert!(
+        said[0].contains(&format!("\"business_date\":\"{month}\"")),
+        "{}",
+        said[0]
+    );
     assert!(
         runs_of(&db.pool, STATEMENTS).await.is_empty(),
         "the statements claimed nothing"

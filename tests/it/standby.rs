@@ -29,7 +29,10 @@ const READERS: &[(&[&str], i32)] = &[
     (&["verify", "--business-date", MONTH, "--json"], 6),
     (&["jobs", "--json"], 0),
     (&["run", "--dry-run", "--business-date", MONTH, "--json"], 0),
-    (&["correct", "--dry-run", "--business-date", MONTH, "--json"], 0),
+    (
+        &["correct", "--dry-run", "--business-date", MONTH, "--json"],
+        0,
+    ),
     (&["schedule", "--next", "2", "--json"], 0),
 ];
 
@@ -84,7 +87,12 @@ fn answers(url: &str) -> Vec<Vec<serde_json::Value>> {
         .iter()
         .map(|(args, code)| {
             let out = cli(url, &[ACQUIRE], args);
-            assert_eq!(out.status.code(), Some(*code), "{args:?}: {}", stderr_of(&out));
+            assert_eq!(
+                out.status.code(),
+                Some(*code),
+                "{args:?}: {}",
+                stderr_of(&out)
+            );
             steady(args, &out)
         })
         .collect()
@@ -135,6 +143,10 @@ fn read_only_answers(url: &str, on_writer: &[Vec<serde_json::Value>]) {
 /// A month settled with one held row (no due date), so `verify` has something to say.
 async fn settled_month(pool: &sqlx::PgPool, url: &str) {
     seed_month(pool, bd(MONTH), 300, 1).await;
+    sqlx::query("ALTER TABLE loans ALTER COLUMN due_on DROP NOT NULL")
+        .execute(pool)
+        .await
+        .unwrap();
     sqlx::query("UPDATE loans SET due_on = NULL WHERE id = 7")
         .execute(pool)
         .await
@@ -214,6 +226,34 @@ async fn serve_says_once_that_the_database_became_read_only_and_once_that_it_tak
     let answer = get(replica.addr, "/readyz").await.unwrap();
     assert_eq!(answer.0, 503, "{answer:?}");
     assert!(answer.1.contains(READ_ONLY), "{answer:?}");
+    // The page says so first, and in the replica's own row of the fleet: not its last report's
+    // "ready" (issue 48 item 5: every /readyz 503 while the Fleet showed each replica ready).
+    let page = get(replica.addr, "/status").await.unwrap();
+    let own = page
+        .1
+        .split_once("This replica is NOT READY: ")
+        .map(|(_, said)| said.split('<').next().unwrap_or_default())
+        .unwrap_or_else(|| {
+            panic!(
+                "the page does not say this replica is not ready:\n{}",
+                page.1
+            )
+        });
+    assert!(own.contains(READ_ONLY), "{own}");
+    if page.0 == 200 {
+        assert!(page.1.contains("id=\"own-readiness\""), "{}", page.1);
+        let row = page
+            .1
+            .split("<tr data-owner=")
+            .skip(1)
+            .find(|row| row.contains("NOT READY") || row.contains(">ready<"))
+            .unwrap_or_default();
+        assert!(
+            row.contains("NOT READY: ") && !row.contains(">ready<"),
+            "{row}"
+        );
+        assert!(page.1.contains("id=\"fleet-as-reported\""), "{}", page.1);
+    }
 
     set_read_only(&db.pool, &db.name, false).await;
     replica.wait_for("/readyz", 200).await;

@@ -1065,8 +1065,9 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
 
 /// Before, a RUNNING claim whose lease had expired said "a replica of this shard may take it over"
 /// whether or not one was alive: a frozen shard with no replica left looked as if it would heal by
-/// itself. Now the cell says who takes it over: a live replica of the shard, or nobody until one
-/// starts (and what to run).
+/// itself, and its progress bar went on with a rate and a time left. Now the cell says who takes it
+/// over: a live replica of the shard, or nobody until one starts (and what to run), and where the
+/// claim stopped, with no rate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_lease_says_whether_a_live_replica_of_its_shard_will_take_it_over() {
     let db = test_db().await;
@@ -1097,6 +1098,16 @@ async fn an_expired_lease_says_whether_a_live_replica_of_its_shard_will_take_it_
     assert!(
         cell.contains("lease expired: no live replica runs this shard: start one"),
         "{cell}"
+    );
+    // Where it stopped, and no rate or time left: nothing runs it (issue 48 item 5, "25 a second
+    // · about 5 h 1 min left" for a lease expired 40 s before).
+    assert!(
+        cell.contains("stopped there: nothing runs it while its lease is expired"),
+        "{cell}"
+    );
+    assert!(
+        !cell.contains(" a second") && !cell.contains(" left"),
+        "a rate or time left for a claim nobody runs: {cell}"
     );
 
     // A replica of shard 1 reports in: it is the one that takes the claim over.

@@ -130,6 +130,13 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
         },
     };
     let now = state.clock.now();
+    // This replica's own readiness, as /readyz says it now: first on the page, and in its own row
+    // of the fleet (whose rows are as of each replica's last report, which a database that takes
+    // no writes stops).
+    let not_ready = crate::daemon::health::evaluate(&state.pool, &state.health)
+        .await
+        .err()
+        .map(|why| why.to_string());
     let fleet = state.overview.fleet().await;
     let read = async {
         let mut views = Vec::new();
@@ -152,18 +159,23 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
                 shard: state.settings.shard.index,
                 shards: state.settings.shard.count,
                 heartbeat_secs: state.settings.lease.heartbeat_secs,
+                not_ready: not_ready.as_deref(),
             };
             let page = render(&views, fleet.as_deref(), &query, &replica, now);
             respond(StatusCode::OK, page)
         }
         Err(e) => {
             tracing::warn!(error = %e, "status page: cannot read the database");
+            let own = match &not_ready {
+                Some(why) => format!(" This replica is NOT READY: {why}."),
+                None => String::new(),
+            };
             respond(
                 StatusCode::SERVICE_UNAVAILABLE,
                 notice_reloading(
                     "Database unavailable",
                     &format!(
-                        "{e}. This page reloads itself every {REFRESH_SECS} s until the database answers."
+                        "{e}.{own} This page reloads itself every {REFRESH_SECS} s until the database answers."
                     ),
                 ),
             )
@@ -195,6 +207,8 @@ struct Replica<'a> {
     shards: u32,
     /// `lease.heartbeat_secs`: a replica that has not reported for three is shown as gone.
     heartbeat_secs: u64,
+    /// Why this replica is not ready now (`/readyz`'s reason), or `None` when it is.
+    not_ready: Option<&'a str>,
 }
 
 const CSS: &str = "\
@@ -251,6 +265,9 @@ fn render(
             body {
                 header {
                     h1 { (title) }
+                    @if let Some(why) = replica.not_ready {
+                        p.open #own-readiness { "This replica is NOT READY: " (why) }
+                    }
                     p.note {
                         "jobs: "
                         @for (i, view) in views.iter().enumerate() {
@@ -267,7 +284,7 @@ fn render(
                         p { a href=(format!("?shards={}", query.shards)) { "← every month" } }
                     }
                 }
-                (fleet_section(fleet, &doing(views), replica.heartbeat_secs))
+                (fleet_section(fleet, &doing(views), replica))
                 @for view in views {
                     (job_section(view, takers(fleet, view, replica.heartbeat_secs)))
                 }
@@ -314,9 +331,19 @@ fn doing(views: &[Overview]) -> BTreeMap<String, Vec<String>> {
 fn fleet_section(
     fleet: Option<&[Member]>,
     doing: &BTreeMap<String, Vec<String>>,
-    heartbeat_secs: u64,
+    replica: &Replica,
 ) -> Markup {
-    let live_within = 3.0 * heartbeat_secs as f64;
+    let live_within = 3.0 * replica.heartbeat_secs as f64;
+    // The serving replica's row says its readiness of now; the others', as they last reported.
+    let readiness = |m: &Member| -> Option<String> {
+        if m.owner == replica.owner {
+            replica.not_ready.map(str::to_string)
+        } else if m.ready {
+            None
+        } else {
+            Some(m.reason.clone().unwrap_or_default())
+        }
+    };
     let releases: BTreeMap<&str, usize> = fleet
         .unwrap_or_default()
         .iter()
@@ -332,6 +359,11 @@ fn fleet_section(
                 None => p.note { "The fleet is not recorded here: the schema predates the replicas table (run settlementd migrate)." },
                 Some([]) => p.note { "No replica has reported yet." },
                 Some(members) => {
+                    @if replica.not_ready.is_some() {
+                        p.note #fleet-as-reported {
+                            "Each other replica's row is as of its last report: a database that takes no writes stops them."
+                        }
+                    }
                     @if releases.len() > 1 {
                         p.late #fleet-mixed {
                             "Mixed fleet: "
@@ -352,10 +384,9 @@ fn fleet_section(
                                         td data-label="release" { (m.version) " " span.small { "(commit " code { (m.commit) } ")" } }
                                         td.num data-label="shard" { (m.shard) " of " (m.shards) }
                                         td data-label="jobs" { (m.jobs.join(", ")) }
-                                        @if m.ready {
-                                            td.closed data-label="ready" { "ready" }
-                                        } @else {
-                                            td.error data-label="ready" { "NOT READY: " (m.reason.as_deref().unwrap_or("")) }
+                                        @match readiness(m) {
+                                            None => td.closed data-label="ready" { "ready" },
+                                            Some(why) => td.error data-label="ready" { "NOT READY: " (why) },
                                         }
                                         td.small.doing data-label="doing" {
                                             @match doing.get(&m.owner) {
@@ -761,7 +792,9 @@ fn cell(
                             br; span.small { "earlier attempts' writes stay as they made them (the month's totals count them)" }
                         }
                     }
-                    @if let Some(progress) = shard.progress { (bar(progress, run.started_age_secs)) }
+                    @if let Some(progress) = shard.progress {
+                        (bar(progress, run.started_age_secs, shard.lease_expired(ttl_secs)))
+                    }
                     @if detail {
                         div.small { "read " (count(run.scanned)) " · resumes " (run.cursor()) }
                         div.small { "started " (local(run.started_at, tz)) }
@@ -779,9 +812,10 @@ fn cell(
 }
 
 /// A running shard's progress: read of its total, at what rate since its attempt started
-/// (`running_secs` ago), and about how long is left at that rate.
-fn bar(progress: Progress, running_secs: f64) -> Markup {
-    let rate = (running_secs > 0.5).then(|| progress.read as f64 / running_secs);
+/// (`running_secs` ago), and about how long is left at that rate. A claim whose lease `expired`
+/// runs nowhere: no rate and no time left, only where it stopped (the cell says who takes it over).
+fn bar(progress: Progress, running_secs: f64, expired: bool) -> Markup {
+    let rate = (running_secs > 0.5 && !expired).then(|| progress.read as f64 / running_secs);
     let left = rate
         .filter(|r| *r > 0.0)
         .map(|r| progress.total.saturating_sub(progress.read) as f64 / r);
@@ -794,6 +828,9 @@ fn bar(progress: Progress, running_secs: f64) -> Markup {
             }
             @if let Some(left) = left {
                 " · about " (age(left)) " left"
+            }
+            @if expired {
+                " · stopped there: nothing runs it while its lease is expired"
             }
         }
     }
