@@ -321,14 +321,15 @@ impl Month {
     /// Closed or not, and why, in words an operator acts on: the one judgement `status` (text and
     /// JSON) and the page show. Closed only when every shard is SUCCESS and nothing waits, is held,
     /// is refused or is being corrected; otherwise each of those is named, and what resolves it —
-    /// which, while the job is `paused`, is its resume.
-    pub fn verdict(&self, words: Words, paused: Option<&Pause>) -> Verdict {
+    /// which, while the job is `paused`, is its resume. Times are in `tz`, the schedule's zone, as
+    /// everywhere else on the page and in `status`.
+    pub fn verdict(&self, words: Words, paused: Option<&Pause>, tz: Tz) -> Verdict {
         let mut open = Vec::new();
         let mut next = Vec::new();
         if let Some((key, since)) = &self.correction {
             open.push(format!(
                 "being corrected under key {key:?} since {}",
-                since.format("%Y-%m-%d %H:%M:%S UTC")
+                schedule::local_time(*since, tz)
             ));
             next.push("`settlementd correct` with the same key finishes it".to_string());
         }
@@ -380,7 +381,7 @@ impl Month {
         match paused {
             Some(p) if waits => next.push(format!(
                 "the job is paused since {} by {}: nothing runs until `settlementd resume`",
-                p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                schedule::local_time(p.paused_at, tz),
                 p.paused_by
             )),
             None if waits && !refused && self.correction.is_none() => {
@@ -396,11 +397,25 @@ impl Month {
     }
 
     /// "shard 1 RUNNING; shards 2, 3 missing; shard 3 refused (rule conflict)"; empty when every
-    /// shard is SUCCESS and none was refused.
+    /// shard is SUCCESS and none was refused. A run the pause stopped is "stopped by the pause",
+    /// not FAILED ([`JobRunRow::stopped_by_pause`]).
     pub fn open_shards(&self) -> String {
+        let paused: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|s| s.run.as_ref().is_some_and(JobRunRow::stopped_by_pause))
+            .map(|s| s.index)
+            .collect();
         let by_state = [State::Running, State::Failed, State::Missing]
             .into_iter()
-            .map(|state| (self.in_state(state), state.word()));
+            .map(|state| {
+                let shards = self.in_state(state);
+                (
+                    shards.into_iter().filter(|s| !paused.contains(s)).collect(),
+                    state.word(),
+                )
+            })
+            .chain([(paused.clone(), "stopped by the pause")]);
         let conflicts: Vec<u32> = self
             .shards
             .iter()
@@ -1267,18 +1282,18 @@ mod tests {
         month.unsettled = Some(counted(2, 0));
         assert!(month.all_success() && !month.closed());
         assert_eq!(month.late_returns(), 2);
-        let verdict = month.verdict(WORDS, None);
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
         assert_eq!(verdict.words, "not closed: 2 late returns or edits waiting");
         assert!(verdict.next.unwrap().contains("within a heartbeat"));
         month.unsettled = Some(counted(0, 3));
         assert!(!month.closed(), "held rows are not done");
         assert_eq!(month.held(), 3);
-        let verdict = month.verdict(WORDS, None);
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
         assert_eq!(verdict.words, "not closed: 3 rows held (bad dates)");
         assert!(verdict.next.unwrap().contains("settlementd verify"));
         month.unsettled = Some(counted(0, 0));
         assert_eq!(
-            month.verdict(WORDS, Some(&a_pause())),
+            month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC),
             Verdict {
                 closed: true,
                 words: "closed".into(),
@@ -1296,7 +1311,7 @@ mod tests {
             held: 0,
             upkeep: 0,
         });
-        let paused = month.verdict(WORDS, Some(&a_pause()));
+        let paused = month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC);
         assert!(!paused.closed);
         let next = paused.next.unwrap();
         assert!(
@@ -1307,7 +1322,7 @@ mod tests {
         month.shards[1].run = Some(run(1, "SUCCESS", 1.0));
         month.shards[1].conflict = Some("pinned to 50 cents a day".into());
         assert!(!month.closed(), "a refused shard is not done");
-        let refused = month.verdict(WORDS, None);
+        let refused = month.verdict(WORDS, None, chrono_tz::UTC);
         assert_eq!(
             refused.words,
             "not closed: shard 1 refused (rule conflict); 1 late return or edit waiting"
@@ -1338,7 +1353,7 @@ mod tests {
                             if correcting {
                                 m.correction = Some(("K".into(), Utc::now()));
                             }
-                            let verdict = m.verdict(WORDS, None);
+                            let verdict = m.verdict(WORDS, None, chrono_tz::UTC);
                             assert_eq!(verdict.closed, m.closed(), "{verdict:?}");
                             assert_eq!(verdict.words == "closed", m.closed(), "{verdict:?}");
                         }

@@ -43,6 +43,14 @@ impl Slot {
 }
 
 /// The first fire time strictly after `now`, in `tz`; `None` when the pattern never fires again.
+/// `at` in the schedule's zone as every surface shows a time — the page, `status`, `jobs`:
+/// `2026-11-01 02:30:00 +08:00`, so one look never mixes zones.
+pub fn local_time(at: DateTime<Utc>, tz: Tz) -> String {
+    at.with_timezone(&tz)
+        .format("%Y-%m-%d %H:%M:%S %:z")
+        .to_string()
+}
+
 pub fn next_slot_after(cron: &Cron, tz: Tz, now: DateTime<Utc>) -> Option<DateTime<Tz>> {
     cron.find_next_occurrence(&now.with_timezone(&tz), false)
         .ok()

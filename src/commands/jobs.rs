@@ -15,6 +15,8 @@ pub struct JobLine {
     pub enabled: bool,
     pub cron: String,
     pub timezone: String,
+    /// The same zone, in which the text shows times.
+    pub tz: chrono_tz::Tz,
     /// The job it follows.
     pub after: Option<&'static str>,
     pub next: Option<Slot>,
@@ -40,6 +42,7 @@ pub async fn jobs(
                 enabled: job.schedule().enabled,
                 cron: job.schedule().cron.pattern.to_string(),
                 timezone: tz.to_string(),
+                tz,
                 after: job.after(),
                 next: next_slot_after(&job.schedule().cron, tz, clock.now()).map(Slot::new),
                 last_closed: due::last_closed(&database.pool, job.name(), settings.shard.count)
@@ -91,7 +94,7 @@ impl JobLine {
                 .as_ref()
                 .map(|p| format!(
                     "  PAUSED since {} by {}: {}",
-                    p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                    crate::schedule::local_time(p.paused_at, self.tz),
                     p.paused_by,
                     p.reason
                 ))

@@ -52,6 +52,8 @@ pub struct MonthStatus {
     pub fleet: Option<Vec<Member>>,
     /// `lease.heartbeat_secs`: a replica not reported for three is "gone?".
     pub heartbeat_secs: u64,
+    /// The schedule's zone: the text shows every time in it, as the page does.
+    pub tz: chrono_tz::Tz,
 }
 
 pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<MonthStatus> {
@@ -89,6 +91,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
             AppError::Failed(format!("{business_date}: the overview has no month"))
         })?;
     Ok(MonthStatus {
+        tz: view.schedule.timezone,
         job: view.job,
         words: view.words,
         business_date,
@@ -109,7 +112,7 @@ impl MonthStatus {
     /// The month's verdict ([`Month::verdict`]): the same judgement as the page's.
     pub fn verdict(&self) -> overview::Verdict {
         let paused = self.watch.as_ref().and_then(|w| w.paused.as_ref());
-        self.month.verdict(self.words, paused)
+        self.month.verdict(self.words, paused, self.tz)
     }
 
     /// The `status --json` object.
@@ -233,7 +236,12 @@ impl MonthStatus {
                     out,
                     "{:<6} {:<8} {:>7} {:<28} {:<12} {:>9.1}s {:>12} {:>10} {:>10}  {}",
                     s,
-                    r.status,
+                    // A run the pause stopped: a pause, not a failure (the page says the same).
+                    if r.stopped_by_pause() {
+                        "PAUSED"
+                    } else {
+                        &r.status
+                    },
                     r.attempt,
                     r.owner,
                     r.version.as_deref().unwrap_or("unrecorded"),
@@ -241,7 +249,12 @@ impl MonthStatus {
                     compact(r.cursor()),
                     r.scanned,
                     r.updated,
-                    r.last_error.as_deref().unwrap_or("")
+                    if r.stopped_by_pause() {
+                        "stopped by the pause after its last committed batch; resumes where it \
+                         stopped after `settlementd resume`"
+                    } else {
+                        r.last_error.as_deref().unwrap_or("")
+                    }
                 ),
                 None => writeln!(out, "{s:<6} missing"),
             };
@@ -278,7 +291,7 @@ impl MonthStatus {
                 let _ = writeln!(
                     out,
                     "PAUSED since {} by {}: {}",
-                    p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                    crate::schedule::local_time(p.paused_at, self.tz),
                     p.paused_by,
                     p.reason
                 );
@@ -311,7 +324,7 @@ impl MonthStatus {
                 out,
                 "  shard {:<3} {}  {:<16} {:<10} {:<28} {}{}",
                 e.shard,
-                e.at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                crate::schedule::local_time(e.at, self.tz),
                 e.event,
                 e.attempt
                     .map(|a| format!("attempt {a}"))

@@ -663,6 +663,10 @@ async fn finish(
     Ok(true)
 }
 
+/// How `last_error` of a claim its run left at a pause begins (`interrupted: paused by WHO: WHY;
+/// this run stopped after …`).
+pub const PAUSED_MARK: &str = "interrupted: paused";
+
 /// One `job_runs` row as `status` shows it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
 pub struct JobRunRow {
@@ -688,6 +692,18 @@ pub struct JobRunRow {
 }
 
 impl JobRunRow {
+    /// A FAILED claim its run left when its job was paused ([`PAUSED_MARK`], as the runner writes
+    /// it; `interrupted: JOB is paused since …` before 0.3.0): stopped after a committed batch, it
+    /// resumes at its cursor after `settlementd resume`. A pause, not a failure: the page and
+    /// `status` show it as one.
+    pub fn stopped_by_pause(&self) -> bool {
+        self.status == "FAILED"
+            && self.last_error.as_deref().is_some_and(|e| {
+                e.starts_with(PAUSED_MARK)
+                    || (e.starts_with("interrupted: ") && e.contains(" is paused since "))
+            })
+    }
+
     /// The run's committed progress.
     pub fn cursor(&self) -> Cursor {
         Cursor {

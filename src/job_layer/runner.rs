@@ -430,7 +430,15 @@ async fn mark_failed(
 ) -> Result<bool> {
     let error = match failure {
         // Left like a run stopped by a shutdown: FAILED, taken over at once once resumed.
-        JobError::Paused { .. } => format!("interrupted: {failure}"),
+        // `interrupted: paused by WHO: WHY; this run stopped after …`: no time in it (the pause
+        // has its own, shown in the reader's zone), so the trail never mixes zones.
+        JobError::Paused {
+            by, reason, wrote, ..
+        } => format!(
+            "{} by {by}: {reason}{}",
+            claim::PAUSED_MARK,
+            wrote.as_ref().map(|w| w.words()).unwrap_or_default()
+        ),
         _ => failure.to_string(),
     };
     if !matches!(failure, JobError::Unanswered { .. }) {

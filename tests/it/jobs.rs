@@ -2667,6 +2667,47 @@ async fn pause_mid_run(batch_size: &str, loans: i64, slow_secs: f64) {
         "{line}"
     );
 
+    // A pause shown as a pause, in the schedule's zone (issue 48 item 5: a red FAILED with the
+    // error's UTC time beside the page's +08:00): `status` and the page, while it lasts.
+    let out = cli(&db.url, &[], &["status", "--business-date", &date]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    let shard = text
+        .lines()
+        .find(|l| l.starts_with("0 "))
+        .unwrap_or_else(|| panic!("no shard line: {text}"));
+    assert!(
+        shard.contains(" PAUSED ")
+            && shard.contains("stopped by the pause after its last committed batch"),
+        "{text}"
+    );
+    assert!(
+        !text.contains(" UTC") && text.contains("PAUSED since "),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .filter(|l| l.starts_with("PAUSED since ") || l.starts_with("  shard "))
+            .all(|l| l.contains(" +08:00")),
+        "every time in the schedule's zone: {text}"
+    );
+    let replica = ServeProcess::start(&db.url, &[]);
+    replica.wait_for("/healthz", 200).await;
+    let (_, page) = get(
+        replica.addr,
+        &format!("/status?business_date={date}&shards=1"),
+    )
+    .await
+    .unwrap();
+    let cell = crate::status::text_of(&page, &format!("cell-{date}-0"));
+    assert!(
+        cell.starts_with("PAUSED attempt 1")
+            && cell.contains("stopped by the pause after its last committed batch")
+            && !cell.contains("is paused since"),
+        "{cell}"
+    );
+    assert!(!page.contains(" UTC"), "one zone on the page: {page}");
+    drop(replica);
+
     // The pause and the resume stay in the audit trail: who, why, when.
     let resumed = cli(&db.url, &[], &["resume", "--job", SETTLEMENT]);
     assert_eq!(resumed.status.code(), Some(0), "{}", stderr_of(&resumed));

@@ -24,7 +24,7 @@ use crate::overview::{HISTORY_LATEST, HISTORY_MONTH, MONTHS, VIEW_BUDGET};
 use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use chrono::{DateTime, TimeZone, Utc};
+use chrono::{DateTime, Utc};
 use chrono_tz::Tz;
 use maud::{html, Markup, PreEscaped, DOCTYPE};
 use std::collections::{BTreeMap, BTreeSet};
@@ -133,12 +133,16 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
     // This replica's own readiness, as /readyz says it now: first on the page, and in its own row
     // of the fleet (whose rows are as of each replica's last report, which a database that takes
     // no writes stops).
-    let not_ready = crate::daemon::health::evaluate(&state.pool, &state.health)
-        .await
-        .err()
-        .map(|why| why.to_string());
-    let fleet = state.overview.fleet().await;
+    // Asked beside the view's reads, not before them: on a slow database the page keeps to its
+    // budget (the evaluation waits at most `health::ANSWER_WITHIN`).
+    let readiness = async {
+        crate::daemon::health::evaluate(&state.pool, &state.health)
+            .await
+            .err()
+            .map(|why| why.to_string())
+    };
     let read = async {
+        let fleet = state.overview.fleet().await;
         let mut views = Vec::new();
         for job in &jobs {
             views.push(
@@ -149,11 +153,11 @@ pub async fn page(State(state): State<HttpState>, uri: Uri) -> Response {
             );
         }
         crate::overview::follow_upstreams(&mut views);
-        Ok::<_, crate::overview::OverviewError>(views)
-    }
-    .await;
+        Ok::<_, crate::overview::OverviewError>((views, fleet))
+    };
+    let (not_ready, read) = tokio::join!(readiness, read);
     match read {
-        Ok(views) => {
+        Ok((views, fleet)) => {
             let replica = Replica {
                 owner: &state.owner,
                 shard: state.settings.shard.index,
@@ -221,7 +225,7 @@ thead th{background:#f6f8fa}.wrap{overflow-x:auto}td.cell{min-width:15em}
 .s-success{background:#dafbe1}.s-success .status,.closed{color:#116329}
 .s-running{background:#ddf4ff}.s-running .status{color:#0550ae}
 .s-failed{background:#ffebe9}.s-failed .status,.open,.error{color:#a40e26}
-.s-missing{background:#fff8c5}.s-missing .status{color:#7d4e00}
+.s-missing,.s-paused{background:#fff8c5}.s-missing .status,.s-paused .status{color:#7d4e00}
 .late{color:#7d4e00;font-weight:700}.conflict{color:#a40e26;font-weight:700}
 .closed,.open{font-weight:700}.error{font-family:ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere;max-width:30em}
 progress{width:100%;height:.8em}code{font-family:ui-monospace,monospace}dt{font-weight:700}dd{margin:0 0 .5em 1em}
@@ -691,7 +695,7 @@ fn would_now(view: &Overview) -> Markup {
 
 fn verdict(month: &Month, view: &Overview) -> Markup {
     let paused = view.watch.as_ref().and_then(|w| w.paused.as_ref());
-    let verdict = month.verdict(view.words, paused);
+    let verdict = month.verdict(view.words, paused, view.schedule.timezone);
     html! {
         @if verdict.closed {
             span.closed { (verdict.words) }
@@ -758,6 +762,12 @@ fn cell(
     takers: Option<&BTreeSet<u32>>,
 ) -> Markup {
     let state = shard.state();
+    // A run the pause stopped is FAILED in the table, and a pause on the page.
+    let paused = shard
+        .run
+        .as_ref()
+        .is_some_and(crate::job_layer::claim::JobRunRow::stopped_by_pause);
+    let word = if paused { "PAUSED" } else { state.word() };
     let taken_over = match takers {
         Some(t) if !t.contains(&shard.index) => {
             "no live replica runs this shard: start one, or `settlementd run --wait` of the month and shard takes it over"
@@ -765,10 +775,10 @@ fn cell(
         Some(_) => "a live replica of this shard takes it over within a heartbeat",
         None => "a replica of this shard may take it over",
     };
-    let class = format!("cell s-{}", state.word().to_ascii_lowercase());
+    let class = format!("cell s-{}", word.to_ascii_lowercase());
     html! {
         td class=(class) #{ (job) "-cell-" (date) "-" (shard.index) } data-status=(state.word()) data-label=(format!("shard {}", shard.index)) {
-            div.status { (state.word()) }
+            div.status { (word) }
             @match &shard.run {
                 None => div.small { "no claim: no replica of this shard has started the month" },
                 Some(run) => {
@@ -799,7 +809,9 @@ fn cell(
                         div.small { "read " (count(run.scanned)) " · resumes " (run.cursor()) }
                         div.small { "started " (local(run.started_at, tz)) }
                     }
-                    @if let Some(error) = &run.last_error {
+                    @if paused {
+                        div.small { "stopped by the pause after its last committed batch: it resumes where it stopped after " code { "settlementd resume" } }
+                    } @else if let Some(error) = &run.last_error {
                         div.error { (error) }
                     }
                 }
@@ -926,9 +938,7 @@ fn month_link_date(date: chrono::NaiveDate, shards: u32) -> String {
 }
 
 fn local(at: DateTime<Utc>, tz: Tz) -> String {
-    tz.from_utc_datetime(&at.naive_utc())
-        .format("%Y-%m-%d %H:%M:%S %:z")
-        .to_string()
+    crate::schedule::local_time(at, tz)
 }
 
 /// "12 s", "5 min 3 s", "3 h 12 min", "4 d 3 h".
