@@ -739,6 +739,19 @@ async fn the_binary_settles_the_due_month_logs_json_with_run_fields_and_exits_0_
     for field in ["shard", "shards", "attempt", "owner"] {
         assert!(!span[field].is_null(), "{field} missing in {success}");
     }
+    // The replica's own line about the month has the run's span too (issue 48: "month run to
+    // SUCCESS" had no `business_date` in its span, so a filter on the span missed it).
+    let settled: serde_json::Value = stderr
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|v| v["message"] == "month run to SUCCESS")
+        .unwrap_or_else(|| panic!("no 'month run to SUCCESS' line in:\n{stderr}"));
+    assert_eq!(
+        settled["span"]["business_date"],
+        due.business_date.to_string(),
+        "{settled}"
+    );
+    assert_eq!(settled["span"]["attempt"], span["attempt"], "{settled}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
