@@ -1063,6 +1063,80 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
     );
 }
 
+/// Issue 48 item 5: with the database read-only every `/readyz` was 503 while the Fleet showed each
+/// replica "ready" in green, from its last report. The page now says the serving replica's
+/// readiness first, as `/readyz` says it at that moment, and uses it in that replica's own row;
+/// the other rows stay their last reports. Here a trigger of settlementd's on `loans` is disabled
+/// between two full reports: the row still says ready, the page does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_says_the_serving_replicas_own_readiness_first_and_in_its_fleet_row() {
+    let db = test_db().await;
+    // A full report (readiness) every three heartbeats: none in the test's time once it is ready.
+    let replica = ServeProcess::start(
+        &db.url,
+        &[
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "60"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "600"),
+        ],
+    );
+    replica.wait_for("/readyz", 200).await;
+    let owner: String = sqlx::query_scalar("SELECT owner FROM replicas")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    // Its last report, as if made while it was ready.
+    sqlx::query("UPDATE replicas SET ready = true, reason = NULL")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let page = get(replica.addr, "/status").await.unwrap().1;
+    assert!(!page.contains("own-readiness"), "{page}");
+    assert!(own_row(&page, &owner).contains(">ready<"), "{page}");
+
+    sqlx::query("ALTER TABLE loans DISABLE TRIGGER settlementd_settled_deleted")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let said = replica.wait_for("/readyz", 503).await;
+    assert!(
+        said.contains("settlementd_settled_deleted is disabled"),
+        "{said}"
+    );
+    let page = get(replica.addr, "/status").await.unwrap().1;
+    let first = page
+        .split_once("id=\"own-readiness\">")
+        .map(|(_, rest)| rest.split('<').next().unwrap_or_default())
+        .unwrap_or_else(|| panic!("no readiness line first on the page:\n{page}"));
+    assert!(
+        first.starts_with("This replica is NOT READY: ")
+            && first.contains("settlementd_settled_deleted is disabled"),
+        "{first}"
+    );
+    let row = own_row(&page, &owner);
+    assert!(
+        row.contains("NOT READY: ") && row.contains("settlementd_settled_deleted is disabled"),
+        "{row}"
+    );
+    assert!(page.contains("id=\"fleet-as-reported\""), "{page}");
+    let stored: bool = sqlx::query_scalar("SELECT ready FROM replicas WHERE owner = $1")
+        .bind(&owner)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        stored,
+        "the row itself still says ready: the page says what is true now"
+    );
+}
+
+/// The Fleet's row of `owner` in `page`.
+fn own_row<'a>(page: &'a str, owner: &str) -> &'a str {
+    page.split("<tr data-owner=")
+        .skip(1)
+        .find(|row| row.starts_with(&format!("\"{owner}\"")))
+        .unwrap_or_else(|| panic!("no fleet row of {owner}:\n{page}"))
+}
+
 /// Before, a RUNNING claim whose lease had expired said "a replica of this shard may take it over"
 /// whether or not one was alive: a frozen shard with no replica left looked as if it would heal by
 /// itself, and its progress bar went on with a rate and a time left. Now the cell says who takes it
