@@ -1080,10 +1080,18 @@ async fn the_page_says_the_serving_replicas_own_readiness_first_and_in_its_fleet
         ],
     );
     replica.wait_for("/readyz", 200).await;
-    let owner: String = sqlx::query_scalar("SELECT owner FROM replicas")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    // Its first report may come a moment after it is ready.
+    let row = || async {
+        sqlx::query_scalar::<_, String>("SELECT owner FROM replicas")
+            .fetch_optional(&db.pool)
+            .await
+            .unwrap()
+    };
+    assert!(
+        eventually(30, || async { row().await.is_some() }).await,
+        "the replica reported"
+    );
+    let owner = row().await.unwrap();
     // Its last report, as if made while it was ready.
     sqlx::query("UPDATE replicas SET ready = true, reason = NULL")
         .execute(&db.pool)
