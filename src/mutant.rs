@@ -25,11 +25,15 @@ pub enum Mutant {
     /// A loan's money priced in another month or for another member than its head's continues
     /// the head where it was priced, instead of being reversed out of the old place first.
     MoveWithoutReversal,
+    /// A claim held under a live lease by another replica is taken over at once, as if it were an
+    /// attempt of this process's own that no run here carries on (the own-attempt takeover,
+    /// `ClaimOptions::own_dead`, without its "same owner").
+    OwnTakeoverOfAPeer,
 }
 
 impl Mutant {
     /// Every planted bug, as `SETTLEMENTD_CAMPAIGN_MUTANT` names them.
-    pub const ALL: [(Mutant, &'static str); 7] = [
+    pub const ALL: [(Mutant, &'static str); 8] = [
         (Mutant::FenceOff, "fence-off"),
         (Mutant::ClaimIgnoresConflict, "claim-ignores-conflict"),
         (Mutant::LeaseLocalClock, "lease-local-clock"),
@@ -37,6 +41,7 @@ impl Mutant {
         (Mutant::LateUnderConfigRule, "late-under-config-rule"),
         (Mutant::StatementsReopenSkips, "statements-reopen-skips"),
         (Mutant::MoveWithoutReversal, "move-without-reversal"),
+        (Mutant::OwnTakeoverOfAPeer, "own-takeover-of-a-peer"),
     ];
 
     /// The bug `SETTLEMENTD_CAMPAIGN_MUTANT` names (`Ok(None)`: unset).

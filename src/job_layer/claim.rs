@@ -265,6 +265,16 @@ pub async fn claim_for(
          RETURNING j.attempt, j.last_id, j.last_id_desc, prior.status AS prior,
                    j.request_id::text AS lineage",
     );
+    let takeover = if mutant::planted(Mutant::OwnTakeoverOfAPeer) {
+        takeover
+            .replace(
+                "AND j.owner = $5 AND j.attempt = $12",
+                "AND j.attempt = $12",
+            )
+            .into()
+    } else {
+        takeover
+    };
     let takeover = sqlx::query_as::<_, Taken>(&takeover)
         .bind(&key.job_name)
         .bind(key.business_date)
@@ -475,9 +485,7 @@ async fn won(
     let own = opts
         .own_dead
         .filter(|_| event == "took_over")
-        .map(|attempt| {
-            format!("attempt {attempt} was this owner's own, over though its lease was not")
-        });
+        .map(|attempt| format!("attempt {attempt} {OWN_MARK}"));
     let rule = rule.map(|r| format!("rule: {r}"));
     let parts: Vec<&str> = [why, own.as_deref(), resumes.as_deref(), rule.as_deref()]
         .into_iter()
@@ -666,6 +674,11 @@ async fn finish(
 /// How `last_error` of a claim its run left at a pause begins (`interrupted: paused by WHO: WHY;
 /// this run stopped after …`).
 pub const PAUSED_MARK: &str = "interrupted: paused";
+
+/// What the `took_over` event of an own-attempt takeover ([`ClaimOptions::own_dead`]) says after
+/// "attempt N": the campaign's checker excuses a takeover of a live lease only under it, and only
+/// when the attempt taken over wrote nothing after it.
+pub const OWN_MARK: &str = "was this owner's own, over though its lease was not";
 
 /// One `job_runs` row as `status` shows it.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]

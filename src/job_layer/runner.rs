@@ -207,7 +207,8 @@ async fn run_in_span<J: Job>(
             // it is over (its final write went unanswered, or its FAILED could not be written),
             // whatever its lease says. Nobody else may hold this owner: take it over at once.
             ClaimOutcome::Held { owner, attempt }
-                if owner == opts.owner.0
+                if (owner == opts.owner.0
+                    || crate::mutant::planted(crate::mutant::Mutant::OwnTakeoverOfAPeer))
                     && own_dead.is_none()
                     && InFlight::alone(&opts.owner, &key) =>
             {

@@ -1815,3 +1815,97 @@ pub async fn assert_settled_once(chaos: &PgPool, clean: &PgPool) {
         [("settled".to_string(), settled_count(clean).await)]
     );
 }
+
+/// A loan that becomes known to the journal between the read-ahead of a fresh page (no loan of it
+/// had a head) and that page's batch: libraryd re-creates a settled September loan under its id,
+/// returned in October, inside the page's id range, while the batch before it settles. The batch
+/// settles the page as a known one (the loan's September money reversed, its October fine
+/// continuing its head), in the same attempt. Before, the fresh statement met the loan's head at
+/// the heads' primary key and the attempt was marked FAILED ("duplicate key value violates unique
+/// constraint fine_heads_pkey"), to be retried with backoff (seen in the campaign, seed 9).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loan_known_after_its_fresh_page_was_read_is_settled_in_the_same_attempt() {
+    let db = test_db().await;
+    let (sep, oct) = (bd("2026-09-30"), bd("2026-10-31"));
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (75, 10, 1, '2026-08-20', '2026-09-01', '2026-09-20')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(settle_shards(&db.pool, sep, 1, 50).await, 1);
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         SELECT i, i % 7, 1, '2026-09-20', '2026-10-01', '2026-10-01'::date + (i % 28)::int
+           FROM generate_series(1, 200) AS i WHERE i <> 75",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Each batch's two loan statements take 1.5 s each: the first batch's page (ids 1..50) runs
+    // 3 s, while the second page (51..100) was read ahead at its start, before the re-creation.
+    slow_updates(&db.pool, 1.5).await;
+    let pool = db.pool.clone();
+    let run = tokio::spawn(async move { settle_shards(&pool, oct, 1, 50).await });
+    assert!(
+        eventually(20, || async {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM job_runs WHERE business_date = '2026-10-31'
+                   AND status = 'RUNNING'",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+                == 1
+        })
+        .await,
+        "October's run claimed"
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("DELETE FROM loans WHERE id = 75")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on)
+         VALUES (75, 99, 1, '2026-09-20', '2026-10-01', '2026-10-12')",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let updated = run.await.expect("October's run, one attempt");
+    assert_eq!(
+        updated, 200,
+        "every October loan settled, the re-created one among them"
+    );
+    let trail: Vec<(String, Option<i32>)> = sqlx::query_as(
+        "SELECT event, attempt FROM job_events WHERE business_date = '2026-10-31' ORDER BY id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        trail,
+        [
+            ("claimed".to_string(), Some(1)),
+            ("succeeded".to_string(), Some(1))
+        ],
+        "one attempt, claimed and succeeded"
+    );
+    no_slow_updates(&db.pool).await;
+    let (settled, fine): (bool, i64) = sqlx::query_as(
+        "SELECT fine_settled_at IS NOT NULL, fine_cents::bigint FROM loans WHERE id = 75",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(settled && fine > 0, "loan 75 settled in October: {fine}");
+    assert_journal_whole(&db.pool).await;
+    for month in ["2026-09-30", "2026-10-31"] {
+        assert_verified(&db.url, &[], month);
+    }
+    drop_db(db).await;
+}

@@ -184,6 +184,9 @@ pub struct RunWrite {
     pub old_attempt: Option<i32>,
     pub new_attempt: Option<i32>,
     pub old_heartbeat: Option<DateTime<Utc>>,
+    /// The row's owner before the write (`None` for an insert) and after it.
+    pub old_owner: Option<String>,
+    pub owner: Option<String>,
     /// The write moved the run's progress (cursor, counts): a batch's fenced write. An update of a
     /// RUNNING row that keeps its attempt and moves nothing renews the lease: a heartbeat (or a
     /// run's last, empty batch, after which it only ends).
@@ -230,6 +233,9 @@ pub struct Event {
     pub event: String,
     pub attempt: Option<i32>,
     pub request: Option<String>,
+    /// When it was written (the database clock), and what it says.
+    pub at: DateTime<Utc>,
+    pub message: Option<String>,
 }
 
 /// One targeted shard of a stored request.
@@ -440,7 +446,6 @@ pub async fn read(
     .await?;
     type RRow = (
         i64,
-        i64,
         DateTime<Utc>,
         DateTime<Utc>,
         Option<String>,
@@ -454,10 +459,12 @@ pub async fn read(
         Option<i32>,
         Option<DateTime<Utc>>,
         Option<bool>,
+        Option<String>,
+        Option<String>,
     );
     let runs: Vec<RRow> = sqlx::query_as(
-        "SELECT n, txid, at, xact_at, job_name, business_date, shards, shard, op, old_status,
-                new_status, old_attempt, new_attempt, old_heartbeat, progress
+        "SELECT txid, at, xact_at, job_name, business_date, shards, shard, op, old_status,
+                new_status, old_attempt, new_attempt, old_heartbeat, progress, old_owner, owner
            FROM campaign_run_log ORDER BY n",
     )
     .fetch_all(&mut *conn)
@@ -465,22 +472,24 @@ pub async fn read(
     facts.run_log = runs
         .into_iter()
         .map(|r| RunWrite {
-            txid: r.1,
-            at: r.2,
-            xact_at: r.3,
+            txid: r.0,
+            at: r.1,
+            xact_at: r.2,
             key: Key {
-                job: r.4.unwrap_or_default(),
-                date: r.5.unwrap_or_default(),
-                shards: r.6.unwrap_or_default(),
-                shard: r.7.unwrap_or_default(),
+                job: r.3.unwrap_or_default(),
+                date: r.4.unwrap_or_default(),
+                shards: r.5.unwrap_or_default(),
+                shard: r.6.unwrap_or_default(),
             },
-            op: r.8.chars().next().unwrap_or('?'),
-            old_status: r.9,
-            new_status: r.10,
-            old_attempt: r.11,
-            new_attempt: r.12,
-            old_heartbeat: r.13,
-            progress: r.14.unwrap_or(false),
+            op: r.7.chars().next().unwrap_or('?'),
+            old_status: r.8,
+            new_status: r.9,
+            old_attempt: r.10,
+            new_attempt: r.11,
+            old_heartbeat: r.12,
+            progress: r.13.unwrap_or(false),
+            old_owner: r.14,
+            owner: r.15,
         })
         .collect();
     let pauses: Vec<PauseRow> =
@@ -559,9 +568,12 @@ pub async fn read(
         String,
         Option<i32>,
         Option<String>,
+        DateTime<Utc>,
+        Option<String>,
     );
     let events: Vec<ERow> = sqlx::query_as(
-        "SELECT job_name, business_date, shards, shard, event, attempt, request_id::text
+        "SELECT job_name, business_date, shards, shard, event, attempt, request_id::text, at,
+                message
            FROM job_events ORDER BY id",
     )
     .fetch_all(&mut *conn)
@@ -569,7 +581,7 @@ pub async fn read(
     facts.events = events
         .into_iter()
         .map(
-            |(job, date, shards, shard, event, attempt, request)| Event {
+            |(job, date, shards, shard, event, attempt, request, at, message)| Event {
                 key: Key {
                     job,
                     date,
@@ -579,6 +591,8 @@ pub async fn read(
                 event,
                 attempt,
                 request,
+                at,
+                message,
             },
         )
         .collect();
@@ -877,7 +891,12 @@ fn check_claims(f: &Facts, out: &mut Vec<Violation>) {
     }
 }
 
+/// A RUNNING claim is taken over only once its lease expired by the database clock, or — the one
+/// exception, [`settlementd::job_layer::claim::OWN_MARK`] — by its own owner (one process) for an
+/// attempt that process had ended: its `took_over` event says so, and the attempt taken over writes
+/// nothing after it (a run that went on would meet the fence and record `fencing_rejected`).
 fn check_leases(f: &Facts, out: &mut Vec<Violation>) {
+    use settlementd::job_layer::claim::OWN_MARK;
     for w in &f.run_log {
         let took_over = w.op == 'U'
             && w.old_status.as_deref() == Some("RUNNING")
@@ -890,7 +909,38 @@ fn check_leases(f: &Facts, out: &mut Vec<Violation>) {
             continue;
         };
         let age = (w.at - beat).num_milliseconds() as f64 / 1000.0;
-        if age < f.ttl_secs {
+        if age >= f.ttl_secs {
+            continue;
+        }
+        let own = w.old_owner.is_some()
+            && w.old_owner == w.owner
+            && f.events.iter().any(|e| {
+                e.key == w.key
+                    && e.attempt == w.new_attempt
+                    && e.event == "took_over"
+                    && e.message.as_deref().is_some_and(|m| m.contains(OWN_MARK))
+            });
+        if own {
+            let after: Vec<&str> = f
+                .events
+                .iter()
+                .filter(|e| e.key == w.key && e.attempt == w.old_attempt && e.at > w.at)
+                .map(|e| e.event.as_str())
+                .collect();
+            if !after.is_empty() {
+                out.push(violation(
+                    "leases",
+                    format!(
+                        "attempt {} of {} took over its own owner's attempt {} ({age:.2} s into \
+                         a {} s lease) while that run went on: it wrote {after:?} after",
+                        w.new_attempt.unwrap_or_default(),
+                        w.key,
+                        w.old_attempt.unwrap_or_default(),
+                        f.ttl_secs
+                    ),
+                ));
+            }
+        } else {
             out.push(violation(
                 "leases",
                 format!(
@@ -1897,6 +1947,8 @@ mod tests {
                     old_attempt: None,
                     new_attempt: Some(1),
                     old_heartbeat: None,
+                    old_owner: None,
+                    owner: Some("p1".into()),
                     progress: false,
                 },
                 RunWrite {
@@ -1910,6 +1962,8 @@ mod tests {
                     old_attempt: Some(1),
                     new_attempt: Some(1),
                     old_heartbeat: Some(at(4)),
+                    old_owner: Some("p1".into()),
+                    owner: Some("p1".into()),
                     progress: true,
                 },
                 RunWrite {
@@ -1923,6 +1977,8 @@ mod tests {
                     old_attempt: Some(1),
                     new_attempt: Some(1),
                     old_heartbeat: Some(at(5)),
+                    old_owner: Some("p1".into()),
+                    owner: Some("p1".into()),
                     progress: false,
                 },
             ],
@@ -1935,12 +1991,16 @@ mod tests {
                     event: "claimed".into(),
                     attempt: Some(1),
                     request: None,
+                    at: at(1),
+                    message: None,
                 },
                 Event {
                     key,
                     event: "succeeded".into(),
                     attempt: Some(1),
                     request: None,
+                    at: at(6),
+                    message: None,
                 },
             ],
             ..Facts::default()
@@ -2167,6 +2227,94 @@ mod tests {
                 want("fine-settlement", 9, None),
             ]
         );
+    }
+
+    /// `tiny` with its attempt 1 taken over at 3 s (its heartbeat 1 s old, lease 3 s) by attempt 2
+    /// of `owner`, whose `took_over` event says `message`; attempt 2 then ends SUCCESS.
+    fn taken_over_live(owner: &str, message: &str) -> Facts {
+        let mut f = tiny();
+        let key = f.run_log[0].key.clone();
+        f.run_log.truncate(1);
+        f.run_log.push(RunWrite {
+            txid: 80,
+            at: at(3),
+            xact_at: at(3),
+            key: key.clone(),
+            op: 'U',
+            old_status: Some("RUNNING".into()),
+            new_status: Some("RUNNING".into()),
+            old_attempt: Some(1),
+            new_attempt: Some(2),
+            old_heartbeat: Some(at(2)),
+            old_owner: Some("p1".into()),
+            owner: Some(owner.into()),
+            progress: false,
+        });
+        f.run_log.push(RunWrite {
+            txid: 77,
+            at: at(5),
+            old_attempt: Some(2),
+            new_attempt: Some(2),
+            old_heartbeat: Some(at(3)),
+            old_owner: Some(owner.into()),
+            progress: true,
+            ..f.run_log[1].clone()
+        });
+        f.run_log.push(RunWrite {
+            txid: 78,
+            at: at(6),
+            new_status: Some("SUCCESS".into()),
+            old_heartbeat: Some(at(5)),
+            progress: false,
+            ..f.run_log[2].clone()
+        });
+        f.journal[0].attempt = Some(2);
+        f.runs = vec![(key.clone(), "SUCCESS".into(), 2)];
+        f.events.insert(
+            1,
+            Event {
+                key,
+                event: "took_over".into(),
+                attempt: Some(2),
+                request: None,
+                at: at(3),
+                message: Some(message.into()),
+            },
+        );
+        f.events[2].attempt = Some(2);
+        f
+    }
+
+    #[test]
+    fn a_live_lease_taken_over_is_caught_unless_its_own_owner_had_ended_it() {
+        let own = format!("attempt 1 {}", settlementd::job_layer::claim::OWN_MARK);
+        assert_eq!(check(&taken_over_live("p1", &own)), vec![]);
+        // Another owner, whatever its event says; the same owner without the rule's word.
+        assert_caught(
+            &taken_over_live("p2", &own),
+            "leases",
+            "took over a live lease",
+        );
+        assert_caught(
+            &taken_over_live("p1", "resumes after 1"),
+            "leases",
+            "took over a live lease",
+        );
+        // Its own attempt, whose run went on: the fence refused its next write.
+        let mut f = taken_over_live("p1", &own);
+        let key = f.events[0].key.clone();
+        f.events.insert(
+            2,
+            Event {
+                key,
+                event: "fencing_rejected".into(),
+                attempt: Some(1),
+                request: None,
+                at: at(4),
+                message: Some("batch refused: the claim was taken over by a later attempt".into()),
+            },
+        );
+        assert_caught(&f, "leases", "while that run went on");
     }
 
     #[test]

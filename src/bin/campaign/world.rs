@@ -967,7 +967,7 @@ async fn install_logs(conn: &mut PgConnection, slow: Duration) -> Result<()> {
              xact_at timestamptz NOT NULL DEFAULT now(),
              job_name text, business_date date, shards integer, shard integer, op text,
              old_status text, new_status text, old_attempt integer, new_attempt integer,
-             old_heartbeat timestamptz, owner text, progress boolean);
+             old_heartbeat timestamptz, old_owner text, owner text, progress boolean);
          CREATE FUNCTION campaign_log_run() RETURNS trigger LANGUAGE plpgsql AS $$
          BEGIN
              IF TG_OP = 'INSERT' THEN
@@ -978,10 +978,10 @@ async fn install_logs(conn: &mut PgConnection, slow: Duration) -> Result<()> {
              ELSE
                  INSERT INTO campaign_run_log (job_name, business_date, shards, shard, op,
                                                old_status, new_status, old_attempt, new_attempt,
-                                               old_heartbeat, owner, progress)
+                                               old_heartbeat, old_owner, owner, progress)
                  VALUES (NEW.job_name, NEW.business_date, NEW.shards, NEW.shard, left(TG_OP, 1),
                          OLD.status, NEW.status, OLD.attempt, NEW.attempt, OLD.heartbeat_at,
-                         NEW.owner,
+                         OLD.owner, NEW.owner,
                          (OLD.last_id, OLD.last_id_desc, OLD.scanned, OLD.updated)
                              IS DISTINCT FROM (NEW.last_id, NEW.last_id_desc, NEW.scanned,
                                                NEW.updated));

@@ -861,20 +861,34 @@ impl FineSettlement {
                 .bind(entries.attempt);
             let (odd, odd_cents, held, held_ids): (i64, i64, i64, Vec<i64>) =
                 odd.fetch_one(&mut *tx).await?;
-            let statement = if page.known {
-                &sql.settle
-            } else {
-                &sql.settle_fresh
+            let rest = |statement| {
+                numbers
+                    .iter()
+                    .fold(sqlx::query_as(statement).bind(bounds.month), |q, n| {
+                        q.bind(*n)
+                    })
+                    .bind(entries.kind.as_str())
+                    .bind(&entries.rule)
+                    .bind(entries.attempt)
             };
-            let rest = numbers
-                .iter()
-                .fold(sqlx::query_as(statement).bind(bounds.month), |q, n| {
-                    q.bind(*n)
-                })
-                .bind(entries.kind.as_str())
-                .bind(&entries.rule)
-                .bind(entries.attempt);
-            let (rest, rest_cents): (i64, i64) = rest.fetch_one(&mut *tx).await?;
+            let (rest, rest_cents): (i64, i64) = if page.known {
+                rest(&sql.settle).fetch_one(&mut *tx).await?
+            } else {
+                // The page was read before this transaction began (ahead, while the last batch
+                // settled): a loan of it may have become known to the journal since (re-created
+                // by libraryd under a settled loan's id, un-settled by hand). Its head then stops
+                // the fresh statement at the heads' key, and the page is settled as a known one,
+                // in the same transaction, rather than failing the run.
+                sqlx::query(FRESH_PAGE).execute(&mut *tx).await?;
+                match rest(&sql.settle_fresh).fetch_one(&mut *tx).await {
+                    Err(sqlx::Error::Database(e)) if e.constraint() == Some(HEADS_KEY) => {
+                        tracing::debug!("a loan of a fresh page is known meanwhile: settled as known");
+                        sqlx::query(FRESH_PAGE_UNDONE).execute(&mut *tx).await?;
+                        rest(&sql.settle).fetch_one(&mut *tx).await?
+                    }
+                    settled => settled?,
+                }
+            };
             let cents = odd_cents.saturating_add(rest_cents) as u64;
             Ok::<_, sqlx::Error>((odd as u64, rest as u64, cents, held as u64, held_ids))
         };
@@ -892,6 +906,12 @@ impl FineSettlement {
         })
     }
 }
+
+/// The savepoint a fresh page's statement runs under, and its undoing when a loan of the page has
+/// a head by then (the heads' primary key, [`HEADS_KEY`], refused it).
+const FRESH_PAGE: &str = "SAVEPOINT fresh_page";
+const FRESH_PAGE_UNDONE: &str = "ROLLBACK TO SAVEPOINT fresh_page";
+const HEADS_KEY: &str = "fine_heads_pkey";
 
 /// What a run reports besides rows read and written: `odd_rows`, loans settled whose dates
 /// contradict each other ([`ODD_ROW`]); `held`, loans left unsettled because the rule cannot price
@@ -998,8 +1018,8 @@ pub const HELD_ROW: &str = "(l.due_on IS NULL OR NOT isfinite(l.due_on))";
 /// returning how many it settled and their cents. `settle_fresh` is `settle` for a page of loans
 /// the journal never knew (what almost every page of a month's first run is): each one's entry is
 /// its first (seq 1, before 0) and its head is written by the statement itself, a plain insert,
-/// with no probe of `fine_heads` per loan; a loan known meanwhile fails the batch at the heads'
-/// primary key (it is then retried with `settle`). `settle` (a page with a loan the journal knows:
+/// with no probe of `fine_heads` per loan; a loan known meanwhile stops it at the heads' primary
+/// key, under a savepoint, and the batch settles the page with `settle` instead. `settle` (a page with a loan the journal knows:
 /// a loan re-created, reloaded or unsettled by hand) probes each loan's head, continues it when
 /// the loan's money was in this month for its member, and otherwise takes that money out of where
 /// it was in the same statement; the heads trigger on the journal keeps its heads.
