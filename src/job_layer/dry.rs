@@ -135,7 +135,10 @@ pub async fn dry_run(
         }
     }
     if let Some(before) = job.after() {
-        if let Some(why) = super::due::closed(&mut *tx, before, business_date, count).await? {
+        let leader = job.leader();
+        if let Some(why) =
+            super::due::not_ready(&mut tx, before, leader, business_date, count).await?
+        {
             refused.push(format!("not ready: {why}"));
         }
     }

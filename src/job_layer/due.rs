@@ -14,9 +14,10 @@
 //! it. [`periods`] reads what `job_runs` and `job_params` say in one statement; [`due`] and
 //! [`not_closed`] are pure.
 
+use super::registry::Registered;
 use super::{PendingReport, Result};
 use chrono::{DateTime, NaiveDate, Utc};
-use sqlx::PgExecutor;
+use sqlx::{PgConnection, PgExecutor};
 
 /// One started period under one shard count, as `job_runs` and `job_params` tell it.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -109,6 +110,50 @@ pub async fn closed(
             [success, running, failed],
         ))
     })
+}
+
+/// Why `business_date`'s period is not ready for a job that follows `before` under `shards`: not
+/// [`closed`] by it, or, with the job itself (`leader`, as the registry links it), something of it
+/// still waits there — items its next run does on any shard, or its upkeep ([`Registered::pending`]
+/// for the one period). Items the leader holds for an operator do not wait for a run, and do not
+/// stop the follower. `None`: ready. On `db`, in whatever transaction it is in.
+pub async fn not_ready(
+    db: &mut PgConnection,
+    before: &str,
+    leader: Option<&dyn Registered>,
+    business_date: NaiveDate,
+    shards: u32,
+) -> Result<Option<String>> {
+    if let Some(why) = closed(&mut *db, before, business_date, shards).await? {
+        return Ok(Some(why));
+    }
+    let Some(leader) = leader.filter(|l| l.name() == before) else {
+        return Ok(None);
+    };
+    let pending = leader
+        .pending(db, shards, std::slice::from_ref(&business_date))
+        .await?;
+    let (mut late, mut upkeep) = (0u64, 0u64);
+    for p in pending
+        .by_period
+        .iter()
+        .filter(|p| p.business_date == business_date)
+    {
+        late += p.late;
+        upkeep += p.upkeep;
+    }
+    let words = leader.words();
+    let waiting: Vec<String> = [(late, words.waiting), (upkeep, words.upkeep)]
+        .into_iter()
+        .filter(|(n, _)| *n > 0)
+        .map(|(n, phrase)| phrase.count(n))
+        .collect();
+    Ok((!waiting.is_empty()).then(|| {
+        format!(
+            "{before} {business_date} has {}: it is closed once its replicas have done them",
+            waiting.join(" and ")
+        )
+    }))
 }
 
 /// Why a period whose shards under `shards` are `[success, running, failed]` (the others never

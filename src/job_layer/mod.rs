@@ -693,8 +693,9 @@ pub trait Job: Sync {
     const MONTHLY: bool = true;
 
     /// The job whose periods this one follows: a period runs only once that job's period is SUCCESS
-    /// on every shard of the shard count and no correction holds it ([`runner::run_once`] checks;
-    /// [`JobError::NotReady`] otherwise). Default: none.
+    /// on every shard of the shard count, no correction holds it and, run from the registry,
+    /// nothing of that job waits in it ([`runner::run_following`] checks; [`JobError::NotReady`]
+    /// otherwise). Default: none.
     fn after(&self) -> Option<&'static str> {
         None
     }
@@ -890,8 +891,9 @@ pub enum JobError {
     /// The job has no parameters for the key: its configuration does not cover it.
     #[error("{key}: {why}")]
     NoParams { key: JobKey, why: String },
-    /// The period is not ready for this job yet: the job it follows has not closed it. Nothing was
-    /// claimed or written; a scheduler tries again with its backoff.
+    /// The period is not ready for this job yet: the job it follows has not closed it, or something
+    /// of that job still waits in it. Nothing was claimed or written; a scheduler tries again with
+    /// its backoff.
     #[error("{key} is not ready: {why}; nothing was run")]
     NotReady { key: JobKey, why: String },
     /// The job is paused ([`pause`]): nothing new is claimed, and a run in flight stops at its

@@ -17,7 +17,7 @@ use serde::de::DeserializeOwned;
 use sqlx::{PgConnection, PgPool};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -37,6 +37,11 @@ pub trait Registered: Send + Sync {
     fn name(&self) -> &'static str;
     /// The job it follows ([`Job::after`]).
     fn after(&self) -> Option<&'static str>;
+    /// Gives it the job it follows, by which its runs ask what still waits of a period in that
+    /// job ([`Registry::new`] links each follower once).
+    fn follow(&self, leader: Arc<dyn Registered>);
+    /// The job it follows, once linked.
+    fn leader(&self) -> Option<&dyn Registered>;
     fn schedule(&self) -> &Schedule;
     /// The identifying parameters of `key` ([`Job::params`]): `Err` when the configuration does not
     /// cover the key's period.
@@ -95,6 +100,8 @@ pub trait Registered: Send + Sync {
 pub struct Entry<J> {
     pub job: J,
     pub schedule: Schedule,
+    /// The job it follows, once the registry linked it ([`Registered::follow`]).
+    leader: OnceLock<Arc<dyn Registered>>,
 }
 
 impl<J> Registered for Entry<J>
@@ -107,6 +114,14 @@ where
 
     fn after(&self) -> Option<&'static str> {
         self.job.after()
+    }
+
+    fn follow(&self, leader: Arc<dyn Registered>) {
+        let _ = self.leader.set(leader);
+    }
+
+    fn leader(&self) -> Option<&dyn Registered> {
+        self.leader.get().map(|l| &**l)
     }
 
     fn schedule(&self) -> &Schedule {
@@ -133,9 +148,10 @@ where
         shutdown: &'a CancellationToken,
         on_progress: &'a (dyn Fn(Progress) + Send + Sync),
     ) -> Boxed<'a, Result<RunReport>> {
-        Box::pin(super::run_once(
+        Box::pin(super::runner::run_following(
             pool,
             &self.job,
+            self.leader(),
             key,
             opts,
             shutdown,
@@ -291,6 +307,7 @@ fn build<S, J: Configured<S>>(
     Ok(Arc::new(Entry {
         job: J::build(settings, own)?,
         schedule,
+        leader: OnceLock::new(),
     }))
 }
 
@@ -306,7 +323,16 @@ pub struct Registry {
 }
 
 impl Registry {
+    /// The jobs, each follower linked to the job it follows when the list has it.
     pub fn new(jobs: Vec<Arc<dyn Registered>>) -> Self {
+        for job in &jobs {
+            if let Some(leader) = job
+                .after()
+                .and_then(|name| jobs.iter().find(|j| j.name() == name))
+            {
+                job.follow(leader.clone());
+            }
+        }
         Self { jobs }
     }
 

@@ -12,6 +12,7 @@
 
 use super::claim::{self, ClaimOptions, ClaimOutcome, Recorded, Stated};
 use super::lease::{Guards, Heartbeat};
+use super::registry::Registered;
 use super::{
     abandon_if_broken, add_notes, answered, events, requests, Batch, Job, JobError, JobKey, Notes,
     Owner, Params, Reopen, Result,
@@ -103,9 +104,29 @@ pub struct Progress {
 
 /// Runs `job` for `key` once, idempotently. `shutdown` stops the run between batches (the batch in
 /// flight commits) and marks it FAILED with `interrupted: shutdown` so a peer takes over at once.
+///
+/// A job that follows another ([`Job::after`]) runs a period only once that job closed it: every
+/// shard SUCCESS, no correction holding it. Run from the registry ([`run_following`]), it also
+/// waits while anything of that job waits in the period.
 pub async fn run_once<J: Job>(
     pool: &PgPool,
     job: &J,
+    key: JobKey,
+    opts: &RunOptions,
+    shutdown: &CancellationToken,
+    on_progress: &(dyn Fn(Progress) + Send + Sync),
+) -> Result<RunReport> {
+    run_following(pool, job, None, key, opts, shutdown, on_progress).await
+}
+
+/// [`run_once`] of a job that follows `leader` (the job its [`Job::after`] names, as the registry
+/// holds it): a period runs only when that job closed it and nothing of it waits there — late
+/// items its next run would do, or its upkeep ([`Registered::pending`]), on any shard. Items the
+/// leader holds for an operator do not wait for a run: they do not stop the follower.
+pub async fn run_following<J: Job>(
+    pool: &PgPool,
+    job: &J,
+    leader: Option<&dyn Registered>,
     key: JobKey,
     opts: &RunOptions,
     shutdown: &CancellationToken,
@@ -120,14 +141,25 @@ pub async fn run_once<J: Job>(
         attempt = tracing::field::Empty,
         owner = %opts.owner,
     );
-    run_in_span(pool, job, key, opts, shutdown, on_progress, span.clone())
-        .instrument(span)
-        .await
+    run_in_span(
+        pool,
+        job,
+        leader,
+        key,
+        opts,
+        shutdown,
+        on_progress,
+        span.clone(),
+    )
+    .instrument(span)
+    .await
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_in_span<J: Job>(
     pool: &PgPool,
     job: &J,
+    leader: Option<&dyn Registered>,
     key: JobKey,
     opts: &RunOptions,
     shutdown: &CancellationToken,
@@ -146,7 +178,8 @@ async fn run_in_span<J: Job>(
         // Only once the job it follows has closed the period: nothing is claimed or written before.
         let within = opts.answer_within();
         let closed = answered(within, async {
-            super::due::closed(pool, before, key.business_date, key.shards).await
+            let mut conn = pool.acquire().await?;
+            super::due::not_ready(&mut conn, before, leader, key.business_date, key.shards).await
         })
         .await?;
         if let Some(why) = closed {

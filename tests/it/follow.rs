@@ -402,3 +402,42 @@ async fn a_loan_unsettled_and_edited_at_once_is_written_once_as_its_dry_run_says
     assert_follows(&db.pool, &db.url, &[SEPTEMBER]).await;
     drop_db(db).await;
 }
+
+/// Issue 48, item 3: a follower runs a month only when nothing of the job it follows waits in it.
+/// September is settled on its one shard and stated; a loan is then returned into it (member 12,
+/// 4 days late). The statements used to follow "every shard SUCCESS" and ran September without it
+/// (the report: a month stated while 450,172 returns waited on a refused shard). Now their run is
+/// refused, exit 3, naming what waits; once the settlement has settled it, they run, and the
+/// member is stated.
+#[tokio::test]
+async fn the_statements_wait_while_a_return_waits_in_a_month_the_settlement_shows_success() {
+    let db = test_db().await;
+    september(&db.pool, &db.url).await;
+    sql(
+        &db.pool,
+        "INSERT INTO loans (id, member_id, book_id, borrowed_on, due_on, returned_on) VALUES
+            (3, 12, 3, '2026-08-20', '2026-09-05', '2026-09-09')",
+    )
+    .await;
+    let out = cli(
+        &db.url,
+        &[],
+        &["run", "--job", STATEMENTS, "--business-date", SEPTEMBER],
+    );
+    let stderr = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("is not ready")
+            && stderr.contains("fine-settlement 2026-09-30 has 1 late return or edit waiting"),
+        "{stderr}"
+    );
+    assert_eq!(stated(&db.pool).await.len(), 2, "nothing stated meanwhile");
+    settle(&db.url, SEPTEMBER);
+    state(&db.url, SEPTEMBER);
+    assert_eq!(
+        stated(&db.pool).await.get(&(day(SEPTEMBER), 12)),
+        Some(&(1, 200)),
+        "member 12 stated once its return is settled"
+    );
+    assert_follows(&db.pool, &db.url, &[SEPTEMBER]).await;
+}
