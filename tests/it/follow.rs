@@ -440,4 +440,5 @@ async fn the_statements_wait_while_a_return_waits_in_a_month_the_settlement_show
         "member 12 stated once its return is settled"
     );
     assert_follows(&db.pool, &db.url, &[SEPTEMBER]).await;
+    drop_db(db).await;
 }
