@@ -13,7 +13,7 @@
 //! credentials: no retry fixes it. A server that is down or full is not: the error carries the
 //! server's own reason, and `serve` waits for it ([`check`]).
 //!
-//! Pooled connections unused for half a heartbeat are closed ([`idle_timeout`]), so a replica
+//! Pooled connections unused for a quarter of a heartbeat are closed ([`idle_timeout`]), so a replica
 //! between runs holds only the connection it listens on (docs/OPERATIONS.md, "Connections").
 //!
 //! Nothing is written through a connection to a read-only server (a standby, or a primary with
@@ -173,13 +173,14 @@ pub async fn catalog_only(
     Ok(tx)
 }
 
-/// How long a pooled connection may sit unused before it is closed: half a heartbeat (the
-/// replica's tick period), between 0.5 and 30 s. The pool hands out its idle connections in turn,
+/// How long a pooled connection may sit unused before it is closed: a quarter of a heartbeat (the
+/// replica's tick period), between 0.25 and 15 s (half a heartbeat kept an idle replica's pooled
+/// connection alive for good once its liveness task used the pool between its ticks). The pool hands out its idle connections in turn,
 /// so with a longer timeout a tick and a probe every heartbeat would keep every connection a run
 /// opened alive for good; with this one, a replica between runs holds only its LISTEN connection,
 /// and opens one for each tick or probe.
 pub fn idle_timeout(heartbeat: Duration) -> Duration {
-    (heartbeat / 2).clamp(Duration::from_millis(500), Duration::from_secs(30))
+    (heartbeat / 4).clamp(Duration::from_millis(250), Duration::from_secs(15))
 }
 
 /// What a pool's connections are for.

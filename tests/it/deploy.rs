@@ -840,13 +840,17 @@ async fn the_alert_rules_parse_and_name_only_metrics_a_running_replica_exports()
         ],
     );
     replica.wait_for("/readyz", 200).await;
+    // The liveness task publishes its gauges (`settlementd_shards_by_owners`, …) at its first
+    // report, a heartbeat after start, which on a loaded machine may come after the run's.
     let mut body = String::new();
     for _ in 0..300 {
         body = replica.wait_for("/metrics", 200).await;
+        let all = exported(&body);
         if body.contains(&format!("{UNSETTLED_SHARDS} 1"))
             && body.contains(
                 "settlementd_last_success_timestamp_seconds{job_name=\"fine-settlement\"}",
             )
+            && used.iter().all(|m| all.contains(m))
         {
             break;
         }
