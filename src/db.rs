@@ -13,8 +13,9 @@
 //! credentials: no retry fixes it. A server that is down or full is not: the error carries the
 //! server's own reason, and `serve` waits for it ([`check`]).
 //!
-//! Pooled connections unused for a quarter of a heartbeat are closed ([`idle_timeout`]), so a replica
-//! between runs holds only the connection it listens on (docs/OPERATIONS.md, "Connections").
+//! Pooled connections unused for a quarter of a heartbeat are closed ([`idle_timeout`]), so a
+//! replica between runs holds only the connection it listens on (docs/OPERATIONS.md,
+//! "Connections").
 //!
 //! Nothing is written through a connection to a read-only server (a standby, or a primary with
 //! `default_transaction_read_only`, as the old primary is during a failover): every connection is
@@ -174,11 +175,12 @@ pub async fn catalog_only(
 }
 
 /// How long a pooled connection may sit unused before it is closed: a quarter of a heartbeat (the
-/// replica's tick period), between 0.25 and 15 s (half a heartbeat kept an idle replica's pooled
-/// connection alive for good once its liveness task used the pool between its ticks). The pool hands out its idle connections in turn,
-/// so with a longer timeout a tick and a probe every heartbeat would keep every connection a run
-/// opened alive for good; with this one, a replica between runs holds only its LISTEN connection,
-/// and opens one for each tick or probe.
+/// replica's tick period), between 0.25 and 15 s. The pool hands out its idle connections in
+/// turn, and sqlx closes idle ones on a pass every timeout (so one lives one to two timeouts
+/// unused): with a longer timeout an idle replica's two job ticks and its liveness report, a
+/// heartbeat apart each but at different offsets, would keep a pooled connection alive for good
+/// (half a heartbeat did, docs/OPERATIONS.md "Connections"); with this one, a replica between runs
+/// holds only its LISTEN connection, and opens one for each tick or probe.
 pub fn idle_timeout(heartbeat: Duration) -> Duration {
     (heartbeat / 4).clamp(Duration::from_millis(250), Duration::from_secs(15))
 }
