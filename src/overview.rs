@@ -36,7 +36,7 @@
 use crate::calendar::BusinessDate;
 use crate::config::Settings;
 use crate::job_layer::claim::{self, JobRunRow, MonthRunRow};
-use crate::job_layer::due::{self, NotClosed};
+use crate::job_layer::due::{self, MonthState, NotClosed};
 use crate::job_layer::events::{self, ShardEvent};
 use crate::job_layer::pause::{self, Pause};
 use crate::job_layer::registry::Registered;
@@ -155,15 +155,36 @@ pub struct Watch {
     pub lookback_months: u32,
     /// The job's pause, when it is paused.
     pub paused: Option<Pause>,
-    /// The months of the lookback that are not closed, oldest first ([`due::not_closed`]).
+    /// The months of the lookback that are not closed, open or held, oldest first
+    /// ([`due::not_closed`], [`Watch::open`], [`Watch::held`]).
     pub not_closed: Vec<NotClosed>,
     /// Items waiting in months before the lookback, every shard: no replica runs them by itself.
     pub before_lookback: u64,
 }
 
+impl Watch {
+    /// The months of the lookback left open ([`MonthState::Open`]), oldest first.
+    pub fn open(&self) -> impl Iterator<Item = &NotClosed> {
+        self.not_closed
+            .iter()
+            .filter(|n| n.state() == MonthState::Open)
+    }
+
+    /// The months of the lookback held ([`MonthState::Held`]), oldest first.
+    pub fn held(&self) -> impl Iterator<Item = &NotClosed> {
+        self.not_closed
+            .iter()
+            .filter(|n| n.state() == MonthState::Held)
+    }
+}
+
 /// Why a month is not closed, in words: "2 of 3 shards not SUCCESS, 4 late returns or edits
-/// waiting, being corrected under key \"T-1\"".
+/// waiting, being corrected under key \"T-1\"", or, for a held one, "held: 3 rows held (bad
+/// dates)".
 pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
+    if n.state() == MonthState::Held {
+        return format!("{}: {}", MonthState::Held.word(), words.held.count(n.held));
+    }
     let mut parts = Vec::new();
     if n.unsettled_shards > 0 {
         parts.push(format!(
@@ -173,6 +194,9 @@ pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
     }
     if n.waiting > 0 {
         parts.push(words.waiting.count(n.waiting));
+    }
+    if n.held > 0 {
+        parts.push(words.held.count(n.held));
     }
     if let Some(key) = &n.correction {
         parts.push(format!("being corrected under key {key:?}"));
@@ -184,8 +208,8 @@ pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
 }
 
 /// Marks, in each view of a job that follows another ([`Overview::after`]), the months of the
-/// lookback that the job it follows has not closed: a follower's month is not closed before its
-/// input is, even when the follower has nothing waiting (a fresh database, say). `views` holds
+/// lookback that the job it follows leaves open (a held month does not stop a follower,
+/// [`MonthState::Held`]): a follower's month is not closed before its input is, even when the follower has nothing waiting (a fresh database, say). `views` holds
 /// one view per job, read at the same time; a follower whose upstream is not among them is left
 /// as it is.
 pub fn follow_upstreams(views: &mut [Overview]) {
@@ -193,9 +217,15 @@ pub fn follow_upstreams(views: &mut [Overview]) {
         .iter()
         .filter_map(|v| {
             let watch = v.watch.as_ref()?;
+            // Held items do not wait for a run: a follower runs a held month.
             Some((
                 v.job,
-                watch.not_closed.iter().map(|n| n.business_date).collect(),
+                watch
+                    .not_closed
+                    .iter()
+                    .filter(|n| n.state() == MonthState::Open)
+                    .map(|n| n.business_date)
+                    .collect(),
             ))
         })
         .collect();
@@ -214,6 +244,7 @@ pub fn follow_upstreams(views: &mut [Overview]) {
                     business_date: date,
                     unsettled_shards: 0,
                     waiting: 0,
+                    held: 0,
                     correction: None,
                     upstream: Some(upstream),
                 }),
@@ -226,8 +257,11 @@ pub fn follow_upstreams(views: &mut [Overview]) {
 /// A month's verdict ([`Month::verdict`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Verdict {
+    /// `state` is [`MonthState::Closed`].
     pub closed: bool,
-    /// "closed", or "not closed: " and every reason.
+    pub state: MonthState,
+    /// "closed", "held: " and the items held, "unknown: " and what was not counted, or
+    /// "not closed: " and every reason.
     pub words: String,
     /// What resolves it: the command, the event or the wait; `None` when closed.
     pub next: Option<String>,
@@ -306,16 +340,22 @@ impl Month {
         self.unsettled.map_or(0, |u| u.held)
     }
 
-    /// Every shard SUCCESS and none refused, nothing known to wait or held, no correction holding
-    /// it ([`Month::verdict`] says why not). Not closed while its waiting items could not be
-    /// counted.
+    /// The month's state ([`MonthState::of`]): settled when every shard is SUCCESS, none refused
+    /// and no correction holds it; then what waits and what is held decide, `Unknown` while they
+    /// could not be counted ([`Month::verdict`] says why in words).
+    pub fn state(&self) -> MonthState {
+        MonthState::of(
+            self.all_success()
+                && self.correction.is_none()
+                && self.shards.iter().all(|s| s.conflict.is_none()),
+            self.unsettled.map(|u| (u.late + u.upkeep, u.held)),
+        )
+    }
+
+    /// [`MonthState::Closed`]: every shard SUCCESS and none refused, nothing waits or is held, no
+    /// correction holds it.
     pub fn closed(&self) -> bool {
-        self.all_success()
-            && self
-                .unsettled
-                .is_some_and(|u| u.late == 0 && u.held == 0 && u.upkeep == 0)
-            && self.correction.is_none()
-            && self.shards.iter().all(|s| s.conflict.is_none())
+        self.state() == MonthState::Closed
     }
 
     /// Closed or not, and why, in words an operator acts on: the one judgement `status` (text and
@@ -356,19 +396,44 @@ impl Month {
                     .to_string(),
             );
         }
+        let fix_held =
+            "fix them in libraryd (`settlementd verify` and the month's page name them); \
+                        the next run takes them";
         if self.held() > 0 {
             open.push(words.held.count(self.held()));
-            next.push(
-                "fix them in libraryd (`settlementd verify` and the month's page name them); the next run takes them"
-                    .to_string(),
-            );
+            next.push(fix_held.to_string());
         }
-        if open.is_empty() {
-            return Verdict {
-                closed: true,
-                words: "closed".into(),
-                next: None,
-            };
+        let state = self.state();
+        match state {
+            MonthState::Closed => {
+                return Verdict {
+                    closed: true,
+                    state,
+                    words: state.word().into(),
+                    next: None,
+                }
+            }
+            MonthState::Held => {
+                return Verdict {
+                    closed: false,
+                    state,
+                    words: format!("{}: {}", state.word(), words.held.count(self.held())),
+                    next: Some(fix_held.to_string()),
+                }
+            }
+            MonthState::Unknown => {
+                return Verdict {
+                    closed: false,
+                    state,
+                    words: format!(
+                        "{}: every shard SUCCESS; {} not counted",
+                        state.word(),
+                        words.waiting
+                    ),
+                    next: Some("the count did not fit in the view's database time".into()),
+                }
+            }
+            MonthState::Open => {}
         }
         let waits = !self.all_success() || self.late_returns() > 0;
         if refused {
@@ -391,7 +456,8 @@ impl Month {
         }
         Verdict {
             closed: false,
-            words: format!("not closed: {}", open.join("; ")),
+            state,
+            words: format!("{}: {}", state.word(), open.join("; ")),
             next: (!next.is_empty()).then(|| next.join("; ")),
         }
     }
@@ -1272,7 +1338,8 @@ mod tests {
     }
 
     #[test]
-    fn a_month_with_late_returns_waiting_or_rows_held_is_not_closed_and_says_what_resolves_it() {
+    fn a_month_with_late_returns_waiting_is_not_closed_one_with_rows_held_is_held_and_each_says_what_resolves_it(
+    ) {
         let mut month = month(vec![Some(run(0, "SUCCESS", 1.0))]);
         let counted = |late, held| Waiting {
             late,
@@ -1289,13 +1356,36 @@ mod tests {
         assert!(!month.closed(), "held rows are not done");
         assert_eq!(month.held(), 3);
         let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
-        assert_eq!(verdict.words, "not closed: 3 rows held (bad dates)");
+        assert_eq!(verdict.state, MonthState::Held);
+        assert_eq!(verdict.words, "held: 3 rows held (bad dates)");
         assert!(verdict.next.unwrap().contains("settlementd verify"));
+        month.unsettled = Some(counted(1, 3));
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
+        assert_eq!(
+            verdict.state,
+            MonthState::Open,
+            "waiting items keep it open"
+        );
+        assert_eq!(
+            verdict.words,
+            "not closed: 1 late return or edit waiting; 3 rows held (bad dates)"
+        );
+        month.unsettled = None;
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
+        assert_eq!(
+            (verdict.state, verdict.words.as_str()),
+            (
+                MonthState::Unknown,
+                "unknown: every shard SUCCESS; late returns or edits waiting not counted"
+            ),
+            "not counted is no verdict"
+        );
         month.unsettled = Some(counted(0, 0));
         assert_eq!(
             month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC),
             Verdict {
                 closed: true,
+                state: MonthState::Closed,
                 words: "closed".into(),
                 next: None
             },
@@ -1356,6 +1446,8 @@ mod tests {
                             let verdict = m.verdict(WORDS, None, chrono_tz::UTC);
                             assert_eq!(verdict.closed, m.closed(), "{verdict:?}");
                             assert_eq!(verdict.words == "closed", m.closed(), "{verdict:?}");
+                            assert_eq!(verdict.state, m.state(), "{verdict:?}");
+                            assert!(verdict.words.starts_with(m.state().word()), "{verdict:?}");
                         }
                     }
                 }

@@ -6,7 +6,7 @@ use crate::clock::Clock;
 use crate::config::Settings;
 use crate::job_layer::{due, pause};
 use crate::schedule::{next_slot_after, Slot};
-use chrono::{NaiveDate, SecondsFormat};
+use chrono::SecondsFormat;
 
 /// One job as `settlementd jobs` lists it.
 #[derive(Debug, Clone)]
@@ -20,8 +20,9 @@ pub struct JobLine {
     /// The job it follows.
     pub after: Option<&'static str>,
     pub next: Option<Slot>,
-    /// The latest month SUCCESS on every shard of `shard.count` and held by no correction.
-    pub last_closed: Option<NaiveDate>,
+    /// The latest month closed under `shard.count` ([`due::MonthState::Closed`]), and the held
+    /// months after it.
+    pub last_closed: due::LastClosed,
     pub paused: Option<pause::Pause>,
 }
 
@@ -34,6 +35,7 @@ pub async fn jobs(
     let registry = crate::jobs::build(settings);
     let database = Database::open_to_read(settings, embedded_db).await?;
     let result = async {
+        let mut conn = database.pool.acquire().await?;
         let mut lines = Vec::new();
         for job in registry.iter() {
             let tz = settings.schedule.timezone;
@@ -45,7 +47,7 @@ pub async fn jobs(
                 tz,
                 after: job.after(),
                 next: next_slot_after(&job.schedule().cron, tz, clock.now()).map(Slot::new),
-                last_closed: due::last_closed(&database.pool, job.name(), settings.shard.count)
+                last_closed: due::last_closed(&mut conn, job.as_ref(), settings.shard.count)
                     .await?,
                 paused: pause::of(&database.pool, job.name()).await?,
             });
@@ -68,7 +70,10 @@ impl JobLine {
             "after": self.after,
             "next_fire": self.next.map(|s| s.fire_at.to_rfc3339_opts(SecondsFormat::Secs, false)),
             "next_business_date": self.next.map(|s| s.business_date.to_string()),
-            "last_closed": self.last_closed.map(|d| d.to_string()),
+            "last_closed": self.last_closed.closed.map(|d| d.to_string()),
+            "held_after_last_closed": self.last_closed.held_after.iter().map(|(d, held)| serde_json::json!({
+                "business_date": d.to_string(), "state": due::MonthState::Held, "held": held,
+            })).collect::<Vec<_>>(),
             "paused": self.paused,
         })
     }
@@ -76,7 +81,7 @@ impl JobLine {
     /// One line of text.
     pub fn to_text(&self) -> String {
         format!(
-            "{:<20} {:<8} {:<16} {:<16} next {} (month {})  last closed {}{}{}",
+            "{:<20} {:<8} {:<16} {:<16} next {} (month {})  last closed {}{}{}{}",
             self.name,
             if self.enabled { "enabled" } else { "disabled" },
             self.cron,
@@ -86,7 +91,14 @@ impl JobLine {
                 .to_rfc3339_opts(SecondsFormat::Secs, false)),
             self.next
                 .map_or("-".into(), |s| s.business_date.to_string()),
-            self.last_closed.map_or("none".into(), |d| d.to_string()),
+            self.last_closed
+                .closed
+                .map_or("none".into(), |d| d.to_string()),
+            self.last_closed
+                .held_after
+                .iter()
+                .map(|(d, held)| format!("  {d} held ({held})"))
+                .collect::<String>(),
             self.after
                 .map(|a| format!("  after {a}"))
                 .unwrap_or_default(),

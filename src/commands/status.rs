@@ -146,11 +146,18 @@ impl MonthStatus {
             serde_json::json!({
                 "lookback_months": w.lookback_months,
                 "paused": w.paused,
-                "months_not_closed": w.not_closed.iter().map(|n| serde_json::json!({
+                "months_not_closed": w.open().map(|n| serde_json::json!({
                     "business_date": n.business_date,
+                    "state": n.state(),
                     "shards_not_success": n.unsettled_shards,
                     "waiting": n.waiting,
+                    "held": n.held,
                     "correction_key": n.correction,
+                })).collect::<Vec<_>>(),
+                "months_held": w.held().map(|n| serde_json::json!({
+                    "business_date": n.business_date,
+                    "state": n.state(),
+                    "held": n.held,
                 })).collect::<Vec<_>>(),
                 "waiting_before_lookback": w.before_lookback,
             })
@@ -160,6 +167,7 @@ impl MonthStatus {
             "business_date": self.business_date.to_string(),
             "shards": self.shards,
             "closed": verdict.closed,
+            "state": verdict.state,
             "verdict": verdict.words,
             "next": verdict.next,
             "held": self.month.unsettled.map(|u| u.held),
@@ -296,10 +304,18 @@ impl MonthStatus {
                     p.reason
                 );
             }
-            for n in &watch.not_closed {
+            for n in watch.open() {
                 let _ = writeln!(
                     out,
                     "to settle within the lookback: {} ({})",
+                    n.business_date,
+                    overview::not_closed_words(n, self.words)
+                );
+            }
+            for n in watch.held() {
+                let _ = writeln!(
+                    out,
+                    "held within the lookback: {} ({}; fixed in libraryd, the next run takes them)",
                     n.business_date,
                     overview::not_closed_words(n, self.words)
                 );

@@ -161,12 +161,22 @@ impl Gauges {
         } = looked;
         let job = self.job.name();
         let names = self.job.metrics();
-        let open: Vec<_> = due::not_closed(periods, pending, self.shard.count, window)
-            .into_iter()
-            .map(|n| n.business_date)
-            .collect();
-        let open = self.open.publish(job, self.job.after(), open);
+        let (open, held): (Vec<_>, Vec<_>) =
+            due::not_closed(periods, pending, self.shard.count, window)
+                .into_iter()
+                .partition(|n| n.state() == due::MonthState::Open);
+        let open = self.open.publish(
+            job,
+            self.job.after(),
+            open.into_iter().map(|n| n.business_date).collect(),
+        );
         metrics::gauge!(m::MONTHS_NOT_CLOSED, "job_name" => job).set(open.len() as f64);
+        // A held month the job it follows leaves open is counted open, once.
+        let held = held
+            .iter()
+            .filter(|n| !open.contains(&n.business_date))
+            .count();
+        metrics::gauge!(m::MONTHS_HELD, "job_name" => job).set(held as f64);
         // Without a deadline, no month is past it.
         let now = self.clock.now();
         let late = open

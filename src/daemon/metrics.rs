@@ -22,10 +22,13 @@ use std::sync::OnceLock;
 /// SUCCESS or held by a live peer), `failed`, `lease_lost`, and the job's outcome for a claim
 /// refused for other pinned parameters, if it declares one.
 pub const RUNS_TOTAL: &str = "settlementd_runs_total";
-/// Months inside the lookback that are not closed under the current shard count (every shard):
-/// started or with items waiting, and not SUCCESS on every shard, or with items waiting, or
-/// being corrected.
+/// Months inside the lookback that are not closed under the current shard count (every shard),
+/// [`crate::job_layer::due::MonthState::Open`]: started or with items waiting, and not SUCCESS
+/// on every shard, or with items waiting, or being corrected. Held months are not among them.
 pub const MONTHS_NOT_CLOSED: &str = "settlementd_months_not_closed";
+/// Months inside the lookback whose every shard is SUCCESS and nothing waits, but items are held
+/// for an operator ([`crate::job_layer::due::MonthState::Held`]).
+pub const MONTHS_HELD: &str = "settlementd_months_held";
 /// 1 while the job is paused (`settlementd pause`), else 0.
 pub const PAUSED: &str = "settlementd_paused";
 /// Unix time the job was paused (0 while it is not): with the latest fire, whether a pause
@@ -211,7 +214,11 @@ pub fn describe(registry: &crate::job_layer::registry::Registry) {
     describe_gauge!(SHARDS, "The configured shard.count");
     describe_gauge!(
         MONTHS_NOT_CLOSED,
-        "Months inside settle.lookback_months not closed under the current shard count (a shard not SUCCESS, items waiting, or a correction unfinished), every shard"
+        "Months inside settle.lookback_months not closed under the current shard count (a shard not SUCCESS, items waiting, or a correction unfinished), every shard; held months are counted apart"
+    );
+    describe_gauge!(
+        MONTHS_HELD,
+        "Months inside settle.lookback_months held: every shard SUCCESS and nothing waits, but items are held for an operator (rows with bad dates)"
     );
     describe_gauge!(
         PAUSED,
@@ -329,6 +336,7 @@ pub fn describe(registry: &crate::job_layer::registry::Registry) {
         // Set by the replica at each tick; present (0) from the start.
         for gauge in [
             MONTHS_NOT_CLOSED,
+            MONTHS_HELD,
             MONTHS_PAST_DEADLINE,
             PAUSED,
             PAUSED_SINCE,

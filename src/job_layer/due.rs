@@ -202,14 +202,29 @@ fn why_not_closed(
     )
 }
 
-/// The latest period of `job_name` that is SUCCESS on every shard of `shards` and held by no
-/// correction.
+/// How far back [`last_closed`] looks for a closed month among the settled ones.
+pub const LAST_CLOSED_LOOKS_BACK: i64 = 24;
+
+/// The latest closed month of a job ([`MonthState::Closed`]), and the months after it whose
+/// claims are settled but that are held ([`MonthState::Held`]), newest first, with their held
+/// items. What `settlementd jobs` shows.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LastClosed {
+    pub closed: Option<NaiveDate>,
+    pub held_after: Vec<(NaiveDate, u64)>,
+}
+
+/// The latest month of `job` closed under `shards`, one meaning of closed ([`MonthState::of`]):
+/// among the latest [`LAST_CLOSED_LOOKS_BACK`] months SUCCESS on every shard and held by no
+/// correction, the newest with nothing waiting and nothing held, as the job's
+/// [`Registered::pending`] counts them (in a transaction rolled back: a job's count may set plan
+/// settings), with the held months newer than it.
 pub async fn last_closed(
-    db: impl PgExecutor<'_>,
-    job_name: &str,
+    db: &mut PgConnection,
+    job: &dyn Registered,
     shards: u32,
-) -> Result<Option<NaiveDate>> {
-    Ok(sqlx::query_scalar(
+) -> Result<LastClosed> {
+    let settled: Vec<NaiveDate> = sqlx::query_scalar(
         "SELECT r.business_date FROM job_runs r
           WHERE r.job_name = $1 AND r.shards = $2 AND r.status = 'SUCCESS'
             AND NOT EXISTS (SELECT 1 FROM job_params p
@@ -218,12 +233,36 @@ pub async fn last_closed(
           GROUP BY r.business_date
          HAVING count(*) = $2
           ORDER BY r.business_date DESC
-          LIMIT 1",
+          LIMIT $3",
     )
-    .bind(job_name)
+    .bind(job.name())
     .bind(shards as i32)
-    .fetch_optional(db)
-    .await?)
+    .bind(LAST_CLOSED_LOOKS_BACK)
+    .fetch_all(&mut *db)
+    .await?;
+    if settled.is_empty() {
+        return Ok(LastClosed::default());
+    }
+    let mut tx = sqlx::Connection::begin(&mut *db).await?;
+    let pending = job.pending(&mut tx, shards, &settled).await?;
+    tx.rollback().await?;
+    let mut found = LastClosed::default();
+    for date in settled {
+        let (waiting, held) = pending
+            .by_period
+            .iter()
+            .filter(|p| p.business_date == date)
+            .fold((0, 0), |(w, h), p| (w + p.late + p.upkeep, h + p.held));
+        match MonthState::of(true, Some((waiting, held))) {
+            MonthState::Closed => {
+                found.closed = Some(date);
+                break;
+            }
+            MonthState::Held => found.held_after.push((date, held)),
+            MonthState::Open | MonthState::Unknown => {}
+        }
+    }
+    Ok(found)
 }
 
 /// How many periods of any job an unfinished correction holds.
@@ -302,6 +341,60 @@ pub fn due(periods: &[Period], pending: &PendingReport, ask: Ask) -> Vec<Due> {
     due
 }
 
+/// A month's state: the one meaning of closed that `status`, `jobs`, the page (headline and
+/// rows), the gauges and every follower show. [`MonthState::of`] decides it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MonthState {
+    /// Every shard SUCCESS, no correction or refusal, nothing waiting, nothing held.
+    Closed,
+    /// As closed, but for items the job leaves for an operator (the fine settlement's rows with
+    /// bad dates): no run changes them, a follower runs the month, and fixing them in libraryd
+    /// makes them items waiting, which the next run takes.
+    Held,
+    /// A shard not SUCCESS, a correction holding it, a replica refused, or items waiting for a
+    /// run (late items, upkeep): its replicas (or an operator's command) close it.
+    Open,
+    /// Every shard SUCCESS, but what waits could not be counted (the view's database time ran
+    /// out): no verdict.
+    Unknown,
+}
+
+impl MonthState {
+    /// The state of a month whose claims are `settled` (every shard of the count SUCCESS, no
+    /// correction holding it, no replica refused) with `counts` = (items waiting for a run,
+    /// items held) on every shard, `None` when they were not counted.
+    pub fn of(settled: bool, counts: Option<(u64, u64)>) -> Self {
+        match (settled, counts) {
+            (false, _) => Self::Open,
+            (true, None) => Self::Unknown,
+            (true, Some((waiting, _))) if waiting > 0 => Self::Open,
+            (true, Some((_, held))) if held > 0 => Self::Held,
+            (true, Some(_)) => Self::Closed,
+        }
+    }
+
+    /// "closed", "held", "not closed", "unknown": the words every surface uses.
+    pub fn word(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Held => "held",
+            Self::Open => "not closed",
+            Self::Unknown => "unknown",
+        }
+    }
+
+    /// `closed`, `held`, `open`, `unknown`: the JSON and CSS name.
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Held => "held",
+            Self::Open => "open",
+            Self::Unknown => "unknown",
+        }
+    }
+}
+
 /// Why a period is not closed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotClosed {
@@ -310,6 +403,8 @@ pub struct NotClosed {
     pub unsettled_shards: i64,
     /// Items waiting on any shard.
     pub waiting: u64,
+    /// Items held for an operator on any shard.
+    pub held: u64,
     /// The correction holding it.
     pub correction: Option<String>,
     /// The job this one follows ([`super::Job::after`]), when its month is not closed either:
@@ -317,8 +412,19 @@ pub struct NotClosed {
     pub upstream: Option<&'static str>,
 }
 
-/// The periods of the window that are not closed under `shards`: started, or with items waiting,
-/// and not SUCCESS on every shard, or with items waiting, or held by a correction. Oldest first.
+impl NotClosed {
+    /// [`MonthState::Open`], or [`MonthState::Held`] when only held items keep it from closed.
+    pub fn state(&self) -> MonthState {
+        MonthState::of(
+            self.unsettled_shards == 0 && self.correction.is_none() && self.upstream.is_none(),
+            Some((self.waiting, self.held)),
+        )
+    }
+}
+
+/// The periods of the window that are not closed under `shards` ([`MonthState`]): started, or
+/// with items waiting or held, and not SUCCESS on every shard, or with items waiting or held, or
+/// held by a correction. Oldest first; [`NotClosed::state`] tells open from held.
 pub fn not_closed(
     periods: &[Period],
     pending: &PendingReport,
@@ -328,23 +434,23 @@ pub fn not_closed(
     let mut out = Vec::new();
     for &date in window {
         let started = periods.iter().find(|p| p.business_date == date);
-        let waiting: u64 = pending
+        let (waiting, held) = pending
             .by_period
             .iter()
             .filter(|w| w.business_date == date)
-            .map(|w| w.late + w.upkeep)
-            .sum();
-        if started.is_none() && waiting == 0 {
+            .fold((0, 0), |(w, h), p| (w + p.late + p.upkeep, h + p.held));
+        if started.is_none() && waiting == 0 && held == 0 {
             continue;
         }
         let success = started.map_or(0, |p| p.success);
         let correction = started.and_then(|p| p.correction_key.clone());
         let unsettled_shards = i64::from(shards) - success.min(i64::from(shards));
-        if unsettled_shards > 0 || waiting > 0 || correction.is_some() {
+        if unsettled_shards > 0 || waiting > 0 || held > 0 || correction.is_some() {
             out.push(NotClosed {
                 business_date: date,
                 unsettled_shards,
                 waiting,
+                held,
                 correction,
                 upstream: None,
             });
@@ -484,5 +590,42 @@ mod tests {
                 (day(10), 0, 1, false),
             ]
         );
+    }
+
+    #[test]
+    fn a_month_with_only_held_items_is_held_and_anything_else_open_keeps_it_open() {
+        let periods = [
+            period(8, 3, Some("SUCCESS")),
+            period(9, 3, Some("SUCCESS")),
+            period(10, 2, Some("SUCCESS")),
+        ];
+        let mut held = waiting(8, 1, 0);
+        held.held = 3;
+        let mut held_and_waiting = waiting(9, 0, 1);
+        held_and_waiting.held = 2;
+        let mut held_unsettled = waiting(10, 2, 0);
+        held_unsettled.held = 1;
+        let pending = PendingReport {
+            by_period: vec![held, held_and_waiting, held_unsettled],
+            before: 0,
+        };
+        let window: Vec<NaiveDate> = (7..=10).map(day).collect();
+        let states: Vec<(NaiveDate, MonthState, u64)> = not_closed(&periods, &pending, 3, &window)
+            .into_iter()
+            .map(|n| (n.business_date, n.state(), n.held))
+            .collect();
+        assert_eq!(
+            states,
+            vec![
+                (day(8), MonthState::Held, 3),
+                (day(9), MonthState::Open, 2),
+                (day(10), MonthState::Open, 1),
+            ],
+            "held alone is its own state; waiting items or a shard not SUCCESS keep it open"
+        );
+        assert_eq!(MonthState::of(true, None), MonthState::Unknown);
+        assert_eq!(MonthState::of(true, Some((0, 0))), MonthState::Closed);
+        assert_eq!(MonthState::of(false, Some((0, 0))), MonthState::Open);
+        assert_eq!(MonthState::of(false, None), MonthState::Open);
     }
 }

@@ -116,9 +116,51 @@ async fn held_rows_between_ordinary_ones_are_named_and_left_while_every_other_ro
         &["status", "--business-date", &m, "--shards", "2"],
     );
     let text = String::from_utf8_lossy(&status.stdout);
+    // Held: its own state, the same on every surface (issue 48): not closed, not open either.
     assert!(
-        text.contains(": not closed: 4 rows held (bad dates)"),
+        text.contains(": held: 4 rows held (bad dates)"),
         "held rows are not done: {text}"
+    );
+    assert!(
+        text.contains(&format!("held within the lookback: {m} (held: 4 rows held")),
+        "{text}"
+    );
+    assert!(!text.contains("to settle within the lookback"), "{text}");
+    let out = cli(
+        &db.url,
+        &[],
+        &["status", "--business-date", &m, "--shards", "2", "--json"],
+    );
+    let json = json_of(&out);
+    assert_eq!(
+        (&json["state"], &json["closed"]),
+        (&"held".into(), &false.into()),
+        "{json}"
+    );
+    assert_eq!(
+        json["watch"]["months_held"],
+        serde_json::json!([{"business_date": m, "state": "held", "held": 4}]),
+        "{json}"
+    );
+    assert_eq!(json["watch"]["months_not_closed"], serde_json::json!([]));
+    let out = cli(
+        &db.url,
+        &[("SETTLEMENTD__SHARD__COUNT", "2")],
+        &["jobs", "--json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let fines: serde_json::Value = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .find(|l| l["name"] == "fine-settlement")
+        .unwrap();
+    assert_eq!(
+        (&fines["last_closed"], &fines["held_after_last_closed"]),
+        (
+            &serde_json::Value::Null,
+            &serde_json::json!([{"business_date": m, "state": "held", "held": 4}])
+        ),
+        "jobs: the held month is not the last closed one: {fines}"
     );
     assert!(
         text.contains(
@@ -178,6 +220,30 @@ async fn held_rows_between_ordinary_ones_are_named_and_left_while_every_other_ro
     replica.wait_for("/readyz", 200).await;
     let page = replica.wait_for("/status", 200).await;
     assert!(page.contains("4 rows held (bad dates)"), "{page}");
+    // The headline and the month's row agree: held, not "every month closed", not "not closed".
+    assert!(
+        page.contains("1 month of the lookback held: ")
+            && page.contains(r#"<span class="late">held: 4 rows held (bad dates)</span>"#),
+        "{page}"
+    );
+    let headline = page
+        .split(r#"id="fine-settlement-not-closed">"#)
+        .nth(1)
+        .and_then(|rest| rest.split("</p>").next())
+        .unwrap_or_else(|| panic!("no headline: {page}"));
+    assert_eq!(
+        headline,
+        r#"<span class="closed">no month of the lookback (12 months) is left open</span>"#,
+        "neither \"every month closed\" nor \"not closed\": {page}"
+    );
+    assert!(
+        eventually(10, || async {
+            replica.metric("settlementd_months_held").await == 1.0
+                && replica.metric("settlementd_months_not_closed").await == 0.0
+        })
+        .await,
+        "settlementd_months_held 1, settlementd_months_not_closed 0"
+    );
     // Shard 0's held rows (ids 12 and 26) are on its gauge.
     assert!(
         eventually(10, || async {

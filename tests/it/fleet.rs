@@ -179,9 +179,13 @@ async fn a_fleet_larger_than_the_servers_connections_settles_every_shard_and_lea
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // And `status` connects.
+    // And `status` connects: within 30 s, not the default 5. The seven slots beside the LISTEN
+    // connections are the ticks' and probes' (each held for a moment, as checked above), and ten
+    // debug-built replicas ticking two jobs on 2 cores can keep them all in use for seconds: in
+    // two runs (one of this test alone) `status` found no slot within 5 s; in another it took 40 s.
     let out = settlementd(Some(&app))
         .args(["status", "--json", "--shards", &REPLICAS.to_string()])
+        .env("SETTLEMENTD__DATABASE__ACQUIRE_TIMEOUT_SECS", "30")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -388,6 +388,7 @@ async fn jobs_lists_both_jobs_with_their_schedule_and_last_closed_month() {
                 "after",
                 "cron",
                 "enabled",
+                "held_after_last_closed",
                 "last_closed",
                 "name",
                 "next_business_date",

@@ -293,12 +293,20 @@ async fn a_rerun_over_a_settled_month_reads_no_row_and_no_table_page() {
     assert_eq!(plans.len(), 1, "an empty page: no settle statement");
     let plan = &plans[0];
     assert_eq!(assert_month_index_only(plan), 0, "{plan:#}");
-    // One probe of an empty index range: a page or two of the index, and not one table page.
+    // One probe of an empty index range and not one table page: no heap fetch, and a handful of
+    // index pages (metapage, root, a leaf: 3-4 alone; 5 seen once in a full CI run, all of them
+    // the index's, with no heap fetch: leaves VACUUM had not emptied yet on a loaded machine)
+    // against the table's hundred.
+    let fetched: i64 = nodes(plan)
+        .into_iter()
+        .filter(|n| n["Relation Name"].as_str() == Some("loans"))
+        .map(|n| n["Heap Fetches"].as_i64().unwrap_or(0))
+        .sum();
     let read = blocks(plan);
     let pages = loans_pages(&db.pool).await;
     assert!(
-        read <= 4,
-        "read {read} buffers (the table has {pages} pages): {plan:#}"
+        fetched == 0 && read <= 8,
+        "read {read} buffers, {fetched} heap fetches (the table has {pages} pages): {plan:#}"
     );
 }
 

@@ -17,6 +17,7 @@
 
 use super::HttpState;
 use crate::calendar::{BusinessDate, CalendarError};
+use crate::job_layer::due::MonthState;
 use crate::job_layer::fleet::Member;
 use crate::numbers::{count, money, things};
 use crate::overview::{Month, Overview, Progress, Scope, Shard, Totals};
@@ -226,7 +227,7 @@ thead th{background:#f6f8fa}.wrap{overflow-x:auto}td.cell{min-width:15em}
 .s-running{background:#ddf4ff}.s-running .status{color:#0550ae}
 .s-failed{background:#ffebe9}.s-failed .status,.open,.error{color:#a40e26}
 .s-missing,.s-paused{background:#fff8c5}.s-missing .status,.s-paused .status{color:#7d4e00}
-.late{color:#7d4e00;font-weight:700}.conflict{color:#a40e26;font-weight:700}
+.late{color:#7d4e00;font-weight:700}.unknown{color:#59636e;font-weight:700}.conflict{color:#a40e26;font-weight:700}
 .closed,.open{font-weight:700}.error{font-family:ui-monospace,monospace;white-space:pre-wrap;overflow-wrap:anywhere;max-width:30em}
 progress{width:100%;height:.8em}code{font-family:ui-monospace,monospace}dt{font-weight:700}dd{margin:0 0 .5em 1em}
 th a,code,.nowrap{white-space:nowrap}
@@ -294,8 +295,9 @@ fn render(
                 }
                 footer.note {
                     p {
-                        "Read-only. A month is closed when every shard of the count is SUCCESS, nothing waits to be run in it and no correction holds it; "
-                        "items a job holds for an operator stay as they are, named, until they are fixed. "
+                        "Read-only. A month is closed when every shard of the count is SUCCESS, nothing waits to be run in it, nothing is held and no correction holds it; "
+                        "held when all of that is true but for items a job holds for an operator, which stay as they are, named, until they are fixed; "
+                        "unknown (grey) when every shard is SUCCESS but what waits could not be counted in time; otherwise not closed. "
                         "Totals are the month's, whatever the shard count that ran it: "
                         "computed once for a closed month, at each view for an open one, "
                         "within " (VIEW_BUDGET.as_secs()) " s of database time per view. "
@@ -460,16 +462,30 @@ fn watch(view: &Overview) -> Markup {
                             br; span.small { "nothing new is claimed; `settlementd resume` (or POST /v1/resume) lets it go on" }
                         }
                     }
+                    @let (open, held): (Vec<_>, Vec<_>) = (w.open().collect(), w.held().collect());
                     p #(id("not-closed")) {
-                        @if w.not_closed.is_empty() {
+                        @if open.is_empty() && held.is_empty() {
                             span.closed { "every month of the lookback (" (things(w.lookback_months, "month", "months")) ") is closed" }
+                        } @else if open.is_empty() {
+                            span.closed { "no month of the lookback (" (things(w.lookback_months, "month", "months")) ") is left open" }
                         } @else {
-                            span.open { (things(w.not_closed.len() as i128, "month", "months")) " of the lookback not closed: " }
-                            @for (i, n) in w.not_closed.iter().enumerate() {
+                            span.open { (things(open.len() as i128, "month", "months")) " of the lookback not closed: " }
+                            @for (i, n) in open.iter().enumerate() {
                                 @if i > 0 { "; " }
                                 a href=(month_link_date(n.business_date, view.shards)) { (n.business_date) }
                                 " (" (crate::overview::not_closed_words(n, view.words)) ")"
                             }
+                        }
+                    }
+                    @if !held.is_empty() {
+                        p #(id("months-held")) {
+                            span.late { (things(held.len() as i128, "month", "months")) " of the lookback held: " }
+                            @for (i, n) in held.iter().enumerate() {
+                                @if i > 0 { "; " }
+                                a href=(month_link_date(n.business_date, view.shards)) { (n.business_date) }
+                                " (" (view.words.held.count(n.held)) ")"
+                            }
+                            br; span.small { "every shard SUCCESS, nothing waits for a run: fix the held items in libraryd and the next run takes them" }
                         }
                     }
                     @if w.before_lookback > 0 {
@@ -697,12 +713,12 @@ fn verdict(month: &Month, view: &Overview) -> Markup {
     let paused = view.watch.as_ref().and_then(|w| w.paused.as_ref());
     let verdict = month.verdict(view.words, paused, view.schedule.timezone);
     html! {
-        @if verdict.closed {
-            span.closed { (verdict.words) }
-        } @else if month.all_success() && month.correction.is_none() {
-            span.late { (verdict.words) }
-        } @else {
-            span.open { (verdict.words) }
+        @match verdict.state {
+            MonthState::Closed => span.closed { (verdict.words) },
+            MonthState::Held => span.late { (verdict.words) },
+            MonthState::Unknown => span.unknown { (verdict.words) },
+            MonthState::Open if month.all_success() && month.correction.is_none() => span.late { (verdict.words) },
+            MonthState::Open => span.open { (verdict.words) },
         }
         @if let Some(next) = &verdict.next {
             br; span.small.next { (next) }
