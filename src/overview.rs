@@ -362,8 +362,17 @@ impl Month {
     /// JSON) and the page show. Closed only when every shard is SUCCESS and nothing waits, is held,
     /// is refused or is being corrected; otherwise each of those is named, and what resolves it —
     /// which, while the job is `paused`, is its resume. Times are in `tz`, the schedule's zone, as
-    /// everywhere else on the page and in `status`.
-    pub fn verdict(&self, words: Words, paused: Option<&Pause>, tz: Tz) -> Verdict {
+    /// everywhere else on the page and in `status`. `takers`: the shards a live replica runs
+    /// ([`crate::job_layer::fleet::takers`], `None` when the fleet is unknown); what waits on a
+    /// shard none runs is said to wait for one, as that shard's cell says, never to be run within
+    /// a heartbeat.
+    pub fn verdict(
+        &self,
+        words: Words,
+        paused: Option<&Pause>,
+        tz: Tz,
+        takers: Option<&std::collections::BTreeSet<u32>>,
+    ) -> Verdict {
         let mut open = Vec::new();
         let mut next = Vec::new();
         if let Some((key, since)) = &self.correction {
@@ -450,7 +459,7 @@ impl Month {
                 p.paused_by
             )),
             None if waits && !refused && self.correction.is_none() => {
-                next.push("a replica of each shard runs what waits within a heartbeat".to_string())
+                next.push(self.who_runs(takers))
             }
             _ => {}
         }
@@ -503,6 +512,35 @@ impl Month {
     }
 
     /// The shards in `state`.
+    /// Who runs what waits in the month: a replica of each shard within a heartbeat, or, for the
+    /// shards that wait (not SUCCESS; every shard while items wait, which any may hold) with no
+    /// live replica among `takers`, nobody until one starts or an operator runs them.
+    fn who_runs(&self, takers: Option<&std::collections::BTreeSet<u32>>) -> String {
+        let everyone = self.late_returns() > 0 || self.unsettled.is_some_and(|u| u.upkeep > 0);
+        let unrun: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|s| everyone || s.state() != State::Success)
+            .map(|s| s.index)
+            .filter(|i| takers.is_some_and(|t| !t.contains(i)))
+            .collect();
+        if unrun.is_empty() {
+            return "a replica of each shard runs what waits within a heartbeat".to_string();
+        }
+        let list = unrun
+            .iter()
+            .map(u32::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "no live replica runs {} {list}: start one, or `settlementd run --business-date {} \
+             --shard N --shards {} --wait` runs it by hand",
+            if unrun.len() == 1 { "shard" } else { "shards" },
+            self.business_date,
+            self.shards.len()
+        )
+    }
+
     pub fn in_state(&self, state: State) -> Vec<u32> {
         self.shards
             .iter()
@@ -1349,18 +1387,18 @@ mod tests {
         month.unsettled = Some(counted(2, 0));
         assert!(month.all_success() && !month.closed());
         assert_eq!(month.late_returns(), 2);
-        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC, None);
         assert_eq!(verdict.words, "not closed: 2 late returns or edits waiting");
         assert!(verdict.next.unwrap().contains("within a heartbeat"));
         month.unsettled = Some(counted(0, 3));
         assert!(!month.closed(), "held rows are not done");
         assert_eq!(month.held(), 3);
-        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC, None);
         assert_eq!(verdict.state, MonthState::Held);
         assert_eq!(verdict.words, "held: 3 rows held (bad dates)");
         assert!(verdict.next.unwrap().contains("settlementd verify"));
         month.unsettled = Some(counted(1, 3));
-        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC, None);
         assert_eq!(
             verdict.state,
             MonthState::Open,
@@ -1371,7 +1409,7 @@ mod tests {
             "not closed: 1 late return or edit waiting; 3 rows held (bad dates)"
         );
         month.unsettled = None;
-        let verdict = month.verdict(WORDS, None, chrono_tz::UTC);
+        let verdict = month.verdict(WORDS, None, chrono_tz::UTC, None);
         assert_eq!(
             (verdict.state, verdict.words.as_str()),
             (
@@ -1382,7 +1420,7 @@ mod tests {
         );
         month.unsettled = Some(counted(0, 0));
         assert_eq!(
-            month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC),
+            month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC, None),
             Verdict {
                 closed: true,
                 state: MonthState::Closed,
@@ -1401,7 +1439,7 @@ mod tests {
             held: 0,
             upkeep: 0,
         });
-        let paused = month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC);
+        let paused = month.verdict(WORDS, Some(&a_pause()), chrono_tz::UTC, None);
         assert!(!paused.closed);
         let next = paused.next.unwrap();
         assert!(
@@ -1412,7 +1450,7 @@ mod tests {
         month.shards[1].run = Some(run(1, "SUCCESS", 1.0));
         month.shards[1].conflict = Some("pinned to 50 cents a day".into());
         assert!(!month.closed(), "a refused shard is not done");
-        let refused = month.verdict(WORDS, None, chrono_tz::UTC);
+        let refused = month.verdict(WORDS, None, chrono_tz::UTC, None);
         assert_eq!(
             refused.words,
             "not closed: shard 1 refused (rule conflict); 1 late return or edit waiting"
@@ -1422,6 +1460,46 @@ mod tests {
             next.contains("settlementd correct") && !next.contains("heartbeat"),
             "{next}"
         );
+    }
+
+    #[test]
+    fn what_waits_on_a_shard_no_live_replica_runs_is_never_said_to_run_within_a_heartbeat() {
+        let mut month = month(vec![
+            Some(run(0, "SUCCESS", 1.0)),
+            Some(run(1, "FAILED", 1.0)),
+            None,
+        ]);
+        month.unsettled = None;
+        let next = |m: &Month, takers: Option<&[u32]>| {
+            let takers: Option<std::collections::BTreeSet<u32>> =
+                takers.map(|t| t.iter().copied().collect());
+            m.verdict(WORDS, None, chrono_tz::UTC, takers.as_ref())
+                .next
+                .unwrap()
+        };
+        let said = next(&month, Some(&[0]));
+        assert!(
+            said.contains("no live replica runs shards 1, 2: start one")
+                && !said.contains("within a heartbeat"),
+            "{said}"
+        );
+        assert!(next(&month, Some(&[0, 1])).contains("no live replica runs shard 2: start"));
+        for known in [Some(&[1, 2][..]), None] {
+            assert!(
+                next(&month, known)
+                    .contains("a replica of each shard runs what waits within a heartbeat"),
+                "shard 0 is SUCCESS, and an unknown fleet is not said to be missing"
+            );
+        }
+        // Items waiting: any shard may hold them, so every shard needs a replica.
+        month.shards[1].run = Some(run(1, "SUCCESS", 1.0));
+        month.shards[2].run = Some(run(2, "SUCCESS", 1.0));
+        month.unsettled = Some(Waiting {
+            late: 4,
+            held: 0,
+            upkeep: 0,
+        });
+        assert!(next(&month, Some(&[1, 2])).contains("no live replica runs shard 0: start"));
     }
 
     #[test]
@@ -1443,7 +1521,7 @@ mod tests {
                             if correcting {
                                 m.correction = Some(("K".into(), Utc::now()));
                             }
-                            let verdict = m.verdict(WORDS, None, chrono_tz::UTC);
+                            let verdict = m.verdict(WORDS, None, chrono_tz::UTC, None);
                             assert_eq!(verdict.closed, m.closed(), "{verdict:?}");
                             assert_eq!(verdict.words == "closed", m.closed(), "{verdict:?}");
                             assert_eq!(verdict.state, m.state(), "{verdict:?}");

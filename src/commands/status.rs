@@ -112,7 +112,17 @@ impl MonthStatus {
     /// The month's verdict ([`Month::verdict`]): the same judgement as the page's.
     pub fn verdict(&self) -> overview::Verdict {
         let paused = self.watch.as_ref().and_then(|w| w.paused.as_ref());
-        self.month.verdict(self.words, paused, self.tz)
+        // The shards a live replica runs, as the page's cells and Fleet say.
+        let takers = self.fleet.as_ref().map(|fleet| {
+            crate::job_layer::fleet::takers(
+                fleet,
+                self.job,
+                self.shards,
+                3.0 * self.heartbeat_secs as f64,
+            )
+        });
+        self.month
+            .verdict(self.words, paused, self.tz, takers.as_ref())
     }
 
     /// The `status --json` object.

@@ -137,6 +137,22 @@ pub fn owners(members: &[Member], shards: u32, live_within: f64) -> Vec<usize> {
     owners
 }
 
+/// The shards of count `shards` that a live replica (reported within `live_within` seconds) of
+/// `job` owns: those a replica runs by itself. The page's cells and every verdict's advice ask it.
+pub fn takers(
+    members: &[Member],
+    job: &str,
+    shards: u32,
+    live_within: f64,
+) -> std::collections::BTreeSet<u32> {
+    members
+        .iter()
+        .filter(|m| m.is_live(live_within) && m.shards == shards as i32)
+        .filter(|m| m.jobs.iter().any(|j| j == job))
+        .filter_map(|m| u32::try_from(m.shard).ok())
+        .collect()
+}
+
 /// Every replica's row, by shard count, shard and owner, with the claims it holds RUNNING. `None`
 /// when the table is not there (the schema predates it): the fleet is unknown, which is not an
 /// error for a reader.

@@ -40,7 +40,14 @@ pub async fn set_read_only(pool: &PgPool, database: &str, on: bool) {
         true => format!("ALTER DATABASE {database} SET default_transaction_read_only = on"),
         false => format!("ALTER DATABASE {database} RESET default_transaction_read_only"),
     };
-    sqlx::query(&sql).execute(pool).await.unwrap();
+    // On a session of its own made read-write first: a session opened while the database is
+    // read-only starts read-only, and ALTER DATABASE is refused there (25006).
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("SET default_transaction_read_only = off")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query(&sql).execute(&mut *conn).await.unwrap();
 }
 
 async fn backend_pid(conn: &mut PgConnection) -> i32 {

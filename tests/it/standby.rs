@@ -210,13 +210,22 @@ async fn serve_says_once_that_the_database_became_read_only_and_once_that_it_tak
     // Read-only while it serves: its sessions end, as a failover ends them, and every new one is
     // read-only. Ticks, probes and scrapes go on meanwhile, each trying the pool.
     set_read_only(&db.pool, &db.name, true).await;
-    sqlx::query(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-          WHERE datname = current_database() AND application_name = 'settlementd'",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    // Twice, 300 ms apart: a session still starting up when the first call looked (no
+    // application_name yet, so not matched) read the database's settings before it became
+    // read-only, and would survive, writable, to be seen once more between two read-only ones; by
+    // the second call it has its name. In CI that said "became
+    // read-only" twice, 37 ms apart: the server was read-only, writable, then read-only again.
+    for _ in 0..2 {
+        sqlx::query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE datname = current_database()
+                AND application_name IN ('settlementd', 'settlementd-status')",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let read_only_since = Instant::now();
     while read_only_since.elapsed() < Duration::from_secs(6) {
         let _ = get(replica.addr, "/readyz").await;

@@ -423,14 +423,8 @@ fn fleet_section(
 /// within three heartbeats): those that would take over an expired lease. `None`: the fleet is
 /// not known.
 fn takers(fleet: Option<&[Member]>, view: &Overview, heartbeat_secs: u64) -> Option<BTreeSet<u32>> {
-    let live_within = 3.0 * heartbeat_secs as f64;
     fleet.map(|fleet| {
-        fleet
-            .iter()
-            .filter(|m| m.is_live(live_within) && m.shards == view.shards as i32)
-            .filter(|m| m.jobs.iter().any(|j| j == view.job))
-            .filter_map(|m| u32::try_from(m.shard).ok())
-            .collect()
+        crate::job_layer::fleet::takers(fleet, view.job, view.shards, 3.0 * heartbeat_secs as f64)
     })
 }
 
@@ -439,7 +433,7 @@ fn job_section(view: &Overview, takers: Option<BTreeSet<u32>>) -> Markup {
         section.job #(view.job) {
             h2 { "Job " code { (view.job) } }
             (watch(view))
-            (schedule(view))
+            (schedule(view, takers.as_ref()))
             (months(view, takers.as_ref()))
             @if let Scope::Month(_) = view.scope { (would_now(view)) }
             (history(view))
@@ -499,7 +493,7 @@ fn watch(view: &Overview) -> Markup {
     }
 }
 
-fn schedule(view: &Overview) -> Markup {
+fn schedule(view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
     let tz = view.schedule.timezone;
     let id = |what: &str| format!("{}-{what}", view.job);
     html! {
@@ -522,7 +516,7 @@ fn schedule(view: &Overview) -> Markup {
                         (slot.fire_at.format("%Y-%m-%d %H:%M:%S %:z")) ", " (view.words.run_does) " "
                         a href=(month_link(slot.business_date, view.shards)) { (slot.business_date) } ": "
                         @match view.month(slot.business_date.date()) {
-                            Some(month) => (verdict(month, view)),
+                            Some(month) => (verdict(month, view, takers)),
                             None => { span.open { "not closed" } " (no shard of " (view.shards) " has claimed it)" }
                         }
                     }
@@ -643,7 +637,7 @@ fn month_row(
     html! {
         tr #{ (job) "-month-" (date) } {
             th { a href=(month_link_date(date, view.shards)) { (date) } }
-            td.verdict #{ (job) "-verdict-" (date) } data-label="closed" { (verdict(month, view)) }
+            td.verdict #{ (job) "-verdict-" (date) } data-label="closed" { (verdict(month, view, takers)) }
             td.totals #{ (job) "-totals-" (date) } data-label="totals" { (totals(&month.totals, view.words, detail)) }
             @if let Some(pinned) = view.words.pinned {
                 td.rule.small #{ (job) "-rule-" (date) } data-label=(format!("{pinned} (pinned)")) {
@@ -709,9 +703,9 @@ fn would_now(view: &Overview) -> Markup {
     }
 }
 
-fn verdict(month: &Month, view: &Overview) -> Markup {
+fn verdict(month: &Month, view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
     let paused = view.watch.as_ref().and_then(|w| w.paused.as_ref());
-    let verdict = month.verdict(view.words, paused, view.schedule.timezone);
+    let verdict = month.verdict(view.words, paused, view.schedule.timezone, takers);
     html! {
         @match verdict.state {
             MonthState::Closed => span.closed { (verdict.words) },
