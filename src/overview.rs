@@ -254,6 +254,14 @@ pub fn follow_upstreams(views: &mut [Overview]) {
     }
 }
 
+/// Who runs a month's shards, for [`Month::verdict`]: the shards a live replica runs
+/// ([`crate::job_layer::fleet::takers`]), and the lease after which a RUNNING claim is nobody's.
+#[derive(Debug, Clone, Copy)]
+pub struct Runners<'a> {
+    pub takers: &'a std::collections::BTreeSet<u32>,
+    pub lease_ttl_secs: u64,
+}
+
 /// A month's verdict ([`Month::verdict`]).
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Verdict {
@@ -362,16 +370,15 @@ impl Month {
     /// JSON) and the page show. Closed only when every shard is SUCCESS and nothing waits, is held,
     /// is refused or is being corrected; otherwise each of those is named, and what resolves it —
     /// which, while the job is `paused`, is its resume. Times are in `tz`, the schedule's zone, as
-    /// everywhere else on the page and in `status`. `takers`: the shards a live replica runs
-    /// ([`crate::job_layer::fleet::takers`], `None` when the fleet is unknown); what waits on a
-    /// shard none runs is said to wait for one, as that shard's cell says, never to be run within
-    /// a heartbeat.
+    /// everywhere else on the page and in `status`. `runners`: who runs the shards (`None` when
+    /// the fleet is unknown); what waits on a shard nobody runs is said to wait for one, as that
+    /// shard's cell says, never to be run within a heartbeat.
     pub fn verdict(
         &self,
         words: Words,
         paused: Option<&Pause>,
         tz: Tz,
-        takers: Option<&std::collections::BTreeSet<u32>>,
+        runners: Option<Runners<'_>>,
     ) -> Verdict {
         let mut open = Vec::new();
         let mut next = Vec::new();
@@ -459,7 +466,7 @@ impl Month {
                 p.paused_by
             )),
             None if waits && !refused && self.correction.is_none() => {
-                next.push(self.who_runs(takers))
+                next.push(self.who_runs(runners))
             }
             _ => {}
         }
@@ -514,16 +521,25 @@ impl Month {
     /// The shards in `state`.
     /// Who runs what waits in the month: a replica of each shard within a heartbeat, or, for the
     /// shards that wait (not SUCCESS; every shard while items wait, which any may hold) with no
-    /// live replica among `takers`, nobody until one starts or an operator runs them.
-    fn who_runs(&self, takers: Option<&std::collections::BTreeSet<u32>>) -> String {
+    /// live replica among the runners' takers and no live lease (a RUNNING claim whose heartbeat
+    /// is within the lease: some process runs it), nobody until one starts or an operator runs
+    /// them.
+    fn who_runs(&self, runners: Option<Runners<'_>>) -> String {
         let everyone = self.late_returns() > 0 || self.unsettled.is_some_and(|u| u.upkeep > 0);
-        let unrun: Vec<u32> = self
-            .shards
-            .iter()
-            .filter(|s| everyone || s.state() != State::Success)
-            .map(|s| s.index)
-            .filter(|i| takers.is_some_and(|t| !t.contains(i)))
-            .collect();
+        let unrun: Vec<u32> = match runners {
+            None => Vec::new(),
+            Some(Runners {
+                takers,
+                lease_ttl_secs,
+            }) => self
+                .shards
+                .iter()
+                .filter(|s| everyone || s.state() != State::Success)
+                .filter(|s| s.state() != State::Running || s.lease_expired(lease_ttl_secs))
+                .map(|s| s.index)
+                .filter(|i| !takers.contains(i))
+                .collect(),
+        };
         if unrun.is_empty() {
             return "a replica of each shard runs what waits within a heartbeat".to_string();
         }
@@ -1473,7 +1489,11 @@ mod tests {
         let next = |m: &Month, takers: Option<&[u32]>| {
             let takers: Option<std::collections::BTreeSet<u32>> =
                 takers.map(|t| t.iter().copied().collect());
-            m.verdict(WORDS, None, chrono_tz::UTC, takers.as_ref())
+            let runners = takers.as_ref().map(|takers| Runners {
+                takers,
+                lease_ttl_secs: 60,
+            });
+            m.verdict(WORDS, None, chrono_tz::UTC, runners)
                 .next
                 .unwrap()
         };
@@ -1500,6 +1520,13 @@ mod tests {
             upkeep: 0,
         });
         assert!(next(&month, Some(&[1, 2])).contains("no live replica runs shard 0: start"));
+        // A RUNNING claim within its lease is run by its holder, whatever reports in the fleet;
+        // one whose lease expired is nobody's.
+        month.unsettled = None;
+        month.shards[0].run = Some(run(0, "RUNNING", 10.0));
+        assert!(next(&month, Some(&[])).contains("within a heartbeat"));
+        month.shards[0].run = Some(run(0, "RUNNING", 61.0));
+        assert!(next(&month, Some(&[])).contains("no live replica runs shard 0: start"));
     }
 
     #[test]

@@ -52,6 +52,8 @@ pub struct MonthStatus {
     pub fleet: Option<Vec<Member>>,
     /// `lease.heartbeat_secs`: a replica not reported for three is "gone?".
     pub heartbeat_secs: u64,
+    /// `lease.ttl_secs`: a RUNNING claim whose heartbeat is older is nobody's.
+    pub lease_ttl_secs: u64,
     /// The schedule's zone: the text shows every time in it, as the page does.
     pub tz: chrono_tz::Tz,
 }
@@ -101,6 +103,7 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
         watch: view.watch,
         fleet,
         heartbeat_secs: settings.lease.heartbeat_secs,
+        lease_ttl_secs: settings.lease.ttl_secs,
     })
 }
 
@@ -121,8 +124,11 @@ impl MonthStatus {
                 3.0 * self.heartbeat_secs as f64,
             )
         });
-        self.month
-            .verdict(self.words, paused, self.tz, takers.as_ref())
+        let runners = takers.as_ref().map(|takers| overview::Runners {
+            takers,
+            lease_ttl_secs: self.lease_ttl_secs,
+        });
+        self.month.verdict(self.words, paused, self.tz, runners)
     }
 
     /// The `status --json` object.

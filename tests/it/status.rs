@@ -436,14 +436,22 @@ impl FourMonths {
             .collect();
         assert!(rows.windows(2).all(|w| w[0] < w[1]), "newest month first");
         assert_eq!(text_of(dom, &format!("verdict-{closed}")), "closed");
+        // Only shard 0 has a replica here: a shard that waits with none is said to wait for one,
+        // as its cell says; a RUNNING claim within its lease is its holder's.
+        let nobody = |shard: u32, month: BusinessDate| {
+            format!(
+                "no live replica runs shard {shard}: start one, or `settlementd run --business-date \
+                 {month} --shard N --shards 3 --wait` runs it by hand"
+            )
+        };
         let next = "a replica of each shard runs what waits within a heartbeat";
         assert_eq!(
             text_of(dom, &format!("verdict-{missing}")),
-            format!("not closed: shard 2 missing {next}")
+            format!("not closed: shard 2 missing {}", nobody(2, missing))
         );
         assert_eq!(
             text_of(dom, &format!("verdict-{failed}")),
-            format!("not closed: shard 1 FAILED {next}")
+            format!("not closed: shard 1 FAILED {}", nobody(1, failed))
         );
         assert_eq!(
             text_of(dom, &format!("verdict-{running}")),

@@ -705,7 +705,11 @@ fn would_now(view: &Overview) -> Markup {
 
 fn verdict(month: &Month, view: &Overview, takers: Option<&BTreeSet<u32>>) -> Markup {
     let paused = view.watch.as_ref().and_then(|w| w.paused.as_ref());
-    let verdict = month.verdict(view.words, paused, view.schedule.timezone, takers);
+    let runners = takers.map(|takers| crate::overview::Runners {
+        takers,
+        lease_ttl_secs: view.lease_ttl_secs,
+    });
+    let verdict = month.verdict(view.words, paused, view.schedule.timezone, runners);
     html! {
         @match verdict.state {
             MonthState::Closed => span.closed { (verdict.words) },
