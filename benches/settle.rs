@@ -306,9 +306,24 @@ fn huge_pages_in_use(pg: &EmbeddedPg) -> &'static str {
     }
 }
 
+/// The cargo profile that built `binary`, from its directory: `target/release` is the bench
+/// profile's (`cargo bench`), `target/debug` the dev profile's (`cargo bench --profile dev`, CI's
+/// smoke test, which reuses what `cargo test` built), any other the custom profile of that name.
+fn profile_of(binary: &Path) -> String {
+    match binary
+        .parent()
+        .and_then(Path::file_name)
+        .and_then(|d| d.to_str())
+    {
+        Some("debug") => "dev".into(),
+        Some("release") | None => "bench".into(),
+        Some(custom) => custom.into(),
+    }
+}
+
 /// The binaries the process cases run: the one cargo built for this benchmark, copied aside, and
 /// (for `S1U`) the same code built with `--features bench-unjournaled`. Both are built in this
-/// crate's target directory with the bench profile; the feature build replaces cargo's
+/// crate's target directory with the same profile ([`profile_of`]); the feature build replaces cargo's
 /// `settlementd` there (cargo rebuilds it at its next build), so each is copied to
 /// `target/bench-bin/` first and run from there.
 struct Binaries {
@@ -330,7 +345,8 @@ impl Binaries {
             });
         }
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        println!("building the unjournaled baseline (cargo build --profile bench --features bench-unjournaled)");
+        let profile = profile_of(&built);
+        println!("building the unjournaled baseline (cargo build --profile {profile} --features bench-unjournaled)");
         let t = Instant::now();
         let status = Command::new(cargo)
             .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -338,7 +354,7 @@ impl Binaries {
                 "build",
                 "--quiet",
                 "--profile",
-                "bench",
+                &profile,
                 "--features",
                 "bench-unjournaled",
                 "--bin",
