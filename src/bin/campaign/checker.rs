@@ -1334,9 +1334,30 @@ fn check_journal(f: &Facts, out: &mut Vec<Violation>) {
             );
         }
     }
-    // Every adjustment a correction made is on the journal, under its key: a loan's entries of
-    // one transaction under the key, from the first one's before to the last one's after (a move
-    // is two: its money out of the old place, then the corrected fine into the new one).
+    for finding in adjustments_off_the_journal(f) {
+        report(out, finding);
+    }
+}
+
+/// Every adjustment a correction made is on the journal, under its key: a loan's entries of one
+/// transaction under the key end at the adjustment's new cents (a move is two: its money out of
+/// the old place, then the corrected fine into the new one). Its old cents are what the loan's row
+/// held before that transaction, as the correction reads it (its fine if settled, else 0; the
+/// campaign's loan log has it): a loan libraryd reloaded (deleted and inserted again, unsettled)
+/// that the correction moves is 0 → new there, while the journal takes the record's money out
+/// of the old place first. Without a logged write of the row, the first entry's before.
+fn adjustments_off_the_journal(f: &Facts) -> Vec<String> {
+    let mut findings = Vec::new();
+    let mut row_before: BTreeMap<(i64, i64), i64> = BTreeMap::new();
+    for w in f.loan_log.iter().filter(|w| w.op == 'U') {
+        row_before
+            .entry((w.txid, w.loan))
+            .or_insert(if w.old_settled == Some(true) {
+                w.old_fine.unwrap_or(0)
+            } else {
+                0
+            });
+    }
     let mut changes: BTreeMap<(String, i64, Option<i64>), Vec<Entry>> = BTreeMap::new();
     for j in &f.journal {
         let Some(key) = &j.correction_key else {
@@ -1350,30 +1371,28 @@ fn check_journal(f: &Facts, out: &mut Vec<Violation>) {
         }
     }
     let mut recorded: BTreeMap<(String, i64, i64, i64), usize> = BTreeMap::new();
-    for ((key, loan, _), mut entries) in changes {
+    for ((key, loan, txid), mut entries) in changes {
         entries.sort_by_key(|e| e.seq);
         let (first, last) = (entries[0], entries[entries.len() - 1]);
-        *recorded
-            .entry((key, loan, first.before.unwrap_or(0), last.after))
-            .or_default() += 1;
+        let before = txid
+            .and_then(|t| row_before.get(&(t, loan)).copied())
+            .unwrap_or(first.before.unwrap_or(0));
+        *recorded.entry((key, loan, before, last.after)).or_default() += 1;
     }
     for (key, loan, old, new) in &f.adjustments {
         if old == new {
-            report(
-                out,
-                format!(
-                    "correction {key} wrote a no-op adjustment of loan {loan} ({old} -> {new})"
-                ),
-            );
+            findings.push(format!(
+                "correction {key} wrote a no-op adjustment of loan {loan} ({old} -> {new})"
+            ));
         }
         match recorded.get_mut(&(key.clone(), *loan, *old, *new)) {
             Some(n) if *n > 0 => *n -= 1,
-            _ => report(
-                out,
-                format!("correction {key}'s adjustment of loan {loan} ({old} -> {new}) is not on the journal"),
-            ),
+            _ => findings.push(format!(
+                "correction {key}'s adjustment of loan {loan} ({old} -> {new}) is not on the journal"
+            )),
         }
     }
+    findings
 }
 
 /// Each month's journal balances, member by member: the entries of a (month, member) net to the
@@ -2033,6 +2052,59 @@ mod tests {
     #[test]
     fn a_tiny_settled_world_passes() {
         assert_eq!(check(&tiny()), vec![]);
+    }
+
+    /// Campaign seed 10 (CI of 5267ed5): libraryd reloaded loan 1 (deleted, inserted unsettled,
+    /// returned in another month), then a correction moved it: the journal took the record's 100
+    /// out of the old month and wrote the corrected 130 in the new one, and the adjustment says
+    /// 0 → 130, what the row held. A checker that read the old cents off the first entry called
+    /// that adjustment missing from the journal.
+    #[test]
+    fn a_corrections_adjustment_is_matched_to_what_the_loans_row_held_before_it() {
+        let mut f = tiny();
+        let sep = day(2026, 9, 1);
+        let entry = |seq, before, after| Entry {
+            loan: 1,
+            seq,
+            before: Some(before),
+            after,
+            member: Some(7),
+        };
+        for (id, month, kind, e) in [
+            (2, sep, "reversed", entry(2, 100, 0)),
+            (3, day(2026, 10, 1), "corrected", entry(3, 0, 130)),
+        ] {
+            f.journal.push(JournalRow {
+                id,
+                txid: Some(95),
+                month,
+                kind: kind.into(),
+                shards: Some(1),
+                attempt: Some(2),
+                correction_key: Some("k".into()),
+                entries: vec![e],
+            });
+        }
+        let mut write = f.loan_log[0].clone();
+        write.txid = 95;
+        f.loan_log.push(write);
+        // The row reloaded: unsettled, fine 0, before the correction's transaction.
+        f.adjustments = vec![("k".into(), 1, 0, 130)];
+        assert_eq!(adjustments_off_the_journal(&f), Vec::<String>::new());
+        // The same adjustment claiming the record's 100 as the row's is not what happened.
+        f.adjustments = vec![("k".into(), 1, 100, 130)];
+        assert_eq!(
+            adjustments_off_the_journal(&f),
+            vec!["correction k's adjustment of loan 1 (100 -> 130) is not on the journal"]
+        );
+        // A moved loan whose row was still settled at 100: 100 → 130.
+        let moved = f.loan_log.last_mut().unwrap();
+        moved.old_settled = Some(true);
+        moved.old_fine = Some(100);
+        assert_eq!(adjustments_off_the_journal(&f), Vec::<String>::new());
+        // A new cents the journal does not end at.
+        f.adjustments = vec![("k".into(), 1, 100, 140)];
+        assert_eq!(adjustments_off_the_journal(&f).len(), 1);
     }
 
     #[test]
