@@ -46,6 +46,14 @@ pub const LOANS_MIGRATIONS: &[i64] = &[
 
 /// The ledger of migrations after [`SQLX_LEDGER_LAST`]. `release` is the version of the binary
 /// that applied each one, for an operator reading it after a rollback.
+/// How long each migration waits for a lock before it gives up, changing nothing
+/// ([`DbError::LockWait`]). A migration that alters a table waits for every transaction that uses
+/// it, and while it waits every later user of the table queues behind it: without a bound, one
+/// long transaction of libraryd's on `loans` (or a run's on settlementd's tables) would stop all
+/// of libraryd's writes for as long as it lasts. Migration 20261210000001 sets the same bound in
+/// its own file.
+pub const LOCK_WAIT_SECS: u64 = 5;
+
 const CREATE_LEDGER: &str = "CREATE TABLE IF NOT EXISTS settlementd_migrations (
     version        bigint      PRIMARY KEY,
     description    text        NOT NULL,
@@ -185,7 +193,25 @@ pub async fn migrate_connection(conn: &mut PgConnection) -> Result<Vec<Applied>>
         // Released with the session too, should this fail.
         let _ = conn.unlock().await;
     }
-    result.map_err(refused_for_rights)
+    result
+        .map_err(refused_for_rights)
+        .map_err(waited_for_a_lock)
+}
+
+/// A migration that waited [`LOCK_WAIT_SECS`] for a lock (SQLSTATE 55P03) was rolled back whole:
+/// say so, and that running `migrate` again is the remedy (exit 1: it may pass).
+fn waited_for_a_lock(e: DbError) -> DbError {
+    match &e {
+        DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), version))
+            if db.code().as_deref() == Some("55P03") =>
+        {
+            DbError::LockWait {
+                version: *version,
+                reason: db.message().to_string(),
+            }
+        }
+        _ => e,
+    }
 }
 
 /// A migration this role has no right to apply (SQLSTATE 42501: "permission denied for schema
@@ -267,6 +293,9 @@ async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
 async fn apply(conn: &mut PgConnection, migration: &Migration) -> Result<()> {
     let started = std::time::Instant::now();
     let mut tx = Connection::begin(&mut *conn).await?;
+    (&mut *tx)
+        .execute(format!("SET LOCAL lock_timeout = '{LOCK_WAIT_SECS}s'").as_str())
+        .await?;
     let owner: Option<String> = if LOANS_MIGRATIONS.contains(&migration.version) {
         loans_owner(&mut tx).await?
     } else {

@@ -254,6 +254,82 @@ async fn running_against_an_unmigrated_database_says_to_migrate() {
     assert!(err.contains("settlementd migrate"), "{err}");
 }
 
+/// A migration that alters `loans` waits for libraryd's open transaction on it, and every later
+/// writer of `loans` queues behind the migration: it gives up after its lock wait (exit 1, saying
+/// which migration and what to do), leaves the migrations before it applied and
+/// itself not, and the next `migrate` after that transaction ends applies the rest.
+#[tokio::test]
+async fn a_migration_behind_a_long_transaction_on_loans_gives_up_after_its_lock_wait_and_applies_on_the_next_try(
+) {
+    use sqlx::Connection as _;
+    let (_name, url) = empty_db().await;
+    let mut libraryd = sqlx::PgConnection::connect(&url).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE public.loans (id bigint PRIMARY KEY, member_id bigint NOT NULL,
+           book_id bigint NOT NULL, borrowed_on date NOT NULL, due_on date NOT NULL,
+           returned_on date)",
+    )
+    .execute(&mut libraryd)
+    .await
+    .unwrap();
+    // libraryd's long transaction: it wrote loans and has not committed.
+    let mut open = libraryd.begin().await.unwrap();
+    sqlx::query("LOCK TABLE public.loans IN ROW EXCLUSIVE MODE")
+        .execute(&mut *open)
+        .await
+        .unwrap();
+
+    let out = output_within(
+        settlementd(Some(&url)).arg("migrate"),
+        std::time::Duration::from_secs(60),
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("migration 20261130000002 was not applied")
+            && err.contains("waited more than 5 s for a lock")
+            && err.contains("Run `settlementd migrate` again"),
+        "{err}"
+    );
+    let mut admin = sqlx::PgConnection::connect(&url).await.unwrap();
+    let applied: Vec<i64> =
+        sqlx::query_scalar("SELECT version FROM public._sqlx_migrations ORDER BY version")
+            .fetch_all(&mut admin)
+            .await
+            .unwrap();
+    assert_eq!(
+        applied,
+        vec![20261130000001],
+        "only the migration before it"
+    );
+    let columns: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.columns
+          WHERE table_schema = 'public' AND table_name = 'loans'",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        columns, 6,
+        "loans as libraryd made it: the migration was rolled back"
+    );
+
+    open.rollback().await.unwrap();
+    let out = output_within(
+        settlementd(Some(&url)).arg("migrate"),
+        std::time::Duration::from_secs(120),
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let pending: bool = sqlx::query_scalar(
+        "SELECT count(*) = 0 FROM settlementd.settlementd_migrations WHERE version = 20261210000001",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(!pending, "the next migrate applied every migration");
+}
+
 #[tokio::test]
 async fn an_unreachable_database_fails_with_exit_1_and_no_password() {
     let out = settlementd(Some(UNREACHABLE))
