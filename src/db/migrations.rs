@@ -44,8 +44,6 @@ pub const LOANS_MIGRATIONS: &[i64] = &[
     20261209000002,
 ];
 
-/// The ledger of migrations after [`SQLX_LEDGER_LAST`]. `release` is the version of the binary
-/// that applied each one, for an operator reading it after a rollback.
 /// How long each migration waits for a lock before it gives up, changing nothing
 /// ([`DbError::LockWait`]). A migration that alters a table waits for every transaction that uses
 /// it, and while it waits every later user of the table queues behind it: without a bound, one
@@ -54,6 +52,8 @@ pub const LOANS_MIGRATIONS: &[i64] = &[
 /// its own file.
 pub const LOCK_WAIT_SECS: u64 = 5;
 
+/// The ledger of migrations after [`SQLX_LEDGER_LAST`]. `release` is the version of the binary
+/// that applied each one, for an operator reading it after a rollback.
 const CREATE_LEDGER: &str = "CREATE TABLE IF NOT EXISTS settlementd_migrations (
     version        bigint      PRIMARY KEY,
     description    text        NOT NULL,
