@@ -3,7 +3,7 @@
 //! `settlementd status` prints one month of it.
 //!
 //! Reading is read-only and bounded:
-//! - A [`Reader`] has its own small pool (one connection for views, one for background totals), so
+//! - A [`Reader`] has its own small pool (one connection for views, one for its background counter), so
 //!   however many browsers refresh the page, it never takes a connection that the replica's runs
 //!   and heartbeats need; views take turns.
 //! - A view is read in one `REPEATABLE READ READ ONLY` transaction, one snapshot, so the grid, the
@@ -12,15 +12,18 @@
 //!   history are cheap (primary keys, the trail's indexes) and must be read; what is costly
 //!   degrades instead of making the view wait.
 //! - A month's facts are the job's ([`crate::job_layer::Job::facts`]; the fine settlement: settled rows,
-//!   fine sum and digest, read through the money journal). A **closed** month (every shard
-//!   SUCCESS, nothing waiting) cannot change while no run of it starts again — an edit of its
-//!   loans is queued and makes it wait, and re-pricing is a run — and every claim raises
-//!   [`MonthRunRow::month_attempts`], so its facts are computed once and kept under that number.
-//!   Facts that do not fit in a view's budget are computed in the background (one task at a time,
-//!   [`BACKGROUND_TIMEOUT`]) and shown from a later view on. An **open** month's are computed live
-//!   within what is left of the budget, or shown as unavailable.
+//!   fine sum and digest, read through the money journal). A **closed** month's (every shard
+//!   SUCCESS) change only with a new attempt of the month or a journal row no attempt wrote, so
+//!   they are counted once and kept, in this process and in `month_facts` for every process
+//!   ([`month_facts`]), under their [`Marker`]: [`MonthRunRow::month_attempts`] and the job's
+//!   mark ([`crate::job_layer::Job::facts_mark`]), both read in the view's snapshot. A view counts
+//!   facts within [`COUNT_SLICE`] (the page) once; what does not fit is counted by the reader's
+//!   background counter (one month after another, [`BACKGROUND_TIMEOUT`], marker and facts in one
+//!   snapshot) and shown from a later view on. An **open** month's are counted live within the
+//!   slice, or shown as unavailable.
 //! - A running shard's progress bar needs how many items its run still has to read
-//!   ([`crate::job_layer::Job::remaining`]); that is counted once per attempt, within the budget.
+//!   ([`crate::job_layer::Job::remaining`]); that is counted once per attempt, within the slice.
+//!   A correction's attempt has none.
 //! - A month whose every shard is SUCCESS is *closed* only when nothing waits for a run in it (the
 //!   job's [`crate::job_layer::Job::pending`]; the fine settlement: late returns and edits of settled
 //!   loans); a month held by an unfinished correction is "being corrected", never closed.
@@ -38,6 +41,7 @@ use crate::config::Settings;
 use crate::job_layer::claim::{self, JobRunRow, MonthRunRow};
 use crate::job_layer::due::{self, MonthState, NotClosed};
 use crate::job_layer::events::{self, ShardEvent};
+use crate::job_layer::month_facts::{self, Marker};
 use crate::job_layer::pause::{self, Pause};
 use crate::job_layer::registry::Registered;
 use crate::job_layer::{params, Fact, JobError, JobKey, Params, Words};
@@ -46,7 +50,7 @@ use chrono::{DateTime, NaiveDate, Utc};
 use chrono_tz::Tz;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -61,8 +65,14 @@ pub const HISTORY_LATEST: u32 = 5;
 pub const HISTORY_MONTH: u32 = 20;
 /// The database time one view may take, waiting for its turn included.
 pub const VIEW_BUDGET: Duration = Duration::from_secs(2);
+/// The most database time one view of the status page spends counting a month's facts, once: a
+/// closed month's that `month_facts` does not keep yet (then counted in the background and kept),
+/// an open month's so far (then not shown).
+pub const COUNT_SLICE: Duration = Duration::from_millis(100);
 /// How long a closed month's totals may take in the background.
 pub const BACKGROUND_TIMEOUT: Duration = Duration::from_secs(600);
+/// After an open month's facts did not fit in a view, how long before a view counts them again.
+const RETRY_OPEN_AFTER: Duration = Duration::from_secs(60);
 /// After a background computation failed, how long before a view starts another for that month.
 const RETRY_BACKGROUND_AFTER: Duration = Duration::from_secs(60);
 /// Kept entries beyond which the oldest months are forgotten (detail views can ask for any month).
@@ -662,6 +672,60 @@ pub struct Reader {
     kept: Arc<Mutex<Kept>>,
     /// The database time one view may take ([`VIEW_BUDGET`] for the status page).
     budget: Duration,
+    /// Writes the closed months it counts to `month_facts` (`serve`'s page; not the read-only
+    /// `status`).
+    stores: bool,
+    /// The most database time one view spends counting a month's facts ([`COUNT_SLICE`] for the
+    /// page), once: a view that gave up counts nothing more. `None`: what is left of the budget.
+    count_slice: Option<Duration>,
+}
+
+/// What a view may still spend counting months' facts (a closed month's not kept yet, an open
+/// month's so far).
+struct Counting {
+    slice: Option<Duration>,
+    /// Why the view stopped counting, once a count did not fit.
+    stopped: Option<String>,
+}
+
+impl Counting {
+    fn new(slice: Option<Duration>) -> Self {
+        Self {
+            slice,
+            stopped: None,
+        }
+    }
+
+    /// Until when the next count may run: the view's deadline, or sooner with a slice; `None`
+    /// once a count did not fit.
+    fn until(&self, deadline: Instant) -> Option<Instant> {
+        match (&self.stopped, self.slice) {
+            (Some(_), _) => None,
+            (None, None) => Some(deadline),
+            (None, Some(slice)) => Some(deadline.min(Instant::now() + slice)),
+        }
+    }
+
+    /// A count did not fit (`why`): with a slice the view counts nothing more. Says why: the
+    /// view's budget, when it is spent, or the slice.
+    fn gave_up(&mut self, why: String, deadline: Instant) -> String {
+        let why = match self.slice {
+            Some(_) if left(deadline).is_zero() => why,
+            Some(slice) => format!(
+                "not counted in this view: counting it takes more than {} ms of database time (`settlementd status` counts it)",
+                slice.as_millis()
+            ),
+            None => why,
+        };
+        if self.slice.is_some() {
+            self.stopped = Some(why.clone());
+        }
+        why
+    }
+
+    fn why(&self) -> String {
+        self.stopped.clone().unwrap_or_default()
+    }
 }
 
 #[derive(Default)]
@@ -670,34 +734,26 @@ struct Kept {
     totals: BTreeMap<(&'static str, NaiveDate), KeptTotals>,
     /// Loans read plus left to read, per run attempt (job key and attempt).
     run_totals: HashMap<(JobKey, i32), u64>,
-    /// A background task is computing closed months' totals.
+    /// Open months whose facts did not fit in a view: until when no view counts them, and why.
+    too_big: HashMap<(&'static str, NaiveDate), (Instant, String)>,
+    /// Closed months queued for the background counter, oldest first.
+    queue: VecDeque<(Arc<dyn Registered>, BusinessDate)>,
+    /// The background counter runs.
     background: bool,
 }
 
 #[derive(Debug, Clone)]
 enum KeptTotals {
     Ready {
-        month_attempts: i64,
+        marker: Marker,
         totals: Vec<Fact>,
     },
-    Computing {
-        month_attempts: i64,
-    },
+    /// Queued for the background counter, or being counted there.
+    Computing,
     Failed {
-        month_attempts: i64,
         retry_at: Instant,
         why: String,
     },
-}
-
-impl KeptTotals {
-    fn month_attempts(&self) -> i64 {
-        match self {
-            KeptTotals::Ready { month_attempts, .. }
-            | KeptTotals::Computing { month_attempts }
-            | KeptTotals::Failed { month_attempts, .. } => *month_attempts,
-        }
-    }
 }
 
 impl Reader {
@@ -705,11 +761,16 @@ impl Reader {
     /// when first needed, closed as soon as `pool` closes its unused ones) named
     /// `settlementd-status`.
     pub fn new(pool: &PgPool) -> Self {
-        Self::with_budget(pool, VIEW_BUDGET)
+        Self {
+            stores: true,
+            count_slice: Some(COUNT_SLICE),
+            ..Self::with_budget(pool, VIEW_BUDGET)
+        }
     }
 
     /// A reader whose views may take `budget` of database time (the command line's `status`
-    /// waits for its answer as long as a command does).
+    /// waits for its answer as long as a command does), and that writes nothing: it counts what
+    /// `month_facts` does not keep, and keeps it in its own memory only.
     pub fn with_budget(pool: &PgPool, budget: Duration) -> Self {
         let options = (*pool.connect_options())
             .clone()
@@ -727,6 +788,8 @@ impl Reader {
             turn: Semaphore::new(1),
             kept: Arc::default(),
             budget,
+            stores: false,
+            count_slice: None,
         }
     }
 
@@ -899,6 +962,9 @@ impl Reader {
                 before_lookback: 0,
             }),
         };
+        set_timeout(&mut tx, left(deadline)).await?;
+        let mut stored = month_facts::read(&mut tx, name, &dates).await?;
+        let mut counting = Counting::new(self.count_slice);
         let mut months = Vec::new();
         for (business_date, month_attempts, runs) in grouped {
             let all_success =
@@ -930,6 +996,7 @@ impl Reader {
                     runs,
                     (shards, matches!(scope, Scope::Month(_))),
                     (counted, correction),
+                    (stored.remove(&business_date), &mut counting),
                 )
                 .await?;
             month.rule = rules.remove(&business_date);
@@ -984,21 +1051,30 @@ impl Reader {
         runs: Vec<JobRunRow>,
         (shards, detail): (u32, bool),
         (unsettled, correction): (Option<Waiting>, Option<(String, DateTime<Utc>)>),
+        (stored, counting): (Option<month_facts::Kept>, &mut Counting),
     ) -> Result<Month> {
         let mut runs: BTreeMap<u32, JobRunRow> =
             runs.into_iter().map(|r| (r.shard as u32, r)).collect();
         let mut month_shards = Vec::new();
         for index in 0..shards {
             let run = runs.remove(&index);
-            let progress = match &run {
-                Some(run) if run.status == "RUNNING" => {
+            // A correction's attempt re-prices what is settled: what the job counts as left to
+            // read (its unsettled items) is not what the correction has left, so it has no bar.
+            let progress = match (&run, counting.until(deadline)) {
+                (Some(run), Some(until)) if run.status == "RUNNING" && correction.is_none() => {
                     let key = JobKey {
                         job_name: job.name().to_string(),
                         business_date,
                         shards,
                         shard: index,
                     };
-                    self.progress(tx, job, deadline, key, run).await?
+                    match self.progress(tx, job, until, key, run).await? {
+                        Ok(progress) => progress,
+                        Err(why) => {
+                            counting.gave_up(why, deadline);
+                            None
+                        }
+                    }
                 }
                 _ => None,
             };
@@ -1017,13 +1093,45 @@ impl Reader {
             // Claims are made for month ends only; a row written by hand may not be one.
             Err(e) => Totals::Unavailable(e.to_string()),
             Ok(date) if closed => {
-                self.closed_totals(tx, job, deadline, date, month_attempts)
+                let at = (month_attempts, stored);
+                self.closed_totals(tx, job, (deadline, counting), date, at)
                     .await?
             }
-            Ok(date) => match costly(tx, (deadline, self.budget), facts_of(job, date)).await? {
-                Ok(facts) => Totals::SoFar(facts),
-                Err(why) => Totals::Unavailable(why),
-            },
+            // An open month's facts move with every batch: counted live, if at all, and not
+            // tried again for a while once they did not fit (a month-end run's views would each
+            // spend their slice on it).
+            Ok(date) => {
+                let at = (job.name(), business_date);
+                let skip = self.kept().too_big.get(&at).cloned();
+                match (counting.until(deadline), skip) {
+                    (None, _) => Totals::Unavailable(counting.why()),
+                    (Some(_), Some((until, ref why))) if Instant::now() < until => {
+                        Totals::Unavailable(why.clone())
+                    }
+                    (Some(until), _) => {
+                        match costly(tx, (until, self.budget), facts_of(job, date)).await? {
+                            Ok(facts) => {
+                                self.kept().too_big.remove(&at);
+                                Totals::SoFar(facts)
+                            }
+                            // The view's budget spent elsewhere says nothing of the month.
+                            Err(why) if left(deadline).is_zero() => {
+                                Totals::Unavailable(counting.gave_up(why, deadline))
+                            }
+                            Err(why) => {
+                                let why = counting.gave_up(why, deadline);
+                                let mut kept = self.kept();
+                                if kept.too_big.len() >= KEEP_AT_MOST {
+                                    kept.too_big.clear();
+                                }
+                                let again = Instant::now() + RETRY_OPEN_AFTER;
+                                kept.too_big.insert(at, (again, why.clone()));
+                                Totals::Unavailable(why)
+                            }
+                        }
+                    }
+                }
+            }
         };
         let preview = match (detail, BusinessDate::new(business_date)) {
             (false, _) | (_, Err(_)) => None,
@@ -1056,7 +1164,7 @@ impl Reader {
         deadline: Instant,
         key: JobKey,
         run: &JobRunRow,
-    ) -> Result<Option<Progress>> {
+    ) -> Result<Result<Option<Progress>, String>> {
         let read = run.scanned.max(0) as u64;
         let id = (key.clone(), run.attempt);
         let known = self.kept().run_totals.get(&id).copied();
@@ -1079,103 +1187,126 @@ impl Reader {
                         kept.run_totals.insert(id, total);
                         total
                     }
-                    Ok(None) | Err(_) => return Ok(None),
+                    Ok(None) => return Ok(Ok(None)),
+                    Err(why) => return Ok(Err(why)),
                 }
             }
         };
-        Ok(Some(Progress { read, total }))
+        Ok(Ok(Some(Progress { read, total })))
     }
 
-    /// A closed month's facts: kept, computed now within the budget and kept, or computed in the
-    /// background when the budget does not suffice.
+    /// A closed month's facts: kept (in this process, or in `month_facts` by any process) under
+    /// the month's marker as it stands in this view's snapshot, computed now within the budget and
+    /// kept, or computed in the background when the budget does not suffice.
+    #[allow(clippy::too_many_arguments)]
     async fn closed_totals(
         &self,
         tx: &mut PgConnection,
         job: &Arc<dyn Registered>,
-        deadline: Instant,
+        (deadline, counting): (Instant, &mut Counting),
         month: BusinessDate,
-        month_attempts: i64,
+        (month_attempts, stored): (i64, Option<month_facts::Kept>),
     ) -> Result<Totals> {
+        let mark = {
+            let job = job.clone();
+            costly(tx, (deadline, self.budget), move |c| {
+                Box::pin(async move { job.facts_mark(c, month).await })
+            })
+            .await?
+        };
         let at = (job.name(), month.date());
-        let kept = self
-            .kept()
-            .totals
-            .get(&at)
-            .filter(|k| k.month_attempts() == month_attempts)
-            .cloned();
+        let kept = self.kept().totals.get(&at).cloned();
+        let marker = match mark {
+            Ok(mark) => Marker {
+                month_attempts,
+                mark,
+            },
+            // Not even the mark fitted: whatever is kept cannot be checked; the background
+            // counter reads the marker with the facts.
+            Err(_) => {
+                return Ok(match kept {
+                    Some(KeptTotals::Failed { retry_at, why }) if Instant::now() < retry_at => {
+                        Totals::Unavailable(why)
+                    }
+                    _ => self.compute_in_background(job, month),
+                })
+            }
+        };
         match kept {
-            Some(KeptTotals::Ready { totals, .. }) => return Ok(Totals::Closed(totals)),
-            Some(KeptTotals::Computing { .. }) => return Ok(Totals::Computing),
-            Some(KeptTotals::Failed { retry_at, why, .. }) if Instant::now() < retry_at => {
+            Some(KeptTotals::Ready { totals, marker: m }) if m == marker => {
+                return Ok(Totals::Closed(totals))
+            }
+            Some(KeptTotals::Computing) => return Ok(Totals::Computing),
+            Some(KeptTotals::Failed { retry_at, why }) if Instant::now() < retry_at => {
                 return Ok(Totals::Unavailable(why))
             }
-            Some(KeptTotals::Failed { .. }) => {
-                return Ok(self.compute_in_background(job, month, month_attempts))
-            }
-            None => {}
+            _ => {}
         }
-        match costly(tx, (deadline, self.budget), facts_of(job, month)).await? {
+        if let Some(stored) = stored.filter(|k| k.marker == marker) {
+            self.keep(
+                at,
+                KeptTotals::Ready {
+                    marker,
+                    totals: stored.facts.clone(),
+                },
+            );
+            return Ok(Totals::Closed(stored.facts));
+        }
+        let Some(until) = counting.until(deadline) else {
+            return Ok(self.compute_in_background(job, month));
+        };
+        match costly(tx, (until, self.budget), facts_of(job, month)).await? {
             Ok(totals) => {
                 self.keep(
                     at,
                     KeptTotals::Ready {
-                        month_attempts,
+                        marker,
                         totals: totals.clone(),
                     },
                 );
+                self.store(job.name(), month, marker, &totals);
                 Ok(Totals::Closed(totals))
             }
-            Err(_) => Ok(self.compute_in_background(job, month, month_attempts)),
+            Err(why) => {
+                counting.gave_up(why, deadline);
+                Ok(self.compute_in_background(job, month))
+            }
         }
     }
 
-    /// Starts computing `month`'s facts in the background unless another month's are being
-    /// computed (a later view starts this one then).
-    fn compute_in_background(
-        &self,
-        job: &Arc<dyn Registered>,
-        month: BusinessDate,
-        month_attempts: i64,
-    ) -> Totals {
-        {
-            let mut kept = self.kept();
-            if kept.background {
-                return Totals::Unavailable(
-                    "waiting: another closed month's totals are being computed in the background"
-                        .into(),
-                );
-            }
-            kept.background = true;
+    /// Writes a month's counted facts to `month_facts` for every process, in a task of its own,
+    /// when this reader keeps them there ([`Reader::new`]); a failure (a read-only server) leaves
+    /// them in this process's memory only, and says so in the debug log.
+    fn store(&self, job: &'static str, month: BusinessDate, marker: Marker, facts: &[Fact]) {
+        if !self.stores {
+            return;
         }
-        let at = (job.name(), month.date());
-        self.keep(at, KeptTotals::Computing { month_attempts });
-        let (pool, kept, job) = (self.pool.clone(), self.kept.clone(), job.clone());
+        let (pool, facts) = (self.pool.clone(), facts.to_vec());
         tokio::spawn(async move {
-            let entry = match totals_in_background(pool, &job, month).await {
-                Ok(totals) => KeptTotals::Ready {
-                    month_attempts,
-                    totals,
-                },
-                Err(e) => {
-                    tracing::warn!(job = job.name(), business_date = %month, error = %e, "status page: cannot compute a closed month's totals");
-                    KeptTotals::Failed {
-                        month_attempts,
-                        retry_at: Instant::now() + RETRY_BACKGROUND_AFTER,
-                        why: format!(
-                            "the last attempt failed ({e}); tried again after {} s",
-                            RETRY_BACKGROUND_AFTER.as_secs()
-                        ),
-                    }
-                }
-            };
-            let mut kept = lock(&kept);
-            kept.background = false;
-            // Unless a run of the month started meanwhile (its entry is another one now).
-            if matches!(kept.totals.get(&at), Some(k @ KeptTotals::Computing { .. }) if k.month_attempts() == month_attempts)
-            {
-                kept.totals.insert(at, entry);
+            if let Err(e) = month_facts::store(&pool, job, month.date(), marker, &facts).await {
+                tracing::debug!(job, business_date = %month, error = %e, "cannot keep a month's counted facts");
             }
         });
+    }
+
+    /// Queues `month`'s facts for the background counter, unless they are queued already; it
+    /// counts what is queued one month after another on a connection of its own, each month's
+    /// marker and facts in one snapshot (and keeps them in `month_facts` when this reader stores).
+    fn compute_in_background(&self, job: &Arc<dyn Registered>, month: BusinessDate) -> Totals {
+        let at = (job.name(), month.date());
+        let start = {
+            let mut kept = self.kept();
+            if matches!(kept.totals.get(&at), Some(KeptTotals::Computing)) {
+                return Totals::Computing;
+            }
+            kept.queue.push_back((job.clone(), month));
+            kept.totals.insert(at, KeptTotals::Computing);
+            !std::mem::replace(&mut kept.background, true)
+        };
+        if start {
+            let (pool, kept, stores) = (self.pool.clone(), self.kept.clone(), self.stores);
+            tokio::spawn(count_in_background(pool, kept, stores));
+        }
         Totals::Computing
     }
 
@@ -1192,17 +1323,76 @@ impl Reader {
     }
 }
 
-/// A closed month's facts on a connection of its own, with a timeout of its own.
+/// Counts the queued closed months one after another until none is queued.
+async fn count_in_background(pool: PgPool, kept: Arc<Mutex<Kept>>, stores: bool) {
+    loop {
+        let next = {
+            let mut kept = lock(&kept);
+            match kept.queue.pop_front() {
+                Some(next) => next,
+                None => {
+                    kept.background = false;
+                    return;
+                }
+            }
+        };
+        let (job, month) = next;
+        let at = (job.name(), month.date());
+        let entry = match totals_in_background(&pool, &job, month).await {
+            Ok((marker, totals)) => {
+                if stores {
+                    if let Err(e) =
+                        month_facts::store(&pool, job.name(), month.date(), marker, &totals).await
+                    {
+                        tracing::debug!(job = job.name(), business_date = %month, error = %e, "cannot keep a month's counted facts");
+                    }
+                }
+                KeptTotals::Ready { marker, totals }
+            }
+            Err(e) => {
+                tracing::warn!(job = job.name(), business_date = %month, error = %e, "status page: cannot compute a closed month's totals");
+                KeptTotals::Failed {
+                    retry_at: Instant::now() + RETRY_BACKGROUND_AFTER,
+                    why: format!(
+                        "the last attempt failed ({e}); tried again after {} s",
+                        RETRY_BACKGROUND_AFTER.as_secs()
+                    ),
+                }
+            }
+        };
+        lock(&kept).totals.insert(at, entry);
+    }
+}
+
+/// A closed month's marker and facts in one snapshot, on a connection of its own, with a timeout
+/// of its own: kept under that marker, they are exactly what it marks.
 async fn totals_in_background(
-    pool: PgPool,
+    pool: &PgPool,
     job: &Arc<dyn Registered>,
     month: BusinessDate,
-) -> sqlx::Result<Vec<Fact>> {
-    let mut tx = pool.begin_with("BEGIN READ ONLY").await?;
+) -> sqlx::Result<(Marker, Vec<Fact>)> {
+    let mut tx = pool
+        .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        .await?;
     set_timeout(&mut tx, BACKGROUND_TIMEOUT).await?;
+    let month_attempts: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(sum(attempt), 0)::bigint FROM job_runs
+          WHERE job_name = $1 AND business_date = $2",
+    )
+    .bind(job.name())
+    .bind(month.date())
+    .fetch_one(&mut *tx)
+    .await?;
+    let mark = job.facts_mark(&mut tx, month).await?;
     let facts = job.facts(&mut tx, month).await?;
     tx.rollback().await?;
-    Ok(facts)
+    Ok((
+        Marker {
+            month_attempts,
+            mark,
+        },
+        facts,
+    ))
 }
 
 /// Never held across an await; a panic while held cannot leave it half-written in a way that
@@ -1581,6 +1771,33 @@ mod tests {
         assert_eq!(percent(0, 10), 0);
         assert_eq!(percent(12, 10), 100, "rows added to the month meanwhile");
         assert_eq!(percent(0, 0), 100, "nothing to read");
+    }
+
+    #[test]
+    fn a_view_with_a_slice_stops_counting_after_one_count_that_did_not_fit_and_says_why() {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        let mut page = Counting::new(Some(Duration::from_millis(100)));
+        let until = page.until(deadline).expect("the first count may run");
+        assert!(until <= Instant::now() + Duration::from_millis(100));
+        let why = page.gave_up("timeout".into(), deadline);
+        assert!(why.contains("more than 100 ms"), "{why}");
+        assert_eq!(page.until(deadline), None, "nothing more is counted");
+        assert_eq!(page.why(), why);
+
+        // The budget spent elsewhere is said as such.
+        let mut page = Counting::new(Some(Duration::from_millis(100)));
+        let spent = Instant::now();
+        assert_eq!(page.gave_up(spent_text(), spent), spent_text());
+
+        // Without a slice (`status`), a count that did not fit stops nothing.
+        let mut status = Counting::new(None);
+        assert_eq!(status.until(deadline), Some(deadline));
+        assert_eq!(status.gave_up("timeout".into(), deadline), "timeout");
+        assert_eq!(status.until(deadline), Some(deadline));
+    }
+
+    fn spent_text() -> String {
+        spent(VIEW_BUDGET)
     }
 
     #[test]

@@ -25,6 +25,7 @@ pub mod due;
 pub mod events;
 pub mod fleet;
 pub mod lease;
+pub mod month_facts;
 pub mod params;
 pub mod pause;
 pub mod registry;
@@ -590,12 +591,12 @@ impl Default for Metrics {
 
 /// A fact a job reports about one period, for `status` and the status page (the fine settlement:
 /// settled rows, fine sum, digest).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Fact {
     /// Its key in `status --json` and in `status`'s text.
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     /// What the page calls it ("rows", "fines", "digest").
-    pub label: &'static str,
+    pub label: Cow<'static, str>,
     pub kind: FactKind,
     pub value: serde_json::Value,
 }
@@ -604,8 +605,8 @@ impl Fact {
     /// A number of things: `name` (its key), `label` (what the page calls it), how many.
     pub fn count(name: &'static str, label: &'static str, count: i64) -> Self {
         Self {
-            name,
-            label,
+            name: name.into(),
+            label: label.into(),
             kind: FactKind::Count,
             value: count.into(),
         }
@@ -614,8 +615,8 @@ impl Fact {
     /// A sum of cents, shown as money (an `i128`: sums of `bigint` cents do not fit an `i64`).
     pub fn cents(name: &'static str, label: &'static str, cents: i128) -> Self {
         Self {
-            name,
-            label,
+            name: name.into(),
+            label: label.into(),
             kind: FactKind::Cents,
             // Cents beyond what JSON numbers hold exactly are written as serde_json writes i128.
             value: serde_json::to_value(cents).unwrap_or_default(),
@@ -625,8 +626,8 @@ impl Fact {
     /// A fingerprint of the period's output.
     pub fn digest(name: &'static str, label: &'static str, digest: String) -> Self {
         Self {
-            name,
-            label,
+            name: name.into(),
+            label: label.into(),
             kind: FactKind::Digest,
             value: digest.into(),
         }
@@ -634,7 +635,7 @@ impl Fact {
 }
 
 /// How a fact reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum FactKind {
     /// A number of things: "1,081 rows".
     Count,
@@ -795,6 +796,19 @@ pub trait Job: Sync {
         _month: BusinessDate,
     ) -> impl Future<Output = sqlx::Result<Vec<Fact>>> + Send {
         async { Ok(Vec::new()) }
+    }
+
+    /// Where what [`Job::facts`] counts of `month` stands, beyond its attempts: a number that
+    /// moves whenever the facts may change without a new attempt of the month (the fine
+    /// settlement: the month's last journal row, which libraryd's deletions move too). The month's
+    /// kept facts ([`month_facts`]) are counted again when it or the month's attempts moved. One
+    /// index probe. `None`: the attempts alone tell (the default).
+    fn facts_mark(
+        &self,
+        _db: &mut PgConnection,
+        _month: BusinessDate,
+    ) -> impl Future<Output = sqlx::Result<Option<i64>>> + Send {
+        async { Ok(None) }
     }
 
     /// Proves the period `month` against the job's ground truth, read-only (in a snapshot of

@@ -71,6 +71,12 @@ pub trait Registered: Send + Sync {
         db: &'a mut PgConnection,
         month: BusinessDate,
     ) -> Boxed<'a, sqlx::Result<Vec<Fact>>>;
+    /// [`Job::facts_mark`].
+    fn facts_mark<'a>(
+        &'a self,
+        db: &'a mut PgConnection,
+        month: BusinessDate,
+    ) -> Boxed<'a, sqlx::Result<Option<i64>>>;
     fn remaining<'a>(
         &'a self,
         db: &'a mut PgConnection,
@@ -182,6 +188,14 @@ where
         month: BusinessDate,
     ) -> Boxed<'a, sqlx::Result<Vec<Fact>>> {
         Box::pin(self.job.facts(db, month))
+    }
+
+    fn facts_mark<'a>(
+        &'a self,
+        db: &'a mut PgConnection,
+        month: BusinessDate,
+    ) -> Boxed<'a, sqlx::Result<Option<i64>>> {
+        Box::pin(self.job.facts_mark(db, month))
     }
 
     fn remaining<'a>(

@@ -799,6 +799,24 @@ async fn nudge_the_record(pool: &PgPool, month: BusinessDate) {
     .unwrap();
 }
 
+/// A forced re-run of September's shard 1 of 2: a new attempt of the month.
+async fn rerun_september_shard_1(pool: &PgPool) {
+    let options = settlementd::job_layer::RunOptions {
+        owner: Owner(owner(1)),
+        ..run_options(true, false)
+    };
+    settlementd::job_layer::run_once(
+        pool,
+        &job(500),
+        key(bd(SEP), 2, 1),
+        &options,
+        &CancellationToken::new(),
+        &|_| {},
+    )
+    .await
+    .unwrap();
+}
+
 /// The fines of `month`'s totals cell on a page.
 fn fines(page: &str, month: &str) -> String {
     let totals = text_of(page, &format!("totals-{month}"));
@@ -843,22 +861,149 @@ async fn a_closed_months_totals_are_computed_once_until_a_run_of_it_starts_an_op
     );
 
     // A forced re-run of a September shard is a new attempt: the kept totals are computed again.
-    let options = settlementd::job_layer::RunOptions {
-        owner: Owner(owner(1)),
-        ..run_options(true, false)
-    };
-    settlementd::job_layer::run_once(
-        pool,
-        &job(500),
-        key(bd(SEP), 2, 1),
-        &options,
-        &CancellationToken::new(),
-        &|_| {},
-    )
-    .await
-    .unwrap();
+    rerun_september_shard_1(pool).await;
     let page = replica.page("/status").await;
     assert_eq!(fines(&page, SEP), money(sep.fine_cents_sum + 1));
+    replica.stop().await;
+}
+
+/// The kept row of `month` in `month_facts`: its fine sum, attempts and mark.
+async fn kept_row(pool: &PgPool, month: BusinessDate) -> Option<(String, i64, Option<i64>)> {
+    sqlx::query_as(
+        "SELECT facts::text, month_attempts, mark FROM settlementd.month_facts
+          WHERE job_name = 'fine-settlement' AND business_date = $1",
+    )
+    .bind(month.date())
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+}
+
+/// Writes `cents` as the kept fine sum of `month`, marker untouched: a reader that shows it took
+/// the kept row instead of counting.
+async fn tamper_kept_sum(pool: &PgPool, month: BusinessDate, cents: i64) {
+    let n = sqlx::query(
+        "UPDATE settlementd.month_facts
+            SET facts = (SELECT jsonb_agg(CASE WHEN f->>'name' = 'fine_cents_sum'
+                                               THEN jsonb_set(f, '{value}', to_jsonb($2::bigint))
+                                               ELSE f END)
+                           FROM jsonb_array_elements(facts) f)
+          WHERE job_name = 'fine-settlement' AND business_date = $1",
+    )
+    .bind(month.date())
+    .bind(cents)
+    .execute(pool)
+    .await
+    .unwrap()
+    .rows_affected();
+    assert_eq!(n, 1);
+}
+
+fn status_sum(url: &str, env: &[(&str, &str)]) -> Option<i64> {
+    let out = cli(url, env, &["status", "--business-date", SEP, "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    json_of(&out)["totals"]["fine_cents_sum"].as_i64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_months_facts_are_kept_for_every_process_until_its_attempts_or_its_journal_move() {
+    let db = test_db().await;
+    let pool = &db.pool;
+    seed_month(pool, bd(SEP), 600, 1).await;
+    for shard in [0, 1] {
+        settle_as(pool, bd(SEP), 2, shard, &owner(shard)).await;
+    }
+    let env = [("SETTLEMENTD__SHARD__COUNT", "2")];
+    let settled = totals_of(pool, bd(SEP)).await;
+    let cents = i64::try_from(settled.fine_cents_sum).unwrap();
+
+    // `status` counts what is not kept, and writes nothing: it is a read-only command.
+    assert_eq!(status_sum(&db.url, &env), Some(cents));
+    assert_eq!(
+        kept_row(pool, bd(SEP)).await,
+        None,
+        "status wrote a kept row"
+    );
+
+    // A replica's page counts the closed month once and keeps it for every process.
+    let replica = Replica::start(pool, &env, Utc::now()).await;
+    assert_eq!(
+        fines(&replica.page("/status").await, SEP),
+        money(settled.fine_cents_sum)
+    );
+    let mut kept = None;
+    for _ in 0..100 {
+        kept = kept_row(pool, bd(SEP)).await;
+        if kept.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (facts, attempts, mark) = kept.expect("the page kept the month's facts");
+    assert!(facts.contains(&settled.digest), "{facts}");
+    assert_eq!(attempts, 2, "the two shards' first attempts");
+    let last_journal_row: Option<i64> =
+        sqlx::query_scalar("SELECT max(id) FROM settlementd.fine_journal WHERE month = $1")
+            .bind(bd(SEP).first_day())
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(mark, last_journal_row);
+    replica.stop().await;
+
+    // Another process (a fresh `status`, a replica started later) reads the kept row: what was
+    // kept is what it shows, not a count of its own.
+    tamper_kept_sum(pool, bd(SEP), 12_345).await;
+    assert_eq!(
+        status_sum(&db.url, &env),
+        Some(12_345),
+        "status took the kept row"
+    );
+    let replica = Replica::start(pool, &env, Utc::now()).await;
+    assert_eq!(fines(&replica.page("/status").await, SEP), money(12_345));
+    replica.stop().await;
+
+    // A journal row of the month that no attempt of this release wrote (the release before it,
+    // during a rolling upgrade, opens entries for what it settled; here an empty one, which
+    // changes no fact) moves the mark: the month is counted again, by `status` and by the page.
+    sqlx::query(
+        "INSERT INTO settlementd.fine_journal (month, kind, loan_ids, seqs, due_on, returned_on,
+                                               before_cents, after_cents)
+         VALUES ($1, 'opening', '{}', '{}', '{}', '{}', '{}', '{}')",
+    )
+    .bind(bd(SEP).first_day())
+    .execute(pool)
+    .await
+    .unwrap();
+    assert_eq!(status_sum(&db.url, &env), Some(cents), "the journal moved");
+    let replica = Replica::start(pool, &env, Utc::now()).await;
+    assert_eq!(
+        fines(&replica.page("/status").await, SEP),
+        money(settled.fine_cents_sum)
+    );
+
+    // A new attempt of the month (a forced re-run of one shard) moves its attempts: a kept row
+    // under the old attempts is counted again, even where the journal did not move.
+    let mut moved = None;
+    for _ in 0..100 {
+        moved = kept_row(pool, bd(SEP)).await.filter(|(_, _, m)| *m != mark);
+        if moved.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        moved.is_some(),
+        "the page kept the recount under the new mark"
+    );
+    tamper_kept_sum(pool, bd(SEP), 777).await;
+    assert_eq!(status_sum(&db.url, &env), Some(777));
+    rerun_september_shard_1(pool).await;
+    assert_eq!(status_sum(&db.url, &env), Some(cents), "a new attempt");
+    assert_eq!(
+        fines(&replica.page("/status").await, SEP),
+        money(settled.fine_cents_sum)
+    );
     replica.stop().await;
 }
 

@@ -739,7 +739,7 @@ fn totals(totals: &Totals, words: crate::job_layer::Words, detail: bool) -> Mark
                     FactKind::Count => div {
                         @match text.parse::<i128>() {
                             // A label is plural ("rows"): one is "1 row".
-                            Ok(n) => (things(n, fact.label.strip_suffix('s').unwrap_or(fact.label), fact.label)),
+                            Ok(n) => (things(n, fact.label.strip_suffix('s').unwrap_or(&fact.label), &fact.label)),
                             Err(_) => { (text) " " (fact.label) }
                         }
                     },

@@ -676,6 +676,20 @@ impl Job for FineSettlement {
         ])
     }
 
+    /// The month's last journal row: every change of the month's money is journalled, by this
+    /// release's runs and corrections, by the release before it and by the triggers on `loans`
+    /// (a deletion). One probe of `fine_journal_by_month`.
+    async fn facts_mark(
+        &self,
+        db: &mut PgConnection,
+        month: BusinessDate,
+    ) -> sqlx::Result<Option<i64>> {
+        sqlx::query_scalar("SELECT max(id) FROM fine_journal WHERE month = $1")
+            .bind(month.first_day())
+            .fetch_one(db)
+            .await
+    }
+
     /// The month's unsettled returns and queued edits priced as its batches would price them
     /// ([`preview`]), under the rule the configuration gives the month.
     async fn preview(
