@@ -207,6 +207,42 @@ pub async fn serve(
     result
 }
 
+/// `database.migrate_on_start`: applies the migrations. One that waited too long for a lock
+/// ([`db::DbError::LockWait`]: a long transaction of libraryd's on `loans`, or of a replica of the
+/// release before on settlementd's tables) changed nothing; it is tried again every heartbeat
+/// while the replica stays up and not ready (`schema`), said once, as with `migrate_on_start =
+/// false` — no crash loop. `false` on shutdown.
+async fn migrate_on_start(
+    settings: &Settings,
+    pool: &PgPool,
+    shutdown: &CancellationToken,
+) -> Result<bool> {
+    let mut waited = false;
+    loop {
+        let migrated = tokio::select! {
+            migrated = db::migrate(pool) => migrated,
+            _ = shutdown.cancelled() => return Ok(false),
+        };
+        match migrated {
+            Ok(applied) => {
+                tracing::info!(applied = applied.len(), "migrations checked");
+                return Ok(true);
+            }
+            Err(e @ db::DbError::LockWait { .. }) => {
+                if !waited {
+                    tracing::warn!(error = %e, "not ready: a migration waits for another session's lock; `serve` tries again every heartbeat");
+                    waited = true;
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(settings.lease.heartbeat_secs)) => {}
+                    _ = shutdown.cancelled() => return Ok(false),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 async fn run_replica(
     settings: &Settings,
     pool: PgPool,
@@ -225,12 +261,8 @@ async fn run_replica(
         _ = shutdown.cancelled() => return Ok(()),
     }
     if settings.database.migrate_on_start {
-        tokio::select! {
-            migrated = db::migrate(&pool) => {
-                let applied = migrated?;
-                tracing::info!(applied = applied.len(), "migrations checked");
-            }
-            _ = shutdown.cancelled() => return Ok(()),
+        if !migrate_on_start(settings, &pool, &shutdown).await? {
+            return Ok(());
         }
     } else if !db::wait_for_schema(
         &pool,

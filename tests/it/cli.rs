@@ -261,23 +261,8 @@ async fn running_against_an_unmigrated_database_says_to_migrate() {
 #[tokio::test]
 async fn a_migration_behind_a_long_transaction_on_loans_gives_up_after_its_lock_wait_and_applies_on_the_next_try(
 ) {
-    use sqlx::Connection as _;
     let (_name, url) = empty_db().await;
-    let mut libraryd = sqlx::PgConnection::connect(&url).await.unwrap();
-    sqlx::query(
-        "CREATE TABLE public.loans (id bigint PRIMARY KEY, member_id bigint NOT NULL,
-           book_id bigint NOT NULL, borrowed_on date NOT NULL, due_on date NOT NULL,
-           returned_on date)",
-    )
-    .execute(&mut libraryd)
-    .await
-    .unwrap();
-    // libraryd's long transaction: it wrote loans and has not committed.
-    let mut open = libraryd.begin().await.unwrap();
-    sqlx::query("LOCK TABLE public.loans IN ROW EXCLUSIVE MODE")
-        .execute(&mut *open)
-        .await
-        .unwrap();
+    let mut libraryd = loans_held_open(&url).await;
 
     let out = output_within(
         settlementd(Some(&url)).arg("migrate"),
@@ -292,7 +277,9 @@ async fn a_migration_behind_a_long_transaction_on_loans_gives_up_after_its_lock_
             && err.contains("Run `settlementd migrate` again"),
         "{err}"
     );
-    let mut admin = sqlx::PgConnection::connect(&url).await.unwrap();
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
     let applied: Vec<i64> =
         sqlx::query_scalar("SELECT version FROM public._sqlx_migrations ORDER BY version")
             .fetch_all(&mut admin)
@@ -315,7 +302,10 @@ async fn a_migration_behind_a_long_transaction_on_loans_gives_up_after_its_lock_
         "loans as libraryd made it: the migration was rolled back"
     );
 
-    open.rollback().await.unwrap();
+    sqlx::query("ROLLBACK")
+        .execute(&mut libraryd)
+        .await
+        .unwrap();
     let out = output_within(
         settlementd(Some(&url)).arg("migrate"),
         std::time::Duration::from_secs(120),

@@ -718,6 +718,28 @@ pub fn server_owner() -> Option<(u32, u32)> {
     Some((fields.get(2)?.parse().ok()?, fields.get(3)?.parse().ok()?))
 }
 
+/// libraryd's `loans` as it makes it, on the empty database at `url`, and a connection of
+/// libraryd's holding it in a long transaction that wrote it (ROW EXCLUSIVE until `ROLLBACK`):
+/// what a migration that alters `loans` waits behind.
+pub async fn loans_held_open(url: &str) -> sqlx::PgConnection {
+    use sqlx::Connection as _;
+    let mut libraryd = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE public.loans (id bigint PRIMARY KEY, member_id bigint NOT NULL,
+           book_id bigint NOT NULL, borrowed_on date NOT NULL, due_on date NOT NULL,
+           returned_on date)",
+    )
+    .execute(&mut libraryd)
+    .await
+    .unwrap();
+    sqlx::query("BEGIN").execute(&mut libraryd).await.unwrap();
+    sqlx::query("LOCK TABLE public.loans IN ROW EXCLUSIVE MODE")
+        .execute(&mut libraryd)
+        .await
+        .unwrap();
+    libraryd
+}
+
 /// Polls `check` every 50 ms until it is true, for at most `secs` seconds; false if it never was.
 pub async fn eventually<F, Fut>(secs: u64, mut check: F) -> bool
 where

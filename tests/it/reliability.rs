@@ -531,6 +531,60 @@ async fn serve_without_the_schema_and_migrate_on_start_false_waits_not_ready_wit
     assert!(metrics.contains("settlementd_odd_rows_total"), "{metrics}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_whose_migration_waits_behind_a_long_transaction_stays_up_not_ready_and_applies_it_after(
+) {
+    let (_name, url) = empty_db().await;
+    let mut libraryd = loans_held_open(&url).await;
+
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("serve.log");
+    let serve = ServeProcess::start_logged(
+        &url,
+        &[
+            ("SETTLEMENTD__DATABASE__MIGRATE_ON_START", "true"),
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "1"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "3"),
+        ],
+        &log,
+    );
+    serve.wait_for("/healthz", 200).await;
+    let said = |text: &str| {
+        text.lines()
+            .filter(|l| l.contains("a migration waits for another session's lock"))
+            .count()
+    };
+    // Two lock waits of 5 s at least: still up, still not ready, said once.
+    assert!(
+        eventually(30, || async {
+            said(&std::fs::read_to_string(&log).unwrap()) == 1
+        })
+        .await,
+        "{}",
+        std::fs::read_to_string(&log).unwrap()
+    );
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let (code, body) = get(serve.addr, "/readyz").await.unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("schema"), "{body}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(said(&text), 1, "{text}");
+    assert!(
+        text.contains("migration 20261130000002 was not applied"),
+        "{text}"
+    );
+    assert!(!text.contains("panicked"), "{text}");
+
+    // libraryd commits: the next try applies every migration and the replica starts.
+    sqlx::query("ROLLBACK")
+        .execute(&mut libraryd)
+        .await
+        .unwrap();
+    serve.wait_for("/readyz", 200).await;
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("migrations checked"), "{text}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Slow: real processes frozen, servers stopped hard. `cargo test --test it -- --ignored`.
 // ---------------------------------------------------------------------------------------------
