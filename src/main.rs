@@ -49,6 +49,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    settlementd::schedule::show_times_in(settings.schedule.timezone);
     let level = if matches!(cli.command, Command::Serve(_)) {
         "info"
     } else {

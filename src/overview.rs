@@ -1198,7 +1198,6 @@ impl Reader {
     /// A closed month's facts: kept (in this process, or in `month_facts` by any process) under
     /// the month's marker as it stands in this view's snapshot, computed now within the budget and
     /// kept, or computed in the background when the budget does not suffice.
-    #[allow(clippy::too_many_arguments)]
     async fn closed_totals(
         &self,
         tx: &mut PgConnection,

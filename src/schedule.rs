@@ -17,6 +17,7 @@ use crate::calendar::BusinessDate;
 use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
 use chrono_tz::Tz;
 use croner::Cron;
+use std::sync::OnceLock;
 
 /// One scheduled fire time and the month it settles.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +43,6 @@ impl Slot {
     }
 }
 
-/// The first fire time strictly after `now`, in `tz`; `None` when the pattern never fires again.
 /// `at` in the schedule's zone as every surface shows a time — the page, `status`, `jobs`:
 /// `2026-11-01 02:30:00 +08:00`, so one look never mixes zones.
 pub fn local_time(at: DateTime<Utc>, tz: Tz) -> String {
@@ -51,6 +51,24 @@ pub fn local_time(at: DateTime<Utc>, tz: Tz) -> String {
         .to_string()
 }
 
+/// The zone the messages of the job layer and the commands show times in (a pause's, a
+/// correction's): the schedule's, set once by the binary when its configuration is read
+/// ([`show_times_in`]), so a refusal says the time the page and `status` say. UTC until then (a
+/// caller of the library that did not set it).
+static SHOWN_IN: OnceLock<Tz> = OnceLock::new();
+
+/// Makes [`shown`] use `tz` (the binary's `schedule.timezone`) for the rest of the process; a
+/// second call changes nothing.
+pub fn show_times_in(tz: Tz) {
+    let _ = SHOWN_IN.set(tz);
+}
+
+/// `at` as a message shows it: [`local_time`] in the zone of [`show_times_in`].
+pub fn shown(at: DateTime<Utc>) -> String {
+    local_time(at, SHOWN_IN.get().copied().unwrap_or(chrono_tz::UTC))
+}
+
+/// The first fire time strictly after `now`, in `tz`; `None` when the pattern never fires again.
 pub fn next_slot_after(cron: &Cron, tz: Tz, now: DateTime<Utc>) -> Option<DateTime<Tz>> {
     cron.find_next_occurrence(&now.with_timezone(&tz), false)
         .ok()

@@ -195,7 +195,7 @@ pub async fn dry_run(settings: &Settings, request: &CorrectRequest) -> Result<Dr
             refused.push(format!(
                 "{} is paused since {} by {}: {}",
                 fine_settlement::JOB_NAME,
-                p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                crate::schedule::shown(p.paused_at),
                 p.paused_by,
                 p.reason
             ));
@@ -354,7 +354,7 @@ fn unfinished(other: &Correction) -> AppError {
          configuration's rule must be {})",
         other.business_date,
         other.correction_key,
-        other.created_at.format("%Y-%m-%d %H:%M:%S UTC"),
+        crate::schedule::shown(other.created_at),
         other.business_date,
         shell_word(&other.correction_key),
         shell_word(&other.reason),

@@ -138,7 +138,7 @@ pub fn pause_line(p: &Pause) -> String {
     format!(
         "{} paused since {} by {}: {}",
         p.job_name,
-        p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+        crate::schedule::shown(p.paused_at),
         p.paused_by,
         p.reason
     )

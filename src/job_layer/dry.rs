@@ -102,7 +102,7 @@ pub async fn dry_run(
         refused.push(format!(
             "{} is paused since {} by {}: {} (`settlementd resume --job {}`)",
             job.name(),
-            p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+            crate::schedule::shown(p.paused_at),
             p.paused_by,
             p.reason,
             job.name()
@@ -111,7 +111,7 @@ pub async fn dry_run(
     if let Some((correction, since)) = params::held_by(&mut *tx, job.name(), business_date).await? {
         refused.push(format!(
             "the month is being corrected under key {correction:?} since {}",
-            since.format("%Y-%m-%d %H:%M:%S UTC")
+            crate::schedule::shown(since)
         ));
     }
     let pinned = params::pinned(&mut *tx, job.name(), business_date).await?;

@@ -915,7 +915,7 @@ pub enum JobError {
     /// what the run had committed when it stopped (`None`: it claimed nothing).
     #[error(
         "{job} is paused since {} by {by}: {reason}{} (`settlementd resume` lets it go on)",
-        since.format("%Y-%m-%d %H:%M:%S UTC"),
+        crate::schedule::shown(*since),
         wrote.map(|w| w.words()).unwrap_or_else(|| "; nothing was run".to_string())
     )]
     Paused {
@@ -928,8 +928,9 @@ pub enum JobError {
     /// The key's period is held by an unfinished correction: nothing was claimed. It ends when
     /// that correction completes (running it again with its key finishes it).
     #[error(
-        "{key} is being corrected under key {correction:?} since {since}: nothing was run; the \
-         correction holds the month until it completes (run it again with the same key to finish it)"
+        "{key} is being corrected under key {correction:?} since {}: nothing was run; the \
+         correction holds the month until it completes (run it again with the same key to finish it)",
+        crate::schedule::shown(*since)
     )]
     BeingCorrected {
         key: JobKey,

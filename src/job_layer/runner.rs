@@ -190,7 +190,7 @@ async fn run_in_span<J: Job>(
                     if let Some(p) = super::pause::of(pool, name).await? {
                         why.push_str(&format!(
                             "; and {name}{whose} is paused since {} by {}: {} (`settlementd resume --job {name}`)",
-                            p.paused_at.format("%Y-%m-%d %H:%M:%S UTC"),
+                            crate::schedule::shown(p.paused_at),
                             p.paused_by,
                             p.reason
                         ));

@@ -551,7 +551,17 @@ async fn run_of_a_paused_job_is_refused_with_exit_3_and_claims_nothing() {
     let refused = settlementd(Some(&db.url)).args(run).output().unwrap();
     let err = stderr_of(&refused);
     assert_eq!(refused.status.code(), Some(3), "{err}");
-    assert!(err.contains("is paused since"), "{err}");
+    // The pause's time in the schedule's zone (Asia/Shanghai by default), as the page says it.
+    let paused_at: chrono::DateTime<chrono::Utc> =
+        sqlx::query_scalar("SELECT paused_at FROM job_pauses WHERE job_name = 'fine-settlement'")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    let shown = settlementd::schedule::local_time(paused_at, chrono_tz::Asia::Shanghai);
+    assert!(
+        err.contains(&format!("is paused since {shown} by")),
+        "{shown}: {err}"
+    );
     let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM job_runs")
         .fetch_one(&db.pool)
         .await
