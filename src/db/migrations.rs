@@ -269,7 +269,7 @@ async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
                 return Err(MigrateError::VersionMismatch(migration.version).into())
             }
             Some(_) => continue,
-            None => apply(conn, migration).await?,
+            None => apply_past_deadlocks(conn, migration).await?,
         }
         tracing::info!(
             version = migration.version,
@@ -282,6 +282,37 @@ async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
         });
     }
     Ok(applied)
+}
+
+/// How many times [`apply_past_deadlocks`] tries a migration.
+const DEADLOCK_TRIES: u32 = 3;
+
+/// [`apply`], tried again when PostgreSQL broke a deadlock by rolling the migration back (SQLSTATE
+/// 40P01: the locks it takes one table after another crossed those of a transaction of the
+/// release before it, which uses the same tables during a rolling upgrade): the whole migration
+/// was undone, so its next try starts from nothing. The error stands after [`DEADLOCK_TRIES`].
+async fn apply_past_deadlocks(conn: &mut PgConnection, migration: &Migration) -> Result<()> {
+    let mut tries = 1;
+    loop {
+        match apply(conn, migration).await {
+            Err(e) if tries < DEADLOCK_TRIES && is_deadlock(&e) => {
+                tracing::warn!(version = migration.version, tries, error = %e, "a deadlock with another session rolled the migration back; trying it again");
+                tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(tries))).await;
+                tries += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// PostgreSQL rolled the statement's transaction back to break a deadlock.
+fn is_deadlock(e: &DbError) -> bool {
+    let db = match e {
+        DbError::Query(sqlx::Error::Database(db))
+        | DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), _)) => db,
+        _ => return false,
+    };
+    db.code().as_deref() == Some("40P01")
 }
 
 /// `migration` in one transaction with its ledger row. When the migration alters `loans` and the

@@ -677,8 +677,9 @@ impl Job for FineSettlement {
     }
 
     /// The month's last journal row: every change of the month's money is journalled, by this
-    /// release's runs and corrections, by the release before it and by the triggers on `loans`
-    /// (a deletion). One probe of `fine_journal_by_month`.
+    /// release's runs and corrections and by the release before it (libraryd's edits and
+    /// deletions of settled loans wait in the edit queue, and the run that takes them journals
+    /// them). One probe of `fine_journal_by_month`.
     async fn facts_mark(
         &self,
         db: &mut PgConnection,
