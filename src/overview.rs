@@ -1377,14 +1377,7 @@ async fn totals_in_background(
         .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY")
         .await?;
     set_timeout(&mut tx, BACKGROUND_TIMEOUT).await?;
-    let month_attempts: i64 = sqlx::query_scalar(
-        "SELECT COALESCE(sum(attempt), 0)::bigint FROM job_runs
-          WHERE job_name = $1 AND business_date = $2",
-    )
-    .bind(job.name())
-    .bind(month.date())
-    .fetch_one(&mut *tx)
-    .await?;
+    let month_attempts = claim::month_attempts(&mut *tx, job.name(), month.date()).await?;
     let mark = job.facts_mark(&mut tx, month).await?;
     let facts = job.facts(&mut tx, month).await?;
     tx.rollback().await?;

@@ -774,6 +774,23 @@ pub struct MonthRunRow {
     pub run: JobRunRow,
 }
 
+/// [`MonthRunRow::month_attempts`] of one business date, alone (the status page's background
+/// counter reads it in the snapshot it counts in): the same sum [`latest_months`] reads per month.
+pub async fn month_attempts(
+    db: impl PgExecutor<'_>,
+    job_name: &str,
+    business_date: chrono::NaiveDate,
+) -> sqlx::Result<i64> {
+    sqlx::query_scalar(
+        "SELECT COALESCE(sum(attempt), 0)::bigint FROM job_runs
+          WHERE job_name = $1 AND business_date = $2",
+    )
+    .bind(job_name)
+    .bind(business_date)
+    .fetch_one(db)
+    .await
+}
+
 /// The rows of `job_name` under `shards` for the latest `months` business dates that have any
 /// (only `month`, when given): newest month first, by shard.
 pub async fn latest_months(

@@ -799,6 +799,14 @@ async fn nudge_the_record(pool: &PgPool, month: BusinessDate) {
     .unwrap();
 }
 
+/// 600 loans returned in September, settled by both shards of 2.
+async fn settle_september_under_two_shards(pool: &PgPool) {
+    seed_month(pool, bd(SEP), 600, 1).await;
+    for shard in [0, 1] {
+        settle_as(pool, bd(SEP), 2, shard, &owner(shard)).await;
+    }
+}
+
 /// A forced re-run of September's shard 1 of 2: a new attempt of the month.
 async fn rerun_september_shard_1(pool: &PgPool) {
     let options = settlementd::job_layer::RunOptions {
@@ -909,10 +917,7 @@ fn status_sum(url: &str, env: &[(&str, &str)]) -> Option<i64> {
 async fn a_closed_months_facts_are_kept_for_every_process_until_its_attempts_or_its_journal_move() {
     let db = test_db().await;
     let pool = &db.pool;
-    seed_month(pool, bd(SEP), 600, 1).await;
-    for shard in [0, 1] {
-        settle_as(pool, bd(SEP), 2, shard, &owner(shard)).await;
-    }
+    settle_september_under_two_shards(pool).await;
     let env = [("SETTLEMENTD__SHARD__COUNT", "2")];
     let settled = totals_of(pool, bd(SEP)).await;
     let cents = i64::try_from(settled.fine_cents_sum).unwrap();
@@ -1012,10 +1017,7 @@ async fn a_settled_fine_edited_by_hand_moves_neither_the_page_nor_status_and_ver
 {
     let db = test_db().await;
     let pool = &db.pool;
-    seed_month(pool, bd(SEP), 600, 1).await;
-    for shard in [0, 1] {
-        settle_as(pool, bd(SEP), 2, shard, &owner(shard)).await;
-    }
+    settle_september_under_two_shards(pool).await;
     let env = [("SETTLEMENTD__SHARD__COUNT", "2")];
     let replica = Replica::start(pool, &env, Utc::now()).await;
     let settled = totals_of(pool, bd(SEP)).await;
