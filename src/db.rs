@@ -108,17 +108,18 @@ pub enum DbError {
     /// The role may not read or write what it needs: a grant is missing (no restart fixes it).
     #[error("{0}")]
     Privilege(String),
-    /// A migration waited longer than [`migrations::LOCK_WAIT_SECS`] for a table another session
-    /// holds (a long transaction of libraryd's on `loans`, a run's on settlementd's tables): it was
-    /// rolled back whole, and the migrations before it stay applied.
+    /// A step of `migrate` waited longer than [`migrations::LOCK_WAIT_SECS`] for a table another
+    /// session holds (a long transaction of libraryd's on `loans`, a run's on settlementd's
+    /// tables): it was rolled back whole, and the steps before it stay done. `step` says which, as
+    /// "migration 20261130000002 was not applied".
     #[error(
-        "migration {version} was not applied: it waited more than {} s for a lock ({reason}) \
-         that another session's transaction holds, on libraryd's loans or one of settlementd's \
-         tables; the migrations before it are applied. Run `settlementd migrate` again when that \
-         transaction has ended (pg_stat_activity shows it), outside the settlement window",
+        "{step}: it waited more than {} s for a lock ({reason}) that another session's \
+         transaction holds, on libraryd's loans or one of settlementd's tables; the migrations \
+         before it are applied. Run `settlementd migrate` again when that transaction has ended \
+         (pg_stat_activity shows it), outside the settlement window",
         migrations::LOCK_WAIT_SECS
     )]
-    LockWait { version: i64, reason: String },
+    LockWait { step: String, reason: String },
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("database error: {0}")]

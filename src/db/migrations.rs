@@ -198,19 +198,26 @@ pub async fn migrate_connection(conn: &mut PgConnection) -> Result<Vec<Applied>>
         .map_err(waited_for_a_lock)
 }
 
-/// A migration that waited [`LOCK_WAIT_SECS`] for a lock (SQLSTATE 55P03) was rolled back whole:
-/// say so, and that running `migrate` again is the remedy (exit 1: it may pass).
+/// A migration, or the hand-over after it, that waited [`LOCK_WAIT_SECS`] for a lock (SQLSTATE
+/// 55P03) was rolled back whole: say so, and that running `migrate` again is the remedy (exit 1:
+/// it may pass).
 fn waited_for_a_lock(e: DbError) -> DbError {
-    match &e {
-        DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), version))
-            if db.code().as_deref() == Some("55P03") =>
-        {
-            DbError::LockWait {
-                version: *version,
-                reason: db.message().to_string(),
-            }
+    let (db, step) = match &e {
+        DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), version)) => {
+            (db, format!("migration {version} was not applied"))
         }
-        _ => e,
+        DbError::Query(sqlx::Error::Database(db)) => (
+            db,
+            "settlementd's objects were not given to settlementd_migrator".to_string(),
+        ),
+        _ => return e,
+    };
+    if db.code().as_deref() != Some("55P03") {
+        return e;
+    }
+    DbError::LockWait {
+        step,
+        reason: db.message().to_string(),
     }
 }
 
@@ -269,7 +276,7 @@ async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
                 return Err(MigrateError::VersionMismatch(migration.version).into())
             }
             Some(_) => continue,
-            None => apply_past_deadlocks(conn, migration).await?,
+            None => past_deadlocks(conn, Step::Apply(migration)).await?,
         }
         tracing::info!(
             version = migration.version,
@@ -284,19 +291,44 @@ async fn apply_missing(conn: &mut PgConnection) -> Result<Vec<Applied>> {
     Ok(applied)
 }
 
-/// How many times [`apply_past_deadlocks`] tries a migration.
+/// How many times [`past_deadlocks`] tries a step of `migrate`.
 const DEADLOCK_TRIES: u32 = 3;
 
-/// [`apply`], tried again when PostgreSQL broke a deadlock by rolling the migration back (SQLSTATE
-/// 40P01: the locks it takes one table after another crossed those of a transaction of the
-/// release before it, which uses the same tables during a rolling upgrade): the whole migration
-/// was undone, so its next try starts from nothing. The error stands after [`DEADLOCK_TRIES`].
-async fn apply_past_deadlocks(conn: &mut PgConnection, migration: &Migration) -> Result<()> {
+/// A step of `migrate` that runs in one transaction.
+enum Step<'a> {
+    Apply(&'a Migration),
+    HandOver,
+}
+
+impl Step<'_> {
+    async fn run(&self, conn: &mut PgConnection) -> Result<()> {
+        match self {
+            Step::Apply(migration) => apply(conn, migration).await,
+            Step::HandOver => hand_over_once(conn).await,
+        }
+    }
+}
+
+impl std::fmt::Display for Step<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::Apply(migration) => write!(f, "migration {}", migration.version),
+            Step::HandOver => f.write_str("hand-over"),
+        }
+    }
+}
+
+/// `step` on `conn`, tried again when PostgreSQL broke a deadlock by rolling it back (SQLSTATE
+/// 40P01): the locks a migration or the hand-over takes one table after another crossed those of
+/// a transaction of the release before, which uses the same tables during a rolling upgrade. The
+/// step runs in one transaction, so the whole of it was undone and its next try starts from
+/// nothing. The error stands after [`DEADLOCK_TRIES`].
+async fn past_deadlocks(conn: &mut PgConnection, step: Step<'_>) -> Result<()> {
     let mut tries = 1;
     loop {
-        match apply(conn, migration).await {
+        match step.run(conn).await {
             Err(e) if tries < DEADLOCK_TRIES && is_deadlock(&e) => {
-                tracing::warn!(version = migration.version, tries, error = %e, "a deadlock with another session rolled the migration back; trying it again");
+                tracing::warn!(step = %step, tries, error = %e, "a deadlock with another session rolled this step of migrate back; trying it again");
                 tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(tries))).await;
                 tries += 1;
             }
@@ -458,8 +490,16 @@ pub const SUPERUSER_DEFINERS: &str =
 /// owns (in the schema, and what `public` keeps for the release before) to `settlementd_migrator`,
 /// created without a login if it does not exist yet (deploy/sql/roles.sql gives it one). The
 /// functions then run as a role that owns settlementd's tables and nothing else.
+/// It takes ACCESS EXCLUSIVE on each object it gives, in the order of their names, waiting at
+/// most [`LOCK_WAIT_SECS`] for each, and is tried again after a deadlock ([`past_deadlocks`]).
 async fn hand_over(conn: &mut PgConnection) -> Result<()> {
+    past_deadlocks(conn, Step::HandOver).await
+}
+
+async fn hand_over_once(conn: &mut PgConnection) -> Result<()> {
     let mut tx = Connection::begin(&mut *conn).await?;
+    tx.execute(format!("SET LOCAL lock_timeout = '{LOCK_WAIT_SECS}s'").as_str())
+        .await?;
     // A superuser runs this: with `public` on its path, a function or operator libraryd created
     // there (`format(text, name, name)`, `"="(oid, regnamespace)`) would run as that superuser.
     tx.execute(super::CATALOG_PATH_SQL).await?;
@@ -509,6 +549,7 @@ BEGIN
            AND NOT (c.relkind = 'S' AND EXISTS (SELECT FROM pg_depend d
                                                  WHERE d.objid = c.oid AND d.deptype IN ('a', 'i')
                                                    AND d.classid = 'pg_class'::regclass))
+         ORDER BY 2
     LOOP
         EXECUTE format('ALTER %s %s OWNER TO settlementd_migrator', obj.kind, obj.name);
     END LOOP;
@@ -521,6 +562,7 @@ BEGIN
          WHERE r.rolsuper
            AND (p.pronamespace = 'settlementd'::regnamespace
                 OR (p.pronamespace = 'public'::regnamespace AND p.proname LIKE 'settlementd\\_%'))
+         ORDER BY 1
     LOOP
         EXECUTE format('ALTER FUNCTION %s OWNER TO settlementd_migrator', obj.name);
     END LOOP;

@@ -585,6 +585,140 @@ async fn serve_whose_migration_waits_behind_a_long_transaction_stays_up_not_read
     assert!(text.contains("migrations checked"), "{text}");
 }
 
+/// A superuser's `migrate` gives settlementd's objects to `settlementd_migrator`, one ACCESS
+/// EXCLUSIVE lock after another, as the release before keeps working on them (a rolling upgrade).
+/// Here a transaction holds one it gives last and then asks for one it has taken: PostgreSQL
+/// breaks the deadlock by rolling the hand-over back (its check runs first: the database's
+/// `deadlock_timeout` is 2 s, the other session's 60 s), and `migrate` tries it again once that
+/// transaction ended, exit 0, everything handed over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_whose_hand_over_a_deadlock_rolled_back_tries_it_again_and_succeeds() {
+    let db = test_db().await;
+    let owner = |table: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT pg_get_userbyid(relowner)::text FROM pg_class
+                  WHERE oid = to_regclass('settlementd.' || $1)",
+            )
+            .bind(table)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(owner("job_runs").await, "settlementd_migrator");
+    // Two tables a superuser owns again (as after the previous release's migrate): the hand-over
+    // gives job_runs, then replicas.
+    for sql in [
+        "ALTER TABLE settlementd.job_runs OWNER TO CURRENT_USER".to_string(),
+        "ALTER TABLE settlementd.replicas OWNER TO CURRENT_USER".to_string(),
+        format!("ALTER DATABASE {} SET deadlock_timeout = '2s'", db.name),
+    ] {
+        sqlx::query(&sql).execute(&db.pool).await.unwrap();
+    }
+    let mut other = PgConnection::connect(&db.url).await.unwrap();
+    for sql in [
+        "SET deadlock_timeout = '60s'",
+        "BEGIN",
+        "LOCK TABLE settlementd.replicas IN ROW EXCLUSIVE MODE",
+    ] {
+        sqlx::query(sql).execute(&mut other).await.unwrap();
+    }
+
+    let migrate = settlementd(Some(&db.url))
+        .arg("migrate")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The hand-over holds job_runs and waits for replicas.
+    let waiting = || async {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT EXISTS (SELECT FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                             WHERE a.datname = current_database()
+                               AND a.application_name = 'settlementd' AND NOT l.granted
+                               AND l.relation = 'settlementd.replicas'::regclass)",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert!(eventually(30, waiting).await, "the hand-over never waited");
+    // Now this transaction asks for job_runs: a deadlock, which PostgreSQL breaks by rolling the
+    // hand-over back; this one then has job_runs, and ends.
+    sqlx::query("LOCK TABLE settlementd.job_runs IN ACCESS SHARE MODE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+
+    let out = tokio::task::spawn_blocking(move || migrate.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stderr = stderr_of(&out);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rolled this step of migrate back; trying it again")
+            && stderr.contains("deadlock detected"),
+        "{stderr}"
+    );
+    for table in ["job_runs", "replicas"] {
+        assert_eq!(owner(table).await, "settlementd_migrator", "{table}");
+    }
+    other.close().await.unwrap();
+    drop_db(db).await;
+}
+
+/// The hand-over behind a long transaction waits 5 s for its lock, not for as long as the
+/// transaction lasts (while it waits, every later user of the table queues behind it): exit 1, one
+/// line that says what was not done and to run `migrate` again, nothing given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_whose_hand_over_waits_behind_a_long_transaction_gives_up_in_seconds_and_says_so() {
+    let db = test_db().await;
+    sqlx::query("ALTER TABLE settlementd.replicas OWNER TO CURRENT_USER")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let mut other = PgConnection::connect(&db.url).await.unwrap();
+    for sql in [
+        "BEGIN",
+        "LOCK TABLE settlementd.replicas IN ROW EXCLUSIVE MODE",
+    ] {
+        sqlx::query(sql).execute(&mut other).await.unwrap();
+    }
+    let out = tokio::task::spawn_blocking({
+        let url = db.url.clone();
+        move || settlementd(Some(&url)).arg("migrate").output().unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("settlementd: "))
+        .unwrap_or_default();
+    assert!(
+        line.contains("settlementd's objects were not given to settlementd_migrator")
+            && line.contains("waited more than 5 s for a lock")
+            && line.contains("Run `settlementd migrate` again"),
+        "{stderr}"
+    );
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    let owner: String = sqlx::query_scalar(
+        "SELECT pg_get_userbyid(relowner)::text FROM pg_class
+          WHERE oid = 'settlementd.replicas'::regclass",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_ne!(owner, "settlementd_migrator");
+    run_ok(settlementd(Some(&db.url)).arg("migrate"));
+    other.close().await.unwrap();
+    drop_db(db).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Slow: real processes frozen, servers stopped hard. `cargo test --test it -- --ignored`.
 // ---------------------------------------------------------------------------------------------
