@@ -131,6 +131,11 @@ pub struct StatusArgs {
     /// failed; 0 for none).
     #[arg(long, value_name = "N", default_value_t = 5)]
     pub history: u32,
+    /// Count the month's totals and what a run would write however long it takes (seconds to
+    /// minutes on a big month being run); without it, at most 2 s of database time: what does
+    /// not fit is said not counted.
+    #[arg(long)]
+    pub count: bool,
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]
@@ -358,6 +363,7 @@ pub async fn execute(cli: Cli, settings: Settings) -> Result<()> {
                 business_date: args.business_date,
                 shards: args.shards,
                 history: args.history,
+                count: args.count,
                 embedded_db: args.db.embedded_db,
             };
             let status = commands::status::status(&settings, &request).await?;

@@ -50,7 +50,7 @@ use chrono::{DateTime, NaiveDate, Utc};
 use chrono_tz::Tz;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgConnection, PgPool};
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -202,7 +202,9 @@ pub fn not_closed_words(n: &NotClosed, words: Words) -> String {
             crate::numbers::things(n.unsettled_shards, "shard", "shards")
         ));
     }
-    if n.waiting > 0 {
+    if !n.counted {
+        parts.push(format!("{} not counted while a shard runs", words.waiting));
+    } else if n.waiting > 0 {
         parts.push(words.waiting.count(n.waiting));
     }
     if n.held > 0 {
@@ -257,6 +259,7 @@ pub fn follow_upstreams(views: &mut [Overview]) {
                     held: 0,
                     correction: None,
                     upstream: Some(upstream),
+                    counted: true,
                 }),
             }
         }
@@ -675,6 +678,9 @@ pub struct Reader {
     /// Writes the closed months it counts to `month_facts` (`serve`'s page; not the read-only
     /// `status`).
     stores: bool,
+    /// A month's own view prices what a run would write ([`Month::preview`]: the page shows it;
+    /// `status` does not, and does not spend its time on it).
+    previews: bool,
     /// The most database time one view spends counting a month's facts ([`COUNT_SLICE`] for the
     /// page), once: a view that gave up counts nothing more. `None`: what is left of the budget.
     count_slice: Option<Duration>,
@@ -712,7 +718,7 @@ impl Counting {
         let why = match self.slice {
             Some(_) if left(deadline).is_zero() => why,
             Some(slice) => format!(
-                "not counted in this view: counting it takes more than {} ms of database time (`settlementd status` counts it)",
+                "not counted in this view: counting it takes more than {} ms of database time (`settlementd status --count` counts it)",
                 slice.as_millis()
             ),
             None => why,
@@ -763,15 +769,17 @@ impl Reader {
     pub fn new(pool: &PgPool) -> Self {
         Self {
             stores: true,
+            previews: true,
             count_slice: Some(COUNT_SLICE),
-            ..Self::with_budget(pool, VIEW_BUDGET)
+            ..Self::with_budget(pool, VIEW_BUDGET, None)
         }
     }
 
     /// A reader whose views may take `budget` of database time (the command line's `status`
-    /// waits for its answer as long as a command does), and that writes nothing: it counts what
-    /// `month_facts` does not keep, and keeps it in its own memory only.
-    pub fn with_budget(pool: &PgPool, budget: Duration) -> Self {
+    /// waits for its answer as long as a command does), spending at most `count_slice` counting
+    /// facts (`None`: what is left of the budget), and that writes nothing and counts nothing in
+    /// the background: what `month_facts` does not keep and does not fit is said not counted.
+    pub fn with_budget(pool: &PgPool, budget: Duration, count_slice: Option<Duration>) -> Self {
         let options = (*pool.connect_options())
             .clone()
             .application_name("settlementd-status");
@@ -792,7 +800,8 @@ impl Reader {
             kept: Arc::default(),
             budget,
             stores: false,
-            count_slice: None,
+            previews: false,
+            count_slice,
         }
     }
 
@@ -930,6 +939,20 @@ impl Reader {
             },
             _ => Vec::new(),
         };
+        // Not a month a shard runs: its run reads what waits in it as it goes (its bar says how
+        // much is left), and counting that in every view is the month's size — seconds to minutes
+        // at a big library's month end, which left every other month unknown. The first month
+        // asked stays: what waits before it is counted from it.
+        let uncounted: HashSet<NaiveDate> = grouped
+            .iter()
+            .filter(|(_, _, runs)| runs.iter().any(|r| r.status == "RUNNING"))
+            .map(|(date, _, _)| *date)
+            .filter(|date| asked.first() != Some(date))
+            .collect();
+        let asked: Vec<NaiveDate> = asked
+            .into_iter()
+            .filter(|date| !uncounted.contains(date))
+            .collect();
         // In the view's snapshot, within what is left of its budget.
         let pending = {
             let job = job.clone();
@@ -950,10 +973,14 @@ impl Reader {
                         .filter(|p| p.business_date < start)
                         .map(|p| p.late)
                         .sum::<u64>();
+                let mut not_closed = due::not_closed(&periods, &window, shards, &watch_dates);
+                for n in &mut not_closed {
+                    n.counted = !uncounted.contains(&n.business_date);
+                }
                 Some(Watch {
                     lookback_months: settings.settle.lookback_months,
                     paused: pause::of(&mut *tx, name).await?,
-                    not_closed: due::not_closed(&periods, &window, shards, &watch_dates),
+                    not_closed,
                     before_lookback: window.before,
                 })
             }
@@ -1136,16 +1163,26 @@ impl Reader {
                 }
             }
         };
-        let preview = match (detail, BusinessDate::new(business_date)) {
-            (false, _) | (_, Err(_)) => None,
-            (true, Ok(month)) => {
+        // What a run would do: priced over every item that waits, so counted within the slice.
+        let detail = detail && self.previews;
+        let preview = match (
+            detail,
+            BusinessDate::new(business_date),
+            counting.until(deadline),
+        ) {
+            (false, _, _) | (_, Err(_), _) => None,
+            (true, Ok(_), None) => Some(Err(counting.why())),
+            (true, Ok(month), Some(until)) => {
                 let job = job.clone();
                 let all: Vec<u32> = (0..shards).collect();
-                costly(tx, (deadline, self.budget), move |c| {
+                match costly(tx, (until, self.budget), move |c| {
                     Box::pin(async move { job.preview(c, month, shards, &all).await })
                 })
                 .await?
-                .transpose()
+                {
+                    Ok(preview) => preview.map(Ok),
+                    Err(why) => Some(Err(counting.gave_up(why, deadline))),
+                }
             }
         };
         Ok(Month {
@@ -1225,12 +1262,12 @@ impl Reader {
             },
             // Not even the mark fitted: whatever is kept cannot be checked; the background
             // counter reads the marker with the facts.
-            Err(_) => {
+            Err(why) => {
                 return Ok(match kept {
                     Some(KeptTotals::Failed { retry_at, why }) if Instant::now() < retry_at => {
                         Totals::Unavailable(why)
                     }
-                    _ => self.compute_in_background(job, month),
+                    _ => self.not_counted(job, month, why),
                 })
             }
         };
@@ -1255,7 +1292,7 @@ impl Reader {
             return Ok(Totals::Closed(stored.facts));
         }
         let Some(until) = counting.until(deadline) else {
-            return Ok(self.compute_in_background(job, month));
+            return Ok(self.not_counted(job, month, counting.why()));
         };
         match costly(tx, (until, self.budget), facts_of(job, month)).await? {
             Ok(totals) => {
@@ -1270,9 +1307,20 @@ impl Reader {
                 Ok(Totals::Closed(totals))
             }
             Err(why) => {
-                counting.gave_up(why, deadline);
-                Ok(self.compute_in_background(job, month))
+                let why = counting.gave_up(why, deadline);
+                Ok(self.not_counted(job, month, why))
             }
+        }
+    }
+
+    /// A closed month whose facts are not kept and were not counted in this view (`why`): the
+    /// page's reader counts them in the background; `status`'s, which ends with the command,
+    /// says so.
+    fn not_counted(&self, job: &Arc<dyn Registered>, month: BusinessDate, why: String) -> Totals {
+        if self.stores {
+            self.compute_in_background(job, month)
+        } else {
+            Totals::Unavailable(why)
         }
     }
 

@@ -22,6 +22,12 @@ use std::time::Duration;
 /// How long `status` lets its read take: a command waits for its answer.
 pub const BUDGET: Duration = Duration::from_secs(600);
 
+/// The most database time `status` spends counting a month's facts and what a run would write
+/// (without `--count`): a month being run on a big library takes a minute to count, and `status`
+/// is what an operator runs in an incident. Longer than the page's [`overview::COUNT_SLICE`]:
+/// one command, not a page reloading every ten seconds.
+pub const COUNT_SLICE: Duration = Duration::from_secs(2);
+
 #[derive(Debug, Clone, Default)]
 pub struct StatusRequest {
     /// The job (default: the registry's first).
@@ -32,6 +38,9 @@ pub struct StatusRequest {
     pub shards: Option<u32>,
     /// How many of each shard's latest audit events to show (0: none).
     pub history: u32,
+    /// Count the month's facts and preview however long it takes (within [`BUDGET`]); otherwise
+    /// within [`COUNT_SLICE`].
+    pub count: bool,
     pub embedded_db: bool,
 }
 
@@ -69,7 +78,8 @@ pub async fn status(settings: &Settings, request: &StatusRequest) -> Result<Mont
         )));
     }
     let database = Database::open_to_read(settings, request.embedded_db).await?;
-    let reader = overview::Reader::with_budget(&database.pool, BUDGET);
+    let slice = (!request.count).then_some(COUNT_SLICE);
+    let reader = overview::Reader::with_budget(&database.pool, BUDGET, slice);
     let read = reader
         .read_with_history(
             settings,
@@ -166,8 +176,9 @@ impl MonthStatus {
                     "business_date": n.business_date,
                     "state": n.state(),
                     "shards_not_success": n.unsettled_shards,
-                    "waiting": n.waiting,
-                    "held": n.held,
+                    // null: not counted (a shard runs the month).
+                    "waiting": n.counted.then_some(n.waiting),
+                    "held": n.counted.then_some(n.held),
                     "correction_key": n.correction,
                 })).collect::<Vec<_>>(),
                 "months_held": w.held().map(|n| serde_json::json!({
@@ -410,9 +421,15 @@ impl MonthStatus {
                 } else {
                     " (gone? no report for 3 heartbeats)"
                 },
-                match (&m.ready, &m.reason) {
-                    (true, _) => "ready".to_string(),
-                    (false, reason) => format!("NOT READY: {}", reason.as_deref().unwrap_or("")),
+                match (&m.ready, &m.reason, m.is_live(live_within)) {
+                    (true, _, true) => "ready".to_string(),
+                    (false, reason, true) =>
+                        format!("NOT READY: {}", reason.as_deref().unwrap_or("")),
+                    (true, _, false) => "readiness unknown (last said ready)".to_string(),
+                    (false, reason, false) => format!(
+                        "readiness unknown (last said NOT READY: {})",
+                        reason.as_deref().unwrap_or("")
+                    ),
                 }
             );
             let doing: Vec<String> = m.doing.iter().map(ToString::to_string).collect();

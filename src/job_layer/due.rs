@@ -410,6 +410,9 @@ pub struct NotClosed {
     /// The job this one follows ([`super::Job::after`]), when its month is not closed either:
     /// whatever this job did of the month is done again once that one closes.
     pub upstream: Option<&'static str>,
+    /// Whether `waiting` and `held` were counted: a view does not count a month a shard runs
+    /// (`crate::overview`), whose run reads them as it goes.
+    pub counted: bool,
 }
 
 impl NotClosed {
@@ -453,6 +456,7 @@ pub fn not_closed(
                 held,
                 correction,
                 upstream: None,
+                counted: true,
             });
         }
     }

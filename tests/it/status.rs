@@ -1012,6 +1012,117 @@ async fn a_closed_months_facts_are_kept_for_every_process_until_its_attempts_or_
     replica.stop().await;
 }
 
+/// Before, `status` counted a month's facts (and priced a preview it never printed) for as long as
+/// it took: 50–68 s for a month being run on 12 M loans, in the incident an operator runs it in.
+/// Now it spends at most 2 s counting and says what it did not count, and `--count` counts.
+/// Here the month's heads are locked, so no count can finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_within_two_seconds_says_what_it_did_not_count_and_count_counts() {
+    let db = test_db().await;
+    let pool = &db.pool;
+    settle_september_under_two_shards(pool).await;
+    let env = [("SETTLEMENTD__SHARD__COUNT", "2")];
+    let cents = i64::try_from(totals_of(pool, bd(SEP)).await.fine_cents_sum).unwrap();
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    for sql in [
+        "BEGIN",
+        "LOCK TABLE settlementd.fine_heads IN ACCESS EXCLUSIVE MODE",
+    ] {
+        sqlx::query(sql).execute(&mut holder).await.unwrap();
+    }
+    let out = tokio::task::spawn_blocking({
+        let url = db.url.clone();
+        move || cli(&url, &env, &["status", "--business-date", SEP])
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert!(
+        text.contains(
+            "totals unavailable: not counted in this view: counting it takes more than 2000 ms \
+             of database time (`settlementd status --count` counts it)"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("fine-settlement 2026-09-30 with 2 shard(s): closed"),
+        "the claims and the verdict are read all the same: {text}"
+    );
+    // (A `status` that waited for the count would wait here for its 10-minute budget.)
+
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let out = cli(
+        &db.url,
+        &env,
+        &["status", "--business-date", SEP, "--count", "--json"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    assert_eq!(
+        json_of(&out)["totals"]["fine_cents_sum"].as_i64(),
+        Some(cents)
+    );
+}
+
+/// Before, every view counted what waits in a month a shard runs: at a 12 M-loan library's month
+/// end, 1.5 M late returns, 4 s of one statement, which spent the page's budget and left every
+/// other month "unknown". A view now leaves that count to the run (its bar says what is left):
+/// the month is not closed with its items "not counted while a shard runs" (`waiting` null in
+/// JSON), and counted again once its shard is SUCCESS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_month_a_shard_runs_is_not_closed_and_its_waiting_items_are_left_to_its_run() {
+    let db = test_db().await;
+    let pool = &db.pool;
+    let month = BusinessDate::month_before(chrono::Utc::now().date_naive());
+    let earlier = BusinessDate::month_before(month.first_day());
+    seed_month(pool, earlier, 40, 1).await;
+    settle_as(pool, earlier, 1, 0, &owner(0)).await;
+    seed_month(pool, month, 300, 1_000).await;
+    claim_with_one_batch(pool, month, 1, 0, &owner(0), 20).await;
+    let watched = |month: BusinessDate| {
+        let out = cli(
+            &db.url,
+            &[],
+            &["status", "--business-date", &month.to_string(), "--json"],
+        );
+        assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+        let json = json_of(&out);
+        let found = json["watch"]["months_not_closed"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["business_date"] == month.to_string())
+            .cloned();
+        (json, found)
+    };
+    let (json, found) = watched(month);
+    let found = found.unwrap_or_else(|| panic!("{json}"));
+    assert_eq!(found["shards_not_success"], 1, "{json}");
+    assert!(found["waiting"].is_null(), "{json}");
+    assert_eq!(json["state"], "open", "{json}");
+
+    let replica = Replica::start(pool, &[], Utc::now()).await;
+    let page = replica.page("/status").await;
+    let headline = text_of(&page, "not-closed");
+    assert!(
+        headline.contains(
+            "1 shard not SUCCESS, late returns or edits waiting not counted while a shard runs"
+        ),
+        "{headline}"
+    );
+    replica.stop().await;
+
+    // Its shard SUCCESS, then late returns (seeded around the month): counted again.
+    settle_as(pool, month, 1, 0, &owner(0)).await;
+    seed_month(pool, month, 2, 5_000).await;
+    let (json, found) = watched(month);
+    let found = found.unwrap_or_else(|| panic!("{json}"));
+    assert!(
+        found["waiting"].as_u64().is_some_and(|n| n >= 1),
+        "counted: {json}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settled_fine_edited_by_hand_moves_neither_the_page_nor_status_and_verify_names_the_loan()
 {
@@ -1226,15 +1337,7 @@ async fn the_overview_reads_the_twelve_newest_months_with_any_claim_under_the_co
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_says_the_serving_replicas_own_readiness_first_and_in_its_fleet_row() {
     let db = test_db().await;
-    // A full report (readiness) every three heartbeats: none in the test's time once it is ready.
-    let replica = ServeProcess::start(
-        &db.url,
-        &[
-            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "60"),
-            ("SETTLEMENTD__LEASE__TTL_SECS", "600"),
-        ],
-    );
-    replica.wait_for("/readyz", 200).await;
+    let replica = ready_minute_replica(&db.url).await;
     // Its first report may come a moment after it is ready.
     let row = || async {
         sqlx::query_scalar::<_, String>("SELECT owner FROM replicas")
@@ -1292,6 +1395,103 @@ async fn the_page_says_the_serving_replicas_own_readiness_first_and_in_its_fleet
     );
 }
 
+/// Before, a replica gone quiet (no report for three heartbeats: killed, frozen, cut off) showed
+/// "ready" in green beside "gone?", as it last said. Its readiness is not known now: grey
+/// "unknown" with what it last said, on the page and in `status`. And the replica serving the page
+/// is never "gone?": with the database read-only its reports stop, and its own row said so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_gone_quiet_has_readiness_unknown_never_ready_in_green() {
+    let db = test_db().await;
+    let replica = ready_minute_replica(&db.url).await;
+    sqlx::query(
+        "INSERT INTO replicas (owner, version, commit, jobs, shards, shard, started_at, seen_at,
+                               ready, reason)
+         VALUES ('quiet-ready', '0.3.0', 'abc1234', ARRAY['fine-settlement'], 1, 0,
+                 now() - interval '2 hours', now() - interval '1 hour', true, NULL),
+                ('quiet-not-ready', '0.3.0', 'abc1234', ARRAY['fine-settlement'], 1, 0,
+                 now() - interval '2 hours', now() - interval '1 hour', false, 'read_only'),
+                ('live-ready', '0.3.0', 'abc1234', ARRAY['fine-settlement'], 1, 0,
+                 now() - interval '2 hours', now(), true, NULL)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let page = get(replica.addr, "/status").await.unwrap().1;
+    let row = own_row(&page, "quiet-ready");
+    assert!(
+        row.contains(">unknown<") && row.contains("(last said ready)") && row.contains("gone?"),
+        "{row}"
+    );
+    assert!(
+        !row.contains("class=\"closed\""),
+        "green for a replica gone quiet: {row}"
+    );
+    let row = own_row(&page, "quiet-not-ready");
+    assert!(
+        row.contains(">unknown<") && row.contains("(last said NOT READY: read_only)"),
+        "{row}"
+    );
+    assert!(own_row(&page, "live-ready").contains(">ready<"), "{page}");
+
+    // The serving replica's own row, its last report an hour old (a read-only database stops its
+    // reports): it answers this page, so it is not "gone?".
+    let own = || async {
+        sqlx::query_scalar::<_, String>(
+            "SELECT owner FROM replicas WHERE owner NOT IN ('quiet-ready', 'quiet-not-ready', 'live-ready')",
+        )
+        .fetch_optional(&db.pool)
+        .await
+        .unwrap()
+    };
+    assert!(eventually(30, || async { own().await.is_some() }).await);
+    let own = own().await.unwrap();
+    sqlx::query("UPDATE replicas SET seen_at = now() - interval '1 hour' WHERE owner = $1")
+        .bind(&own)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let page = get(replica.addr, "/status").await.unwrap().1;
+    let row = own_row(&page, &own);
+    assert!(
+        !row.contains("gone?") && row.contains("serves this page") && row.contains(">ready<"),
+        "{row}"
+    );
+
+    let out = cli(&db.url, &[], &["status"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = |owner: &str| {
+        text.lines()
+            .find(|l| l.trim_start().starts_with(owner))
+            .unwrap_or_else(|| panic!("no line of {owner}:\n{text}"))
+            .to_string()
+    };
+    assert!(
+        line("quiet-ready").ends_with("readiness unknown (last said ready)"),
+        "{text}"
+    );
+    assert!(
+        line("quiet-not-ready").ends_with("readiness unknown (last said NOT READY: read_only)"),
+        "{text}"
+    );
+    assert!(line("live-ready").ends_with(" ready"), "{text}");
+    drop(replica);
+}
+
+/// A `serve` replica on `url`, ready, with a heartbeat of a minute: a full report (readiness) every
+/// three heartbeats, so none in a test's time once it is ready.
+async fn ready_minute_replica(url: &str) -> ServeProcess {
+    let replica = ServeProcess::start(
+        url,
+        &[
+            ("SETTLEMENTD__LEASE__HEARTBEAT_SECS", "60"),
+            ("SETTLEMENTD__LEASE__TTL_SECS", "600"),
+        ],
+    );
+    replica.wait_for("/readyz", 200).await;
+    replica
+}
+
 /// The Fleet's row of `owner` in `page`.
 fn own_row<'a>(page: &'a str, owner: &str) -> &'a str {
     page.split("<tr data-owner=")
@@ -1304,7 +1504,7 @@ fn own_row<'a>(page: &'a str, owner: &str) -> &'a str {
 /// whether or not one was alive: a frozen shard with no replica left looked as if it would heal by
 /// itself, and its progress bar went on with a rate and a time left. Now the cell says who takes it
 /// over: a live replica of the shard, or nobody until one starts (and what to run), and where the
-/// claim stopped, with no rate.
+/// claim stopped, with no rate; a correction's attempt, that only its correction takes it over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_lease_says_whether_a_live_replica_of_its_shard_will_take_it_over() {
     let db = test_db().await;
@@ -1396,6 +1596,36 @@ async fn an_expired_lease_says_whether_a_live_replica_of_its_shard_will_take_it_
             "{said}"
         );
     }
+
+    // The month held by a correction: no replica takes its attempt over, only that correction
+    // (before, this cell said a live replica would, an hour after its lease expired, under a
+    // verdict saying `settlementd correct` finishes it).
+    sqlx::query(
+        "INSERT INTO job_params (job_name, business_date, params, pinned_by, correction_key,
+                                 correcting_since)
+         VALUES ('fine-settlement', $1, $2, 'test', 'fix-1', now())
+         ON CONFLICT (job_name, business_date)
+         DO UPDATE SET correction_key = 'fix-1', correcting_since = now()",
+    )
+    .bind(month.date())
+    .bind(serde_json::json!({
+        "from": "0001-01", "daily_rate_cents": 50, "grace_days": 0, "max_cents": 10000
+    }))
+    .execute(pool)
+    .await
+    .unwrap();
+    let (cell, verdict) = page().await;
+    assert!(
+        cell.contains(
+            "lease expired: no replica takes over a correction's attempt: `settlementd correct` \
+             with the same key (\"fix-1\") finishes it"
+        ) && !cell.contains("within a heartbeat"),
+        "{cell}"
+    );
+    assert!(
+        verdict.contains("`settlementd correct` with the same key finishes it"),
+        "{verdict}"
+    );
     replica.stop().await;
 }
 

@@ -340,7 +340,8 @@ fn fleet_section(
     replica: &Replica,
 ) -> Markup {
     let live_within = 3.0 * replica.heartbeat_secs as f64;
-    // The serving replica's row says its readiness of now; the others', as they last reported.
+    // The serving replica's row says its readiness of now; the others', as they last reported,
+    // and a replica gone quiet's is not known (grey, with what it last said), never green.
     let readiness = |m: &Member| -> Option<String> {
         if m.owner == replica.owner {
             replica.not_ready.map(str::to_string)
@@ -350,10 +351,14 @@ fn fleet_section(
             Some(m.reason.clone().unwrap_or_default())
         }
     };
+    // The serving replica is alive whatever its last report says: it answers this page (a
+    // read-only database stops its reports, not it).
+    let live = |m: &Member| m.owner == replica.owner || m.is_live(live_within);
+    let quiet = |m: &Member| !live(m);
     let releases: BTreeMap<&str, usize> = fleet
         .unwrap_or_default()
         .iter()
-        .filter(|m| m.is_live(live_within))
+        .filter(|m| live(m))
         .fold(BTreeMap::new(), |mut by, m| {
             *by.entry(m.version.as_str()).or_default() += 1;
             by
@@ -390,21 +395,24 @@ fn fleet_section(
                                         td data-label="release" { (m.version) " " span.small { "(commit " code { (m.commit) } ")" } }
                                         td.num data-label="shard" { (m.shard) " of " (m.shards) }
                                         td data-label="jobs" { (m.jobs.join(", ")) }
-                                        @match readiness(m) {
-                                            None => td.closed data-label="ready" { "ready" },
-                                            Some(why) => td.error data-label="ready" { "NOT READY: " (why) },
+                                        @match (readiness(m), quiet(m)) {
+                                            (None, false) => td.closed data-label="ready" { "ready" },
+                                            (Some(why), false) => td.error data-label="ready" { "NOT READY: " (why) },
+                                            (None, true) => td data-label="ready" { span.unknown { "unknown" } " " span.small { "(last said ready)" } },
+                                            (Some(why), true) => td data-label="ready" { span.unknown { "unknown" } " " span.small { "(last said NOT READY: " (why) ")" } },
                                         }
                                         td.small.doing data-label="doing" {
                                             @match doing.get(&m.owner) {
-                                                Some(runs) if m.is_live(live_within) => { "running " (runs.join("; ")) }
+                                                Some(runs) if live(m) => { "running " (runs.join("; ")) }
                                                 Some(runs) => { "held, when last seen: " (runs.join("; ")) " (its lease decides who goes on)" }
-                                                None if m.is_live(live_within) => "idle: no claim held",
+                                                None if live(m) => "idle: no claim held",
                                                 None => "",
                                             }
                                         }
                                         td.small data-label="last report" {
                                             (age(m.seen_age_secs)) " ago"
-                                            @if !m.is_live(live_within) { " · " strong { "gone?" } " (no report for 3 heartbeats)" }
+                                            @if quiet(m) { " · " strong { "gone?" } " (no report for 3 heartbeats)" }
+                                            @else if !m.is_live(live_within) { " · serves this page: its reports wait for the database" }
                                         }
                                     }
                                 }
@@ -648,7 +656,7 @@ fn month_row(
                 }
             }
             @for shard in &month.shards {
-                (cell((job, view.words), date, shard, (view.lease_ttl_secs, view.schedule.timezone), detail, takers))
+                (cell((job, view.words), date, shard, (view.lease_ttl_secs, view.schedule.timezone), detail, (takers, month.correction.as_ref().map(|(key, _)| key.as_str()))))
             }
         }
     }
@@ -766,14 +774,16 @@ fn totals(totals: &Totals, words: crate::job_layer::Words, detail: bool) -> Mark
 }
 
 /// A month's shard: its claim, and what happens next. An expired lease says who takes it over: a
-/// live replica of the shard (`takers`), or nobody until one starts.
+/// live replica of the shard (`takers`), or nobody until one starts; a correction's attempt
+/// (`correction`, the key of the correction holding the month) only that correction, which no
+/// replica runs.
 fn cell(
     (job, words): (&str, crate::job_layer::Words),
     date: chrono::NaiveDate,
     shard: &Shard,
     (ttl_secs, tz): (u64, Tz),
     detail: bool,
-    takers: Option<&BTreeSet<u32>>,
+    (takers, correction): (Option<&BTreeSet<u32>>, Option<&str>),
 ) -> Markup {
     let state = shard.state();
     // A run the pause stopped is FAILED in the table, and a pause on the page.
@@ -782,12 +792,15 @@ fn cell(
         .as_ref()
         .is_some_and(crate::job_layer::claim::JobRunRow::stopped_by_pause);
     let word = if paused { "PAUSED" } else { state.word() };
-    let taken_over = match takers {
-        Some(t) if !t.contains(&shard.index) => {
-            "no live replica runs this shard: start one, or `settlementd run --wait` of the month and shard takes it over"
+    let taken_over = match (correction, takers) {
+        (Some(key), _) => format!(
+            "no replica takes over a correction's attempt: `settlementd correct` with the same key ({key:?}) finishes it"
+        ),
+        (None, Some(t)) if !t.contains(&shard.index) => {
+            "no live replica runs this shard: start one, or `settlementd run --wait` of the month and shard takes it over".to_string()
         }
-        Some(_) => "a live replica of this shard takes it over within a heartbeat",
-        None => "a replica of this shard may take it over",
+        (None, Some(_)) => "a live replica of this shard takes it over within a heartbeat".to_string(),
+        (None, None) => "a replica of this shard may take it over".to_string(),
     };
     let class = format!("cell s-{}", word.to_ascii_lowercase());
     html! {
