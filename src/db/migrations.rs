@@ -198,26 +198,20 @@ pub async fn migrate_connection(conn: &mut PgConnection) -> Result<Vec<Applied>>
         .map_err(waited_for_a_lock)
 }
 
-/// A migration, or the hand-over after it, that waited [`LOCK_WAIT_SECS`] for a lock (SQLSTATE
-/// 55P03) was rolled back whole: say so, and that running `migrate` again is the remedy (exit 1:
-/// it may pass).
+/// A migration that waited [`LOCK_WAIT_SECS`] for a lock (SQLSTATE 55P03) was rolled back whole:
+/// say so, and that running `migrate` again is the remedy (exit 1: it may pass). The hand-over
+/// says so of itself ([`hand_over`]).
 fn waited_for_a_lock(e: DbError) -> DbError {
-    let (db, step) = match &e {
-        DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), version)) => {
-            (db, format!("migration {version} was not applied"))
+    match &e {
+        DbError::Migrate(MigrateError::ExecuteMigration(sqlx::Error::Database(db), version))
+            if db.code().as_deref() == Some("55P03") =>
+        {
+            DbError::LockWait {
+                step: format!("migration {version} was not applied"),
+                reason: db.message().to_string(),
+            }
         }
-        DbError::Query(sqlx::Error::Database(db)) => (
-            db,
-            "settlementd's objects were not given to settlementd_migrator".to_string(),
-        ),
-        _ => return e,
-    };
-    if db.code().as_deref() != Some("55P03") {
-        return e;
-    }
-    DbError::LockWait {
-        step,
-        reason: db.message().to_string(),
+        _ => e,
     }
 }
 
@@ -493,7 +487,18 @@ pub const SUPERUSER_DEFINERS: &str =
 /// It takes ACCESS EXCLUSIVE on each object it gives, in the order of their names, waiting at
 /// most [`LOCK_WAIT_SECS`] for each, and is tried again after a deadlock ([`past_deadlocks`]).
 async fn hand_over(conn: &mut PgConnection) -> Result<()> {
-    past_deadlocks(conn, Step::HandOver).await
+    past_deadlocks(conn, Step::HandOver)
+        .await
+        .map_err(|e| match &e {
+            DbError::Query(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+                DbError::LockWait {
+                    step: "settlementd's objects were not given to settlementd_migrator"
+                        .to_string(),
+                    reason: db.message().to_string(),
+                }
+            }
+            _ => e,
+        })
 }
 
 async fn hand_over_once(conn: &mut PgConnection) -> Result<()> {
